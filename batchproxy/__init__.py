@@ -1,0 +1,40 @@
+"""batchproxy: asyncio-native dynamic batching for model serving.
+
+Many coroutines each `await proxy.inference(x)`; the proxy groups them into
+batches by size and delay, runs the model once per batch, and hands each caller
+exactly its own result.
+"""
+
+from ._decorator import Batched, batch
+from ._errors import (
+    BatchProxyError,
+    BatchSizeMismatch,
+    DeadlineExceeded,
+    InferenceError,
+    ProxyClosed,
+    QueueFull,
+)
+from ._executor import Executor
+from ._proxy import Proxy
+from ._stats import Listener, Percentiles, ProxyStats
+from ._worker_thread import WorkerThread
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BatchProxyError",
+    "BatchSizeMismatch",
+    "Batched",
+    "DeadlineExceeded",
+    "Executor",
+    "InferenceError",
+    "Listener",
+    "Percentiles",
+    "Proxy",
+    "ProxyClosed",
+    "ProxyStats",
+    "QueueFull",
+    "WorkerThread",
+    "__version__",
+    "batch",
+]

@@ -1,0 +1,141 @@
+"""`@batch`: turn `f(items) -> results` into something awaited per item, on `Proxy`.
+
+On a plain function the decorated object owns one proxy. On a method it is a
+descriptor: each instance gets its own proxy on first access (cached in the
+instance's `__dict__`), so two model instances never share a queue.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, Generic, Protocol, TypeVar, overload
+
+from typing_extensions import Self
+
+from ._executor import Executor
+from ._proxy import Proxy
+from ._stats import ProxyStats
+
+__all__ = ["Batched", "batch"]
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+class _FunctionProxy(Proxy[T, U]):
+    """A proxy whose model is a given callable rather than an overridden method."""
+
+    def __init__(self, fn: Callable[[list[T]], Any], **options: Any) -> None:
+        self._fn = fn
+        super().__init__(**options)
+
+    def _model_function(self) -> Callable[[list[T]], Any]:
+        return self._fn
+
+    def _inference(self, items: list[T], /) -> Any:
+        return self._fn(items)
+
+
+class Batched(Generic[T, U]):
+    """What `@batch` returns: `await f(item)`, `await f.many(items)`, `f.stats`, `await f.aclose()`."""
+
+    def __init__(
+        self, fn: Callable[..., Any], options: dict[str, Any], instance: object = None
+    ) -> None:
+        functools.update_wrapper(self, fn)
+        self._fn = fn
+        self._options = options
+        self._attribute = fn.__name__
+        model = fn if instance is None else functools.partial(fn, instance)
+        options = {"name": getattr(fn, "__qualname__", None), **options}
+        self.proxy: Proxy[T, U] = _FunctionProxy(model, **options)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._attribute = name
+
+    @overload
+    def __get__(self, instance: None, owner: type | None = None) -> Self: ...
+
+    @overload
+    def __get__(self, instance: object, owner: type | None = None) -> Batched[T, U]: ...
+
+    def __get__(self, instance: object, owner: type | None = None) -> Batched[T, U]:
+        if instance is None:
+            return self
+        bound: Batched[T, U] = Batched(self._fn, self._options, instance)
+        try:
+            vars(instance)[self._attribute] = bound  # later lookups skip this descriptor
+        except TypeError:
+            raise TypeError(
+                f"@batch on {self._fn.__qualname__} needs instances with a __dict__ "
+                f"to keep one proxy per instance"
+            ) from None
+        return bound
+
+    async def __call__(self, item: T, *, timeout: float | None = None, priority: int = 0) -> U:
+        return await self.proxy.inference(item, timeout=timeout, priority=priority)
+
+    async def many(
+        self, items: Iterable[T], *, timeout: float | None = None, priority: int = 0
+    ) -> list[U]:
+        return await self.proxy.inference_many(items, timeout=timeout, priority=priority)
+
+    @property
+    def stats(self) -> ProxyStats:
+        return self.proxy.stats
+
+    async def start(self) -> None:
+        await self.proxy.start()
+
+    async def aclose(self) -> None:
+        await self.proxy.aclose()
+
+
+class _Decorator(Protocol):
+    @overload
+    def __call__(self, fn: Callable[[list[T]], Awaitable[Sequence[U]]], /) -> Batched[T, U]: ...
+
+    @overload
+    def __call__(self, fn: Callable[[Any, list[T]], Awaitable[Sequence[U]]], /) -> Batched[T, U]: ...
+
+    @overload
+    def __call__(self, fn: Callable[[list[T]], Sequence[U]], /) -> Batched[T, U]: ...
+
+    @overload
+    def __call__(self, fn: Callable[[Any, list[T]], Sequence[U]], /) -> Batched[T, U]: ...
+
+
+def batch(
+    batch_size: int = 64,
+    *,
+    max_delay_ms: float = 5.0,
+    max_queue_size: int | None = None,
+    timeout: float | None = None,
+    max_concurrent_batches: int = 1,
+    offload: bool | Executor = False,
+    name: str | None = None,
+) -> _Decorator:
+    """Decorate `f(items: list[T]) -> list[U]` (function or method) to be awaited per item.
+
+    Takes the same options as `Proxy`; they are checked here, at decoration time.
+    """
+    if callable(batch_size):
+        raise TypeError("use @batch() or @batch(batch_size=...), with parentheses")
+    options: dict[str, Any] = {
+        "batch_size": batch_size,
+        "max_delay_ms": max_delay_ms,
+        "max_queue_size": max_queue_size,
+        "timeout": timeout,
+        "max_concurrent_batches": max_concurrent_batches,
+        "offload": offload,
+    }
+    if name is not None:
+        options["name"] = name
+
+    def decorate(fn: Callable[..., Any]) -> Batched[Any, Any]:
+        if not callable(fn):
+            raise TypeError(f"@batch decorates a function or method, got {fn!r}")
+        return Batched(fn, options)
+
+    return decorate  # type: ignore[return-value]

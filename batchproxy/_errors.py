@@ -1,0 +1,81 @@
+"""Every exception batchproxy raises to a caller; all share `BatchProxyError`."""
+
+from __future__ import annotations
+
+__all__ = [
+    "BatchProxyError",
+    "BatchSizeMismatch",
+    "DeadlineExceeded",
+    "InferenceError",
+    "ProxyClosed",
+    "QueueFull",
+]
+
+
+class BatchProxyError(Exception):
+    """Base class of the errors batchproxy itself raises."""
+
+
+class QueueFull(BatchProxyError):
+    """The proxy's queue is at `max_queue_size`: the call was refused at once.
+
+    Overload, not failure: map it to HTTP 503 (or 429) and let the client retry.
+    """
+
+    def __init__(self, proxy: str, max_queue_size: int) -> None:
+        super().__init__(f"{proxy}: queue is full ({max_queue_size} requests waiting); retry later")
+        self.proxy = proxy
+        self.max_queue_size = max_queue_size
+
+
+class ProxyClosed(BatchProxyError):
+    """The proxy is closing or closed and takes no new calls."""
+
+    def __init__(self, proxy: str) -> None:
+        super().__init__(f"{proxy} is closed and accepts no new calls")
+        self.proxy = proxy
+
+
+class BatchSizeMismatch(BatchProxyError):
+    """`_inference` returned a different number of results than it was given items.
+
+    Every caller of that batch gets this error: with a wrong count there is no
+    telling which result belongs to whom.
+    """
+
+    def __init__(self, proxy: str, expected: int, got: int) -> None:
+        super().__init__(
+            f"{proxy}._inference returned {got} results for a batch of {expected} items; "
+            f"it must return exactly one result per item, in order"
+        )
+        self.proxy = proxy
+        self.expected = expected
+        self.got = got
+
+
+class DeadlineExceeded(BatchProxyError, TimeoutError):
+    """The call's `timeout` ran out before its result arrived.
+
+    A request still queued at its deadline is removed and never reaches the model.
+    A `TimeoutError`, so `except TimeoutError` catches it.
+    """
+
+    def __init__(self, proxy: str, timeout: float) -> None:
+        super().__init__(f"{proxy}: no result within the call's timeout of {timeout:g} s")
+        self.proxy = proxy
+        self.timeout = timeout
+
+
+class InferenceError(BatchProxyError):
+    """`_inference` raised or returned a `BaseException` that is not an `Exception`.
+
+    A stray `CancelledError`, `KeyboardInterrupt` or `SystemExit` from the model is
+    not re-raised in the callers as-is (a caller would mistake it for its own
+    cancellation, or stop its event loop); it arrives wrapped in this error, the
+    original as `__cause__`. The proxy keeps serving.
+    """
+
+    def __init__(self, proxy: str, cause: BaseException) -> None:
+        super().__init__(f"{proxy}._inference raised {type(cause).__name__}: {cause!r}")
+        self.proxy = proxy
+        self.__cause__ = cause

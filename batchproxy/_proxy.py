@@ -1,0 +1,533 @@
+"""`Proxy[In, Out]`: the public face. Lifecycle, the `inference*` calls, and batch runs.
+
+Data path: `inference()` makes a request (item, future, priority, arrival time,
+deadline timer) and queues it in the scheduler; the scheduler picks a batch when
+the policy says so and calls `_start_batch`; a batch task runs `_inference`
+through the executor, checks the results and resolves each caller's future,
+skipping callers that are already done. Everything here runs on the event loop
+the proxy is bound to, so no locks are needed; other threads and loops come in
+through `submit()`.
+
+Cancellation, written down:
+
+- A caller cancelled while its request is queued: the request leaves the queue
+  and never reaches the model.
+- A caller cancelled while its batch runs: the batch runs on; its result is
+  dropped.
+- A deadline passing: same as cancellation, but the caller gets
+  `DeadlineExceeded` (a `TimeoutError`).
+- The batch task itself cancelled (its event loop shutting down): the callers
+  still waiting get `InferenceError`, and the cancellation propagates.
+- `_inference` raising `CancelledError` on its own: an ordinary batch failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import logging
+import threading
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence, Set
+from typing import Any, Generic, Literal, TypeVar, overload
+
+from typing_extensions import Self
+
+from . import _validate
+from ._errors import BatchSizeMismatch, DeadlineExceeded, InferenceError, ProxyClosed, QueueFull
+from ._executor import Executor, LoopExecutor
+from ._queue import Request
+from ._scheduler import Scheduler
+from ._stats import Listener, ProxyStats, StatsRecorder
+from ._worker_thread import WorkerThread
+
+__all__ = ["Proxy"]
+
+logger = logging.getLogger("batchproxy")
+
+In = TypeVar("In")
+Out = TypeVar("Out")
+
+ModelResult = Sequence[Any]
+
+
+class Proxy(ABC, Generic[In, Out]):
+    """Batch concurrent `await proxy.inference(item)` calls into `_inference(items)` calls.
+
+    Subclass it and implement `_inference`. Arguments:
+
+    - `batch_size`: the most items in one `_inference` call.
+    - `max_delay_ms`: the longest a request waits for company once a batch slot
+      is free (a lone request on an idle proxy does not wait; see the scheduler).
+    - `max_queue_size`: refuse calls with `QueueFull` beyond this many waiting
+      requests (default: unbounded).
+    - `timeout`: default deadline in seconds for every call (default: none).
+    - `max_concurrent_batches`: how many batches may run at once.
+    - `offload`: `True` runs `_inference` on a private worker thread, a
+      `WorkerThread` shares one between proxies; a plain `def _inference` always
+      runs on a worker thread, never on the event loop.
+    - `name`: how stats, errors and logs name this proxy (default: class name).
+    """
+
+    def __init__(
+        self,
+        batch_size: int = 64,
+        *,
+        max_delay_ms: float = 5.0,
+        max_queue_size: int | None = None,
+        timeout: float | None = None,
+        max_concurrent_batches: int = 1,
+        offload: bool | Executor = False,
+        name: str | None = None,
+    ) -> None:
+        self._batch_size = _validate.count("batch_size", batch_size)
+        self._max_delay = _validate.duration("max_delay_ms", max_delay_ms, allow_zero=True) / 1e3
+        self._max_queue_size = _validate.optional_count("max_queue_size", max_queue_size)
+        self._timeout = _validate.timeout("timeout", timeout)
+        self._max_concurrent = _validate.count("max_concurrent_batches", max_concurrent_batches)
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a str or None, got {type(name).__name__} {name!r}")
+        self.name: str = name or type(self).__name__
+
+        self._model = self._model_function()
+        self._executor, self._owns_executor = self._choose_executor(offload)
+        if self._owns_executor:
+            # a proxy dropped without aclose() still stops its thread
+            weakref.finalize(self, self._executor_closer(self._executor)).atexit = False
+
+        self._stats = StatsRecorder(self.name)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+        self._scheduler: Scheduler[In] | None = None
+        self._batch_tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+        self._initialized = True
+
+    @abstractmethod
+    def _inference(
+        self, items: list[In], /
+    ) -> Awaitable[Sequence[Out | BaseException]] | Sequence[Out | BaseException]:
+        """Run the model on one batch; return one result per item, in order.
+
+        May be `async def` or plain `def` (a plain `def` runs on a worker thread).
+        Put an `Exception` instance in slot i to fail caller i alone; raise to fail
+        the whole batch.
+        """
+
+    def _model_function(self) -> Callable[[list[In]], Any]:
+        """What a batch calls; `_inference` unless a subclass supplies another callable."""
+        return self._inference
+
+    def _choose_executor(self, offload: object) -> tuple[Executor, bool]:
+        if isinstance(offload, Executor):
+            return offload, False
+        if not isinstance(offload, bool):
+            raise TypeError(
+                f"offload must be a bool or a WorkerThread, got {type(offload).__name__} {offload!r}"
+            )
+        if offload or not inspect.iscoroutinefunction(self._model):
+            return WorkerThread(name=f"batchproxy-{self.name}"), True
+        return LoopExecutor(), False
+
+    @staticmethod
+    def _executor_closer(executor: Executor) -> Callable[[], None]:
+        assert isinstance(executor, WorkerThread)
+        return executor.close
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<{type(self).__name__} {self.name!r} batch_size={self._batch_size} {state}>"
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Bind to the running event loop and start the worker thread, if any.
+
+        Optional: the first call does it lazily. Idempotent.
+        """
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop and not self._bind(loop):
+            raise RuntimeError(
+                f"{self.name} is already running in another event loop (in another thread); "
+                f"use proxy.submit(item) to call it from here"
+            )
+        if self._closed:
+            raise ProxyClosed(self.name)
+        if self._owns_executor and isinstance(self._executor, WorkerThread):
+            self._executor.start()
+
+    async def aclose(self) -> None:
+        """Stop intake, run every accepted request to its outcome, release the worker.
+
+        New calls get `ProxyClosed` from the moment this is called. Idempotent.
+        """
+        self._closed = True
+        loop, scheduler = self._loop, self._scheduler
+        if loop is not None and scheduler is not None and not loop.is_closed():
+            if loop is asyncio.get_running_loop():
+                await self._drain()
+            elif loop.is_running():  # closing from another thread's loop
+                await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._drain(), loop))
+            else:
+                self._abandon_loop()
+        if self._owns_executor:
+            await self._executor.aclose()
+
+    async def _drain(self) -> None:
+        scheduler = self._scheduler
+        assert scheduler is not None
+        scheduler.drain()
+        while self._batch_tasks:
+            await asyncio.wait(list(self._batch_tasks))
+        scheduler.close()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Make `loop` this proxy's loop; False if the current one still runs elsewhere."""
+        if not getattr(self, "_initialized", False):
+            raise RuntimeError(
+                f"{type(self).__name__}.__init__ must call super().__init__() "
+                f"before the proxy is used"
+            )
+        if self._closed:
+            raise ProxyClosed(self.name)
+        old = self._loop
+        if old is not None and not old.is_closed():
+            if old.is_running():
+                return False
+            if self._scheduler is not None and not self._scheduler.idle:
+                raise RuntimeError(
+                    f"{self.name} still has requests on an event loop that is not running; "
+                    f"finish them there (or close that loop) before using it from another loop"
+                )
+        if old is not None:
+            self._abandon_loop()
+        self._loop = loop
+        self._loop_thread = threading.get_ident()
+        self._scheduler = Scheduler(
+            loop,
+            batch_size=self._batch_size,
+            max_delay=self._max_delay,
+            max_concurrent_batches=self._max_concurrent,
+            start_batch=self._start_batch,
+        )
+        return True
+
+    def _abandon_loop(self) -> None:
+        """Forget an event loop that has ended; whatever waited on it is gone with it."""
+        if self._scheduler is not None:
+            self._scheduler.close()
+            self._scheduler.queue.drain()
+        self._scheduler = None
+        self._loop = None
+        self._batch_tasks.clear()
+
+    # -- calls ---------------------------------------------------------------------------
+
+    async def inference(self, item: In, *, timeout: float | None = None, priority: int = 0) -> Out:
+        """Queue one item, wait for its batch, return its own result.
+
+        `timeout` (seconds; default: the proxy's) bounds the whole call; `priority`:
+        higher goes first, FIFO within a level.
+        """
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop and not self._bind(loop):
+            return await asyncio.wrap_future(self.submit(item, timeout=timeout, priority=priority))
+        request = self._enqueue(loop, item, timeout, priority)
+        try:
+            result: Out = await request.future
+            return result
+        except asyncio.CancelledError:
+            self._abandon(request)
+            raise
+        finally:
+            timer = request.deadline_timer
+            if timer is not None:
+                timer.cancel()
+
+    @overload
+    async def inference_many(
+        self,
+        items: Iterable[In],
+        *,
+        timeout: float | None = ...,
+        priority: int = ...,
+        return_exceptions: Literal[False] = ...,
+    ) -> list[Out]: ...
+
+    @overload
+    async def inference_many(
+        self,
+        items: Iterable[In],
+        *,
+        timeout: float | None = ...,
+        priority: int = ...,
+        return_exceptions: bool,
+    ) -> list[Out | Exception]: ...
+
+    async def inference_many(
+        self,
+        items: Iterable[In],
+        *,
+        timeout: float | None = None,
+        priority: int = 0,
+        return_exceptions: bool = False,
+    ) -> list[Out] | list[Out | Exception]:
+        """Queue each item as its own request; return their results in order.
+
+        The items are batched like separate calls (with each other and with
+        everyone else's). `timeout` bounds the whole call. By default the first
+        failure is raised and the remaining items are withdrawn; with
+        `return_exceptions=True` failures take their item's place in the list.
+        An empty input returns `[]` without touching the model.
+        """
+        if isinstance(items, (str, bytes, bytearray, Mapping)):
+            raise TypeError(
+                f"inference_many takes an iterable of items, got {type(items).__name__}; "
+                f"wrap a single item in a list or call inference()"
+            )
+        batch = list(items)
+        if not batch:
+            return []
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop and not self._bind(loop):
+            assert self._loop is not None
+            call = self.inference_many(
+                batch, timeout=timeout, priority=priority, return_exceptions=return_exceptions
+            )
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call, self._loop))
+        self._check_room(len(batch))
+        requests = [self._enqueue(loop, item, timeout, priority) for item in batch]
+        results: list[Any] = []
+        try:
+            for request in requests:
+                try:
+                    results.append(await request.future)
+                except Exception as exc:
+                    if not return_exceptions:
+                        raise
+                    results.append(exc)
+            return results
+        finally:
+            for request in requests:
+                if request.deadline_timer is not None:
+                    request.deadline_timer.cancel()
+                request.future.cancel()  # no-op for the ones already answered
+                self._abandon(request)
+
+    def submit(
+        self, item: In, *, timeout: float | None = None, priority: int = 0
+    ) -> concurrent.futures.Future[Out]:
+        """Thread-safe entry: queue `item` from any thread; returns a concurrent future.
+
+        The proxy must be running in an event loop in another thread (started by
+        a first call there or `await proxy.start()`). Calling this from the
+        proxy's own loop thread is refused: blocking on the future would deadlock.
+        """
+        loop = self._loop
+        if loop is None or loop.is_closed() or not loop.is_running():
+            raise RuntimeError(
+                f"{self.name}.submit() needs the proxy running in an event loop: "
+                f"start it in that loop first (await proxy.start())"
+            )
+        if threading.get_ident() == self._loop_thread:
+            raise RuntimeError(
+                f"{self.name}.submit() was called on the proxy's own event-loop thread, where "
+                f"waiting for its result would deadlock; use await proxy.inference(item)"
+            )
+        return asyncio.run_coroutine_threadsafe(
+            self.inference(item, timeout=timeout, priority=priority), loop
+        )
+
+    # -- requests ------------------------------------------------------------------------
+
+    def _check_room(self, wanted: int) -> None:
+        if self._closed:
+            raise ProxyClosed(self.name)
+        limit = self._max_queue_size
+        assert self._scheduler is not None
+        if limit is not None and self._scheduler.queue.live + wanted > limit:
+            self._stats.rejected += wanted
+            raise QueueFull(self.name, limit)
+
+    def _enqueue(
+        self, loop: asyncio.AbstractEventLoop, item: In, timeout: object, priority: object
+    ) -> Request[In]:
+        if type(priority) is not int:
+            priority = _validate.priority(priority)
+        seconds = self._timeout if timeout is None else _validate.timeout("timeout", timeout)
+        self._check_room(1)
+        now = loop.time()
+        request: Request[In] = Request(item, loop.create_future(), priority, now)
+        if seconds is not None:
+            request.deadline_timer = loop.call_at(now + seconds, self._expire, request, seconds)
+        scheduler = self._scheduler
+        assert scheduler is not None
+        scheduler.submit(request)
+        stats = self._stats
+        stats.requests += 1
+        if stats.listeners:
+            stats.notify("request_queued", scheduler.queue.live)
+        return request
+
+    def _expire(self, request: Request[In], seconds: float) -> None:
+        """Deadline timer: fail the call; a queued request leaves without reaching the model."""
+        future = request.future
+        if future.done():
+            return
+        future.set_exception(DeadlineExceeded(self.name, seconds))
+        if self._scheduler is not None:
+            self._scheduler.queue.discard(request)
+        self._stats.timed_out += 1
+        self._finished("timed_out", request)
+
+    def _abandon(self, request: Request[In]) -> None:
+        """The caller is gone (cancelled): take its request out if still queued; count it once."""
+        if not request.future.cancelled():
+            return
+        if self._scheduler is not None:
+            self._scheduler.queue.discard(request)
+        if request.deadline_timer is not None:
+            request.deadline_timer.cancel()
+            request.deadline_timer = None
+        self._stats.cancelled += 1
+        self._finished("cancelled", request)
+
+    def _finished(self, outcome: str, request: Request[In]) -> None:
+        stats = self._stats
+        if stats.listeners and self._loop is not None:
+            stats.notify("request_finished", outcome, self._loop.time() - request.enqueued_at)
+
+    # -- batches -------------------------------------------------------------------------
+
+    def _start_batch(self, requests: list[Request[In]]) -> None:
+        assert self._loop is not None
+        task = self._loop.create_task(self._run_batch(requests))
+        self._batch_tasks.add(task)
+        task.add_done_callback(self._batch_tasks.discard)
+
+    async def _run_batch(self, requests: list[Request[In]]) -> None:
+        loop, scheduler, stats = self._loop, self._scheduler, self._stats
+        assert loop is not None and scheduler is not None
+        size = len(requests)
+        started = loop.time()
+        stats.batches += 1
+        stats.items += size
+        stats.batch_sizes[size] = stats.batch_sizes.get(size, 0) + 1
+        waits = [started - request.enqueued_at for request in requests]
+        stats.queue_wait.extend(waits)
+        if stats.listeners:
+            stats.notify("batch_started", size, waits)
+        error: BaseException | None = None
+        try:
+            try:
+                results = await self._executor.run(self._model, [r.item for r in requests])
+            except BaseException as exc:
+                if isinstance(exc, asyncio.CancelledError) and _cancel_requested():
+                    self._fail(requests, InferenceError(self.name, exc))
+                    raise
+                error = exc if isinstance(exc, Exception) else InferenceError(self.name, exc)
+                if error is not exc:
+                    logger.error("%s._inference raised %r", self.name, exc)
+            else:
+                error = self._deliver(requests, results)
+            if error is not None:
+                stats.failed_batches += 1
+                self._fail(requests, error)
+                if stats.listeners:
+                    stats.notify("error", error, size)
+        finally:
+            seconds = loop.time() - started
+            stats.model_time.append(seconds)
+            if stats.listeners:
+                stats.notify("batch_finished", size, seconds, error)
+            scheduler.batch_finished()
+
+    def _deliver(self, requests: list[Request[In]], results: object) -> Exception | None:
+        """Hand result i to caller i; return the batch-wide error instead when the results
+        cannot be matched to the callers."""
+        if isinstance(results, (str, bytes, bytearray, Mapping, Set)) or not hasattr(
+            results, "__len__"
+        ):
+            return TypeError(
+                f"{self.name}._inference must return a sequence with one result per item "
+                f"(list, tuple or array), got {type(results).__name__}"
+            )
+        if not isinstance(results, (list, tuple)):
+            try:
+                results = list(results)  # type: ignore[call-overload]
+            except Exception as exc:
+                return exc
+        assert isinstance(results, (list, tuple))
+        if len(results) != len(requests):
+            return BatchSizeMismatch(self.name, len(requests), len(results))
+        stats = self._stats
+        assert self._loop is not None
+        now = self._loop.time()
+        latency = stats.total_latency
+        succeeded = errors = 0
+        for request, result in zip(requests, results):
+            future = request.future
+            if future.done():
+                continue
+            if isinstance(result, BaseException):
+                if not isinstance(result, Exception):
+                    result = InferenceError(self.name, result)
+                future.set_exception(result)
+                errors += 1
+                if stats.listeners:
+                    self._finished("error", request)
+            else:
+                future.set_result(result)
+                succeeded += 1
+                if stats.listeners:
+                    self._finished("succeeded", request)
+            latency.append(now - request.enqueued_at)
+        stats.succeeded += succeeded
+        stats.errors += errors
+        return None
+
+    def _fail(self, requests: list[Request[In]], error: BaseException) -> None:
+        for request in requests:
+            if not request.future.done():
+                request.future.set_exception(error)
+                self._stats.errors += 1
+                self._finished("error", request)
+
+    # -- observation ---------------------------------------------------------------------
+
+    @property
+    def stats(self) -> ProxyStats:
+        """An immutable snapshot of counters, queue depth and recent latencies."""
+        scheduler = self._scheduler
+        if scheduler is None:
+            return self._stats.snapshot(0, 0)
+        return self._stats.snapshot(scheduler.queue.live, scheduler.in_flight)
+
+    def add_listener(self, listener: Listener) -> None:
+        """Register hooks called on the event loop; see `Listener`."""
+        if not isinstance(listener, Listener):
+            raise TypeError(f"listener must be a batchproxy.Listener, got {listener!r}")
+        self._stats.listeners.append(listener)
+
+    def remove_listener(self, listener: Listener) -> None:
+        self._stats.listeners.remove(listener)
+
+
+def _cancel_requested() -> bool:
+    """Whether the current task was cancelled from outside (Python 3.11+ can tell)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return bool(cancelling is not None and cancelling())

@@ -1,0 +1,166 @@
+"""The dispatch policy: when a batch leaves the queue, and who is in it.
+
+Event-driven, no polling: the scheduler runs only when something happens (an
+arrival, a batch finishing, its one timer firing), decides, and goes back to
+sleep. An idle proxy has no timer armed and costs no CPU.
+
+A batch leaves, with up to `batch_size` requests (highest priority first, FIFO
+within a priority), when a batch slot is free (fewer than
+`max_concurrent_batches` in flight) and one of these holds:
+
+1. `batch_size` requests are queued (a full batch);
+2. a slot has just freed while requests were waiting for it (they go at once:
+   they have already waited for the model, not for company);
+3. the oldest queued request has waited `max_delay_ms`;
+4. waiting is not expected to bring company before that window ends (the
+   idle rule below);
+5. the proxy is draining for `aclose()`.
+
+Arrivals within one event-loop iteration always coalesce: a decision runs in a
+callback scheduled once per iteration, after every ready caller has queued.
+
+The idle rule. The expected gap to the next arrival is the larger of the
+smoothed mean inter-arrival gap (EWMA, weight 0.2) and the most recent gap; once
+the queue has been quiet for longer than that, the quiet time itself is the
+estimate (silence is evidence the stream has paused). With `end` the moment the
+oldest request's window closes, the batch leaves at the first moment `t` with
+`t + expected_gap(t) >= end`: when the next arrival would come too late to
+join. So the first request a proxy ever sees, one arriving after a quiet spell
+longer than `max_delay_ms`, or the stragglers of a burst once it has passed, go
+without waiting; under steady traffic the batch waits for as much company as
+the window allows.
+
+Failure modes handled here: a cancelled or expired request is never sent (the
+queue drops requests whose future is done); a decision is never lost (each
+path that can make a batch ready, arrival, slot freed, timer, drain, schedules
+one); the timer is re-armed only when the decision moves earlier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+from ._queue import Request, RequestQueue
+
+__all__ = ["Scheduler"]
+
+T = TypeVar("T")
+
+_EWMA_WEIGHT = 0.2
+_TIME_TOLERANCE = 1e-6  # a timer may fire this early; treat it as on time
+
+
+class Scheduler(Generic[T]):
+    """Holds the queue and starts batches through `start_batch` when the policy says so."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        batch_size: int,
+        max_delay: float,
+        max_concurrent_batches: int,
+        start_batch: Callable[[list[Request[T]]], None],
+    ) -> None:
+        self.loop = loop
+        self.queue: RequestQueue[T] = RequestQueue()
+        self.in_flight = 0
+        self._batch_size = batch_size
+        self._max_delay = max_delay
+        self._max_concurrent = max_concurrent_batches
+        self._start_batch = start_batch
+        self._decision_scheduled = False
+        self._slot_freed = False
+        self._draining = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self._last_arrival: float | None = None
+        self._last_gap = math.inf  # no history yet: nothing suggests company is coming
+        self._mean_gap = math.inf
+
+    # -- events ------------------------------------------------------------------
+
+    def submit(self, request: Request[T]) -> None:
+        """Queue a request (its `enqueued_at` is the arrival time) and schedule a decision."""
+        now = request.enqueued_at
+        last = self._last_arrival
+        if last is not None:
+            gap = now - last
+            self._last_gap = gap
+            mean = self._mean_gap
+            self._mean_gap = gap if mean == math.inf else mean + _EWMA_WEIGHT * (gap - mean)
+        self._last_arrival = now
+        self.queue.push(request)
+        if not self._decision_scheduled:
+            self._decision_scheduled = True
+            self.loop.call_soon(self._decide)
+
+    def batch_finished(self) -> None:
+        """A batch slot is free again: waiting requests go now."""
+        self.in_flight -= 1
+        self._slot_freed = True
+        self._decide()
+
+    def drain(self) -> None:
+        """From now on every queued request goes as soon as a slot is free."""
+        self._draining = True
+        self._decide()
+
+    def close(self) -> None:
+        """Disarm the timer (the loop is going away or the proxy is closed)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    @property
+    def idle(self) -> bool:
+        return self.in_flight == 0 and self.queue.live == 0
+
+    # -- the decision ------------------------------------------------------------
+
+    def _decide(self) -> None:
+        self._decision_scheduled = False
+        go_now = self._slot_freed or self._draining
+        self._slot_freed = False
+        queue = self.queue
+        while self.in_flight < self._max_concurrent and queue.live:
+            if not go_now and queue.live < self._batch_size:
+                when = self._departure_time()
+                if when is None:  # every queued request turned out to be dead
+                    return
+                if when > self.loop.time() + _TIME_TOLERANCE:
+                    self._arm_timer(when)
+                    return
+            batch = queue.pop_batch(self._batch_size)
+            if batch:
+                self.in_flight += 1
+                self._start_batch(batch)
+
+    def _departure_time(self) -> float | None:
+        """When the current partial batch should leave, by the window and the idle rule."""
+        oldest = self.queue.oldest_enqueued_at()
+        if oldest is None:
+            return None
+        end = oldest + self._max_delay
+        last = self._last_arrival
+        if last is None:
+            return end
+        # the first t with t + max(gap, t - last) >= end
+        gap = max(self._mean_gap, self._last_gap)
+        return min(end - gap, (end + last) / 2.0)
+
+    def _arm_timer(self, when: float) -> None:
+        timer = self._timer
+        if timer is not None:
+            if not timer.cancelled() and self._timer_at <= when:
+                return  # fires no later than needed; it will decide again
+            timer.cancel()
+        self._timer_at = when
+        self._timer = self.loop.call_at(when, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._decide()

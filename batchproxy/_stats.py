@@ -1,0 +1,158 @@
+"""Counters, latency windows and listener hooks; `ProxyStats` is the public snapshot.
+
+Memory is bounded: latencies are kept in fixed-size windows of the most recent
+samples (percentiles describe recent behaviour, as an operator wants), and the
+batch-size histogram has at most `batch_size` keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+__all__ = ["Listener", "Percentiles", "ProxyStats", "StatsRecorder"]
+
+logger = logging.getLogger("batchproxy")
+
+WINDOW = 4096
+"""How many recent samples each latency window keeps."""
+
+
+@dataclass(frozen=True)
+class Percentiles:
+    """Latency percentiles in seconds over the most recent `count` samples (0.0 when empty)."""
+
+    count: int
+    p50: float
+    p90: float
+    p99: float
+    max: float
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> Percentiles:
+        if not samples:
+            return cls(0, 0.0, 0.0, 0.0, 0.0)
+        ordered = sorted(samples)
+        last = len(ordered) - 1
+
+        def rank(q: float) -> float:  # nearest rank
+            return ordered[min(last, max(0, math.ceil(q * len(ordered)) - 1))]
+
+        return cls(len(ordered), rank(0.50), rank(0.90), rank(0.99), ordered[-1])
+
+
+@dataclass(frozen=True)
+class ProxyStats:
+    """An immutable snapshot of a proxy's counters and recent latencies.
+
+    Every accepted request ends as exactly one of `succeeded`, `errors`,
+    `timed_out` or `cancelled`, or is still `queued` or in a running batch.
+    `rejected` counts calls refused with `QueueFull` (never accepted).
+    """
+
+    name: str
+    requests: int
+    """Calls accepted into the queue."""
+    succeeded: int
+    errors: int
+    """Requests that ended with an error from the model (raised, returned, or a wrong count)."""
+    timed_out: int
+    cancelled: int
+    rejected: int
+    batches: int
+    """Batches sent to the model."""
+    failed_batches: int
+    """Batches whose `_inference` raised or returned the wrong number of results."""
+    items: int
+    """Items sent to the model, summed over batches."""
+    queue_depth: int
+    in_flight: int
+    """Batches running right now."""
+    batch_sizes: Mapping[int, int]
+    """Histogram: batch size -> number of batches of that size."""
+    queue_wait: Percentiles
+    model_time: Percentiles
+    total_latency: Percentiles
+
+    @property
+    def mean_batch_size(self) -> float:
+        return self.items / self.batches if self.batches else 0.0
+
+
+class Listener:
+    """Base class for hooks into a proxy's life; override the methods you need.
+
+    Hooks run on the proxy's event loop and must be quick. An exception in a hook
+    is logged (logger ``batchproxy``) and otherwise ignored: it never reaches a
+    caller or stops the proxy. Register with `proxy.add_listener(listener)`.
+    """
+
+    def request_queued(self, proxy: str, queue_depth: int) -> None:
+        """A call was accepted; `queue_depth` includes it."""
+
+    def batch_started(self, proxy: str, size: int, queue_waits: Sequence[float]) -> None:
+        """A batch of `size` items goes to the model; seconds each waited in the queue."""
+
+    def batch_finished(
+        self, proxy: str, size: int, model_seconds: float, error: BaseException | None
+    ) -> None:
+        """The model returned (or raised `error`) after `model_seconds`."""
+
+    def request_finished(self, proxy: str, outcome: str, seconds: float) -> None:
+        """A call ended: `outcome` is succeeded, error, timed_out or cancelled."""
+
+    def error(self, proxy: str, error: BaseException, size: int) -> None:
+        """A batch of `size` failed as a whole with `error`."""
+
+
+class StatsRecorder:
+    """The mutable side, owned by one proxy and touched only on its event loop."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.requests = 0
+        self.succeeded = 0
+        self.errors = 0
+        self.timed_out = 0
+        self.cancelled = 0
+        self.rejected = 0
+        self.batches = 0
+        self.failed_batches = 0
+        self.items = 0
+        self.batch_sizes: dict[int, int] = {}
+        self.queue_wait: deque[float] = deque(maxlen=WINDOW)
+        self.model_time: deque[float] = deque(maxlen=WINDOW)
+        self.total_latency: deque[float] = deque(maxlen=WINDOW)
+        self.listeners: list[Listener] = []
+
+    def snapshot(self, queue_depth: int, in_flight: int) -> ProxyStats:
+        return ProxyStats(
+            name=self.name,
+            requests=self.requests,
+            succeeded=self.succeeded,
+            errors=self.errors,
+            timed_out=self.timed_out,
+            cancelled=self.cancelled,
+            rejected=self.rejected,
+            batches=self.batches,
+            failed_batches=self.failed_batches,
+            items=self.items,
+            queue_depth=queue_depth,
+            in_flight=in_flight,
+            batch_sizes=MappingProxyType(dict(sorted(self.batch_sizes.items()))),
+            queue_wait=Percentiles.of(self.queue_wait),
+            model_time=Percentiles.of(self.model_time),
+            total_latency=Percentiles.of(self.total_latency),
+        )
+
+    def notify(self, hook: str, *args: object) -> None:
+        """Call `hook` on every listener; log and swallow what they raise."""
+        for listener in self.listeners:
+            try:
+                getattr(listener, hook)(self.name, *args)
+            except Exception:
+                logger.exception("batchproxy listener %r failed in %s", listener, hook)

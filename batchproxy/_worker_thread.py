@@ -1,0 +1,249 @@
+"""`WorkerThread`: one dedicated thread (the "GPU thread") that runs batches.
+
+The thread owns an event loop of its own, so it runs plain `def` models (called
+directly, blocking only that thread) and `async def` models (awaited on that
+loop) alike, one batch after another in submission order. Several proxies may
+share one `WorkerThread` to put several models on one device without contention.
+
+Nothing is lost at shutdown: a batch submitted to a closing thread, or still
+running when it stops, fails with a `RuntimeError` in its caller instead of
+hanging. The thread is a daemon and is started lazily on first use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+from collections.abc import Awaitable
+from typing import Any
+
+from typing_extensions import Self
+
+from ._executor import Executor, ModelFn
+
+__all__ = ["WorkerThread"]
+
+
+class _Raised:
+    """A `BaseException` carried back to the caller's loop as a plain value.
+
+    Delivering `KeyboardInterrupt` or `CancelledError` through a future would make
+    asyncio treat it as a loop-stopping or cancelling event; the caller re-raises
+    it inside its own `try` instead.
+    """
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class _Job:
+    __slots__ = ("fn", "future", "items", "loop")
+
+    def __init__(
+        self,
+        fn: ModelFn,
+        items: list[Any],
+        loop: asyncio.AbstractEventLoop,
+        future: asyncio.Future[Any],
+    ) -> None:
+        self.fn = fn
+        self.items = items
+        self.loop = loop
+        self.future = future
+
+    def reply(self, outcome: Any) -> None:
+        """Hand the outcome to the caller's loop (from the worker thread)."""
+        try:
+            self.loop.call_soon_threadsafe(_resolve, self.future, outcome)
+        except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
+            pass
+
+
+def _resolve(future: asyncio.Future[Any], outcome: Any) -> None:
+    if not future.done():
+        future.set_result(outcome)
+
+
+class WorkerThread(Executor):
+    """A dedicated thread that runs model calls off the event loop.
+
+    Pass `offload=WorkerThread(name="gpu0")` to several proxies to share it; close
+    it yourself (`close()`, `await aclose()`, or `with`/`async with`) when they are
+    done. A proxy created with `offload=True` owns a private one and closes it in
+    its own `aclose()`.
+    """
+
+    def __init__(self, name: str = "batchproxy-worker") -> None:
+        if not isinstance(name, str):
+            raise TypeError(f"WorkerThread name must be a str, got {name!r}")
+        self.name = name
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._inbox: list[_Job] = []
+        self._running: dict[asyncio.Task[None], _Job] = {}
+        self._closed = False
+        self._exited = False
+        self._exit_callbacks: list[Any] = []
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "running" if self._thread else "idle"
+        return f"<WorkerThread {self.name!r} {state}>"
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the thread if it is not running yet (thread-safe, idempotent)."""
+        with self._lock:
+            self._start_locked()
+
+    def _start_locked(self) -> asyncio.AbstractEventLoop:
+        if self._closed:
+            raise RuntimeError(f"WorkerThread {self.name!r} is closed")
+        if self._loop is None:
+            ready = threading.Event()
+            thread = threading.Thread(target=self._main, args=(ready,), name=self.name, daemon=True)
+            thread.start()
+            ready.wait()
+            self._thread = thread
+        assert self._loop is not None
+        return self._loop
+
+    def close(self) -> None:
+        """Stop the thread and wait for it; batches still in it fail. Idempotent."""
+        thread = self._request_stop()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    async def aclose(self) -> None:
+        """Stop the thread without blocking the event loop. Idempotent."""
+        thread = self._request_stop()
+        if thread is None or thread is threading.current_thread():
+            return
+        loop = asyncio.get_running_loop()
+        exited: asyncio.Future[None] = loop.create_future()
+
+        def notify() -> None:
+            try:
+                loop.call_soon_threadsafe(_resolve, exited, None)
+            except RuntimeError:  # pragma: no cover - our loop closed meanwhile
+                pass
+
+        with self._lock:
+            if self._exited:
+                exited.set_result(None)
+            else:
+                self._exit_callbacks.append(notify)
+        await exited
+        thread.join()
+
+    def _request_stop(self) -> threading.Thread | None:
+        with self._lock:
+            self._closed = True
+            loop, thread = self._loop, self._thread
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(loop.stop)
+            except RuntimeError:  # already closed
+                pass
+        return thread
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Self:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # -- running batches -------------------------------------------------------------
+
+    async def run(self, fn: ModelFn, items: list[Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        job = _Job(fn, items, loop, future)
+        with self._lock:
+            thread_loop = self._start_locked()
+            self._inbox.append(job)
+        try:
+            thread_loop.call_soon_threadsafe(self._take_inbox)
+        except RuntimeError:  # stopping: the shutdown path answers the job
+            pass
+        outcome = await future
+        if type(outcome) is _Raised:
+            raise outcome.exc
+        return outcome
+
+    # -- on the worker thread -----------------------------------------------------------
+
+    def _main(self, ready: threading.Event) -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        self._loop = loop
+        ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            self._shut_down(loop)
+
+    def _take_inbox(self) -> None:
+        with self._lock:
+            jobs, self._inbox = self._inbox, []
+        for job in jobs:
+            self._start_job(job)
+
+    def _start_job(self, job: _Job) -> None:
+        if job.future.cancelled():  # its batch was abandoned before it started
+            return
+        try:
+            outcome = job.fn(job.items)
+            if inspect.isawaitable(outcome):
+                assert self._loop is not None
+                task = self._loop.create_task(self._finish(job, outcome))
+                self._running[task] = job
+                task.add_done_callback(self._running.pop)
+                return
+        except BaseException as exc:
+            outcome = _Raised(exc)
+        job.reply(outcome)
+
+    @staticmethod
+    async def _finish(job: _Job, awaitable: Awaitable[Any]) -> None:
+        try:
+            outcome = await awaitable
+        except BaseException as exc:
+            outcome = _Raised(exc)
+        job.reply(outcome)
+
+    def _shut_down(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._lock:
+            self._closed = True
+            jobs, self._inbox = self._inbox, []
+        jobs.extend(self._running.values())
+        error = _Raised(RuntimeError(f"WorkerThread {self.name!r} was closed before the batch ran"))
+        for job in jobs:
+            job.reply(error)
+        tasks = list(self._running)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        loop.close()
+        with self._lock:
+            self._exited = True
+            callbacks, self._exit_callbacks = self._exit_callbacks, []
+        for callback in callbacks:
+            callback()
