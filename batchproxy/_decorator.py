@@ -38,7 +38,7 @@ class _FunctionProxy(Proxy[T, U]):
 
 
 class Batched(Generic[T, U]):
-    """What `@batch` returns: `await f(item)`, `await f.many(items)`, `f.stats`, `await f.aclose()`."""
+    """What `@batch` returns: `await f(x)`, `await f.many(xs)`, `f.stats`, `await f.aclose()`."""
 
     def __init__(
         self, fn: Callable[..., Any], options: dict[str, Any], instance: object = None
@@ -97,7 +97,9 @@ class _Decorator(Protocol):
     def __call__(self, fn: Callable[[list[T]], Awaitable[Sequence[U]]], /) -> Batched[T, U]: ...
 
     @overload
-    def __call__(self, fn: Callable[[Any, list[T]], Awaitable[Sequence[U]]], /) -> Batched[T, U]: ...
+    def __call__(
+        self, fn: Callable[[Any, list[T]], Awaitable[Sequence[U]]], /
+    ) -> Batched[T, U]: ...
 
     @overload
     def __call__(self, fn: Callable[[list[T]], Sequence[U]], /) -> Batched[T, U]: ...
@@ -138,4 +140,4 @@ def batch(
             raise TypeError(f"@batch decorates a function or method, got {fn!r}")
         return Batched(fn, options)
 
-    return decorate  # type: ignore[return-value]
+    return decorate

@@ -125,7 +125,8 @@ class Proxy(ABC, Generic[In, Out]):
             return offload, False
         if not isinstance(offload, bool):
             raise TypeError(
-                f"offload must be a bool or a WorkerThread, got {type(offload).__name__} {offload!r}"
+                f"offload must be a bool or a WorkerThread, "
+                f"got {type(offload).__name__} {offload!r}"
             )
         if offload or not inspect.iscoroutinefunction(self._model):
             return WorkerThread(name=f"batchproxy-{self.name}"), True
@@ -420,7 +421,8 @@ class Proxy(ABC, Generic[In, Out]):
 
     async def _run_batch(self, requests: list[Request[In]]) -> None:
         loop, scheduler, stats = self._loop, self._scheduler, self._stats
-        assert loop is not None and scheduler is not None
+        assert loop is not None
+        assert scheduler is not None
         size = len(requests)
         started = loop.time()
         stats.batches += 1
@@ -478,14 +480,14 @@ class Proxy(ABC, Generic[In, Out]):
         now = self._loop.time()
         latency = stats.total_latency
         succeeded = errors = 0
-        for request, result in zip(requests, results):
+        for request, result in zip(requests, results, strict=True):
             future = request.future
             if future.done():
                 continue
             if isinstance(result, BaseException):
-                if not isinstance(result, Exception):
-                    result = InferenceError(self.name, result)
-                future.set_exception(result)
+                future.set_exception(
+                    result if isinstance(result, Exception) else InferenceError(self.name, result)
+                )
                 errors += 1
                 if stats.listeners:
                     self._finished("error", request)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 from collections import deque
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 __all__ = ["Request", "RequestQueue"]
 
@@ -27,7 +27,7 @@ class Request(Generic[T]):
     __slots__ = ("deadline_timer", "enqueued_at", "future", "item", "priority", "queued")
 
     def __init__(
-        self, item: T, future: asyncio.Future[object], priority: int, enqueued_at: float
+        self, item: T, future: asyncio.Future[Any], priority: int, enqueued_at: float
     ) -> None:
         self.item = item
         self.future = future

@@ -13,6 +13,7 @@ hanging. The thread is a daemon and is started lazily on first use.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import threading
 from collections.abc import Awaitable
@@ -56,10 +57,8 @@ class _Job:
 
     def reply(self, outcome: Any) -> None:
         """Hand the outcome to the caller's loop (from the worker thread)."""
-        try:
+        with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
             self.loop.call_soon_threadsafe(_resolve, self.future, outcome)
-        except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
-            pass
 
 
 def _resolve(future: asyncio.Future[Any], outcome: Any) -> None:
@@ -131,10 +130,8 @@ class WorkerThread(Executor):
         exited: asyncio.Future[None] = loop.create_future()
 
         def notify() -> None:
-            try:
+            with contextlib.suppress(RuntimeError):  # our loop closed meanwhile
                 loop.call_soon_threadsafe(_resolve, exited, None)
-            except RuntimeError:  # pragma: no cover - our loop closed meanwhile
-                pass
 
         with self._lock:
             if self._exited:
@@ -149,10 +146,8 @@ class WorkerThread(Executor):
             self._closed = True
             loop, thread = self._loop, self._thread
         if loop is not None:
-            try:
+            with contextlib.suppress(RuntimeError):  # already closed
                 loop.call_soon_threadsafe(loop.stop)
-            except RuntimeError:  # already closed
-                pass
         return thread
 
     def __enter__(self) -> Self:
@@ -178,10 +173,8 @@ class WorkerThread(Executor):
         with self._lock:
             thread_loop = self._start_locked()
             self._inbox.append(job)
-        try:
+        with contextlib.suppress(RuntimeError):  # stopping: the shutdown path answers the job
             thread_loop.call_soon_threadsafe(self._take_inbox)
-        except RuntimeError:  # stopping: the shutdown path answers the job
-            pass
         outcome = await future
         if type(outcome) is _Raised:
             raise outcome.exc
