@@ -1,0 +1,251 @@
+"""Property test of DESIGN §2 under chaos, on a virtual clock.
+
+Random arrivals, priorities, deadlines, caller cancellations, per-item errors,
+batch errors (Exception, BaseException, a stray CancelledError), wrong result
+counts, a bounded queue, and `aclose()` mid-stream. Whatever happens, every call
+ends exactly once, with its own result or an error its batch explains; nothing
+is dispatched after its caller left; nothing hangs; nothing is left running; the
+counters add up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import looptime
+from _support import Recorder
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import batchproxy
+
+KINDS = ["ok"] * 6 + ["bad", "boom", "stop", "cancel", "count"]
+
+
+EPS = 2e-6  # looptime rounds the virtual clock to 1 µs
+NEVER_CALLED = "cancelled before calling"
+
+
+class Stop(BaseException):
+    """A BaseException that is not an Exception, raised by the model."""
+
+
+@dataclass(frozen=True)
+class Call:
+    id: int
+    at: float
+    kind: str
+    priority: int
+    timeout: float | None
+    cancel_after: float | None
+
+
+def respond(items: list[Call]) -> Sequence[Any]:
+    kinds = {c.kind for c in items}
+    if "boom" in kinds:
+        raise RuntimeError("boom")
+    if "stop" in kinds:
+        raise Stop
+    if "cancel" in kinds:
+        raise asyncio.CancelledError
+    if "count" in kinds:
+        return [("out", c.id) for c in items][:-1]
+    return [ValueError(c.id) if c.kind == "bad" else ("out", c.id) for c in items]
+
+
+def batch_error(batch: list[Call]) -> type[BaseException] | None:
+    """The error every caller of this batch gets, if the batch fails as a whole."""
+    kinds = {c.kind for c in batch}
+    for kind, error in [
+        ("boom", RuntimeError),
+        ("stop", batchproxy.InferenceError),
+        ("cancel", batchproxy.InferenceError),
+        ("count", batchproxy.BatchSizeMismatch),
+    ]:
+        if kind in kinds:
+            return error
+    return None
+
+
+calls_strategy = st.lists(
+    st.builds(
+        lambda at, kind, priority, timeout, cancel_after: (
+            at,
+            kind,
+            priority,
+            timeout,
+            cancel_after,
+        ),
+        st.floats(0, 0.2),
+        st.sampled_from(KINDS),
+        st.integers(0, 2),
+        st.none() | st.floats(0.001, 0.1),
+        st.none() | st.floats(0, 0.1),
+    ),
+    min_size=1,
+    max_size=60,
+)
+
+
+@settings(
+    max_examples=int(os.environ.get("CHAOS_EXAMPLES", "200")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(
+    raw_calls=calls_strategy,
+    batch_size=st.integers(1, 8),
+    max_delay_ms=st.sampled_from([0.0, 1.0, 5.0, 20.0]),
+    max_concurrent=st.integers(1, 3),
+    max_queue_size=st.none() | st.integers(1, 20),
+    model_delay=st.sampled_from([0.0, 0.001, 0.01, 0.05]),
+    close_at=st.none() | st.floats(0, 0.3),
+)
+def test_every_call_ends_once_with_its_own_outcome(
+    raw_calls: list[tuple[float, str, int, float | None, float | None]],
+    batch_size: int,
+    max_delay_ms: float,
+    max_concurrent: int,
+    max_queue_size: int | None,
+    model_delay: float,
+    close_at: float | None,
+) -> None:
+    calls = [Call(i, *raw) for i, raw in enumerate(raw_calls)]
+    loop = looptime.new_event_loop(start=0.0)
+    try:
+        proxy, outcomes, closed_at = loop.run_until_complete(
+            asyncio.wait_for(
+                scenario(
+                    calls,
+                    Recorder(
+                        respond,
+                        delay=model_delay,
+                        batch_size=batch_size,
+                        max_delay_ms=max_delay_ms,
+                        max_concurrent_batches=max_concurrent,
+                        max_queue_size=max_queue_size,
+                    ),
+                    close_at,
+                ),
+                timeout=3600,  # virtual seconds: a hang fails here, fast
+            )
+        )
+    finally:
+        loop.close()
+    check(calls, proxy, outcomes, closed_at, batch_size)
+
+
+async def scenario(
+    calls: list[Call], proxy: Recorder, close_at: float | None
+) -> tuple[Recorder, dict[int, list[Any]], float | None]:
+    loop = asyncio.get_running_loop()
+    tasks_before = asyncio.all_tasks()
+    outcomes: dict[int, list[Any]] = {c.id: [] for c in calls}
+    closed_at: list[float] = []
+
+    async def caller(call: Call) -> None:
+        try:
+            await asyncio.sleep(call.at)
+        except asyncio.CancelledError:
+            outcomes[call.id].append(NEVER_CALLED)
+            raise
+        try:
+            result = await proxy.inference(call, timeout=call.timeout, priority=call.priority)
+        except BaseException as exc:
+            outcomes[call.id].append(exc)
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            outcomes[call.id].append(result)
+
+    async def canceller(task: asyncio.Task[None], after: float) -> None:
+        await asyncio.sleep(after)
+        task.cancel()
+
+    async def closer(at: float) -> None:
+        await asyncio.sleep(at)
+        closed_at.append(loop.time())
+        await proxy.aclose()
+
+    tasks = []
+    helpers = []
+    for call in calls:
+        task = asyncio.create_task(caller(call))
+        tasks.append(task)
+        if call.cancel_after is not None:
+            helpers.append(asyncio.create_task(canceller(task, call.at + call.cancel_after)))
+    if close_at is not None:
+        helpers.append(asyncio.create_task(closer(close_at)))
+    await asyncio.gather(*tasks, *helpers, return_exceptions=True)
+    await proxy.aclose()
+    leftover = asyncio.all_tasks() - tasks_before
+    assert not leftover, leftover
+    return proxy, outcomes, closed_at[0] if closed_at else None
+
+
+def check(
+    calls: list[Call],
+    proxy: Recorder,
+    outcomes: dict[int, list[Any]],
+    closed_at: float | None,
+    batch_size: int,
+) -> None:
+    batch_of: dict[int, int] = {}
+    for index, batch in enumerate(proxy.batches):
+        assert 1 <= len(batch) <= batch_size
+        for call in batch:
+            assert call.id not in batch_of, "an item was sent to the model twice"
+            batch_of[call.id] = index
+
+    for call in calls:
+        assert len(outcomes[call.id]) == 1, f"call {call.id} ended {len(outcomes[call.id])} times"
+        outcome = outcomes[call.id][0]
+        index = batch_of.get(call.id)
+        if index is not None:
+            started = proxy.started_at[index]
+            if call.timeout is not None:  # never dispatched after its deadline
+                assert started <= call.at + call.timeout + EPS
+            if call.cancel_after is not None:  # never dispatched after its caller left
+                assert started <= call.at + call.cancel_after + EPS
+            if closed_at is not None:
+                assert call.at <= closed_at + EPS  # accepted before the close
+        if outcome is NEVER_CALLED:
+            assert index is None
+        elif isinstance(outcome, tuple):
+            assert outcome == ("out", call.id), "cross-talk"
+            assert index is not None
+            assert batch_error(proxy.batches[index]) is None
+            assert call.kind == "ok"
+        elif isinstance(outcome, (asyncio.CancelledError, batchproxy.DeadlineExceeded)):
+            assert (
+                call.cancel_after if isinstance(outcome, asyncio.CancelledError) else call.timeout
+            ) is not None
+        elif isinstance(outcome, (batchproxy.QueueFull, batchproxy.ProxyClosed)):
+            assert index is None
+            if isinstance(outcome, batchproxy.ProxyClosed):
+                assert closed_at is not None
+                assert call.at >= closed_at - EPS
+        else:
+            assert index is not None, f"call {call.id} failed with {outcome!r} but never ran"
+            expected = batch_error(proxy.batches[index])
+            if expected is None:
+                assert call.kind == "bad"
+                assert isinstance(outcome, ValueError)
+                assert outcome.args == (call.id,)
+            else:
+                assert type(outcome) is expected
+
+    stats = proxy.stats
+    assert stats.queue_depth == 0
+    assert stats.in_flight == 0
+    assert stats.requests == stats.succeeded + stats.errors + stats.timed_out + stats.cancelled
+    refused = sum(
+        o[0] is NEVER_CALLED or isinstance(o[0], (batchproxy.QueueFull, batchproxy.ProxyClosed))
+        for o in outcomes.values()
+    )
+    assert stats.requests + refused == len(calls)
+    assert stats.items == len(batch_of)

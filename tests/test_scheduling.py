@@ -1,0 +1,138 @@
+"""The dispatch policy on a virtual clock: full batches, the delay window, the idle
+rule, slot-freed dispatch, same-tick coalescing, and no timers when idle."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from _support import Recorder
+
+pytestmark = pytest.mark.looptime
+
+
+def armed_timers(loop: asyncio.AbstractEventLoop) -> list[asyncio.TimerHandle]:
+    return [h for h in loop._scheduled if not h.cancelled()]  # type: ignore[attr-defined]
+
+
+async def arrive_every(proxy: Recorder, gap: float, items: range) -> list[object]:
+    """Callers arriving one by one, `gap` seconds apart; returns their results."""
+    tasks = []
+    for item in items:
+        tasks.append(asyncio.create_task(proxy.inference(item)))
+        await asyncio.sleep(gap)
+    return list(await asyncio.gather(*tasks))
+
+
+async def test_lone_request_on_idle_proxy_goes_at_once() -> None:
+    loop = asyncio.get_running_loop()
+    async with Recorder(batch_size=64, max_delay_ms=50) as proxy:
+        start = loop.time()
+        assert await proxy.inference("x") == ("out", "x")
+        assert proxy.started_at == [start]
+
+
+async def test_request_after_quiet_spell_goes_at_once_even_after_a_burst() -> None:
+    loop = asyncio.get_running_loop()
+    async with Recorder(batch_size=64, max_delay_ms=50) as proxy:
+        await asyncio.gather(*(proxy.inference(i) for i in range(10)))
+        await asyncio.sleep(1.0)  # much longer than the window
+        start = loop.time()
+        await proxy.inference("late")
+        assert proxy.started_at[-1] == start
+        assert proxy.batches[-1] == ["late"]
+
+
+async def test_arrivals_in_one_loop_iteration_share_a_batch() -> None:
+    async with Recorder(batch_size=64, max_delay_ms=50) as proxy:
+        results = await asyncio.gather(*(proxy.inference(i) for i in range(10)))
+        assert results == [("out", i) for i in range(10)]
+        assert proxy.batches == [list(range(10))]
+
+
+async def test_full_batch_leaves_without_waiting() -> None:
+    loop = asyncio.get_running_loop()
+    async with Recorder(batch_size=4, max_delay_ms=1000) as proxy:
+        start = loop.time()
+        # a steady stream makes the proxy wait for company, up to the 1 s window
+        await arrive_every(proxy, 0.001, range(9))
+        assert proxy.batches == [[0], [1, 2, 3, 4], [5, 6, 7, 8]]
+        # each full batch left the moment its 4th member arrived
+        assert [t - start for t in proxy.started_at] == pytest.approx([0.0, 0.004, 0.008])
+
+
+async def test_steady_stream_waits_for_company_but_never_past_the_window() -> None:
+    async with Recorder(batch_size=64, max_delay_ms=10) as proxy:
+        results = await arrive_every(proxy, 0.001, range(60))
+        assert results == [("out", i) for i in range(60)]
+        sizes = [len(b) for b in proxy.batches]
+        assert sum(sizes) == 60
+        assert max(sizes) > 5  # company was awaited
+        assert proxy.stats.queue_wait.max <= 0.010 + 1e-9  # the window bounds every wait
+
+
+async def test_zero_delay_dispatches_every_iteration() -> None:
+    async with Recorder(batch_size=64, max_delay_ms=0) as proxy:
+        await arrive_every(proxy, 0.001, range(5))
+        assert proxy.batches == [[0], [1], [2], [3], [4]]
+
+
+async def test_busy_model_accumulates_and_next_batch_leaves_when_slot_frees() -> None:
+    loop = asyncio.get_running_loop()
+    async with Recorder(batch_size=64, max_delay_ms=5, delay=10.0) as proxy:
+        start = loop.time()
+        first = asyncio.create_task(proxy.inference("first"))
+        await asyncio.sleep(1.0)  # the first batch is running alone
+        rest = [asyncio.create_task(proxy.inference(i)) for i in range(100)]
+        await asyncio.sleep(0)
+        assert proxy.stats.queue_depth == 100
+        await asyncio.gather(first, *rest)
+        assert [len(b) for b in proxy.batches] == [1, 64, 36]
+        # each next batch left the moment the slot freed, not a window later
+        assert [t - start for t in proxy.started_at] == pytest.approx([0.0, 10.0, 20.0])
+
+
+async def test_burst_stragglers_go_when_slot_frees() -> None:
+    loop = asyncio.get_running_loop()
+    async with Recorder(batch_size=64, max_delay_ms=100, delay=0.002) as proxy:
+        start = loop.time()
+        await asyncio.gather(*(proxy.inference(i) for i in range(70)))
+        assert [len(b) for b in proxy.batches] == [64, 6]
+        assert [t - start for t in proxy.started_at] == pytest.approx([0.0, 0.002])
+
+
+async def test_concurrent_batches_fill_free_slots() -> None:
+    loop = asyncio.get_running_loop()
+    options = {"batch_size": 4, "max_delay_ms": 5, "max_concurrent_batches": 2}
+    async with Recorder(delay=1.0, **options) as proxy:
+        start = loop.time()
+        await asyncio.gather(*(proxy.inference(i) for i in range(12)))
+        assert [len(b) for b in proxy.batches] == [4, 4, 4]
+        assert [t - start for t in proxy.started_at] == pytest.approx([0.0, 0.0, 1.0])
+
+
+async def test_priority_decides_who_joins_the_next_batch() -> None:
+    async with Recorder(batch_size=2, max_delay_ms=5, delay=1.0) as proxy:
+        blocker = asyncio.create_task(proxy.inference("blocker"))
+        await asyncio.sleep(0.1)
+        low = [asyncio.create_task(proxy.inference(f"low{i}", priority=0)) for i in range(2)]
+        high = [asyncio.create_task(proxy.inference(f"high{i}", priority=5)) for i in range(2)]
+        await asyncio.gather(blocker, *low, *high)
+        assert proxy.batches == [["blocker"], ["high0", "high1"], ["low0", "low1"]]
+
+
+async def test_idle_proxy_has_no_timer_armed() -> None:
+    loop = asyncio.get_running_loop()
+    async with Recorder(batch_size=64, max_delay_ms=10) as proxy:
+        await arrive_every(proxy, 0.001, range(20))
+        await asyncio.sleep(0.1)  # past any window
+        assert proxy.stats.queue_depth == 0
+        assert armed_timers(loop) == []
+
+
+async def test_deadline_timers_are_cancelled_once_answered() -> None:
+    loop = asyncio.get_running_loop()
+    async with Recorder(batch_size=8, max_delay_ms=1, timeout=60.0) as proxy:
+        await asyncio.gather(*(proxy.inference(i) for i in range(20)))
+        await asyncio.sleep(0.01)
+        assert armed_timers(loop) == []
