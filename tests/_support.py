@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 from typing_extensions import override
 
 import batchproxy
+
+T = TypeVar("T")
 
 
 class Recorder(batchproxy.Proxy[Any, Any]):
@@ -39,3 +42,118 @@ class Recorder(batchproxy.Proxy[Any, Any]):
         if self.delay:
             await asyncio.sleep(self.delay)
         return self.respond(items)
+
+
+class ThreadRecorder(batchproxy.Proxy[Any, Any]):
+    """A plain-`def` test model (runs on the proxy's worker thread, never the loop).
+
+    Records every batch and the thread it ran on (`.threads`); answers like
+    `Recorder`. When `gate` is given, each batch blocks until it is set.
+    """
+
+    def __init__(
+        self,
+        respond: Callable[[list[Any]], Sequence[Any]] | None = None,
+        *,
+        gate: threading.Event | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(**options)
+        self.batches: list[list[Any]] = []
+        self.threads: list[int] = []
+        self.respond = respond or (lambda items: [("out", item) for item in items])
+        self.gate = gate
+        self.entered = threading.Event()
+
+    @override
+    def _inference(self, items: list[Any]) -> Sequence[Any]:
+        self.batches.append(list(items))
+        self.threads.append(threading.get_ident())
+        self.entered.set()
+        if self.gate is not None and not self.gate.wait(timeout=30):
+            raise RuntimeError("test gate never opened")
+        return self.respond(items)
+
+
+def outcome(task: asyncio.Future[Any]) -> str:
+    """How a finished caller ended: "ok", "cancelled", or its exception's class name."""
+    assert task.done(), f"{task!r} has not ended"
+    if task.cancelled():
+        return "cancelled"
+    error = task.exception()
+    return "ok" if error is None else type(error).__name__
+
+
+def assert_settled(stats: batchproxy.ProxyStats) -> None:
+    """Every accepted request ended exactly once, and nothing is queued or running."""
+    ended = stats.succeeded + stats.errors + stats.timed_out + stats.cancelled
+    assert stats.requests == ended, f"requests {stats.requests} != ended {ended}: {stats}"
+    assert stats.queue_depth == 0, stats
+    assert stats.in_flight == 0, stats
+
+
+async def wait_until(condition: Callable[[], bool], *, seconds: float = 10.0) -> None:
+    """Poll `condition` without blocking the loop (for events set by worker threads).
+
+    Real time: do not use under looptime.
+    """
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    while not condition():
+        assert loop.time() < end, "condition never became true"
+        await asyncio.sleep(0.002)
+
+
+def thread_alive(name: str) -> bool:
+    """Whether a live thread called `name` exists."""
+    return any(thread.name == name and thread.is_alive() for thread in threading.enumerate())
+
+
+class LoopThread:
+    """An event loop running forever in a thread of its own: "another loop" for tests.
+
+    `with LoopThread() as other:` starts it; leaving the block stops the loop,
+    cancels what still runs there, closes it and joins the thread.
+    """
+
+    def __init__(self, name: str = "test-loop-thread") -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
+
+    def _main(self) -> None:
+        loop = self.loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_forever()
+        finally:
+            tasks = asyncio.all_tasks(loop)
+            for task in tasks:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 10.0) -> T:
+        """Run `coro` on the thread's loop; block the calling thread for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def arun(self, coro: Coroutine[Any, Any, T], timeout: float = 10.0) -> T:
+        """Run `coro` on the thread's loop; await its result from another loop."""
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+
+    def __enter__(self) -> LoopThread:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+        assert not self.thread.is_alive(), "the test loop thread did not stop"
+
+
+def tag_with_thread(items: list[Any]) -> list[tuple[str, Any]]:
+    """A `respond` function: `(name of the thread the model ran on, item)` per item."""
+    name = threading.current_thread().name
+    return [(name, item) for item in items]
