@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any, Generic, Protocol, TypeVar, overload
+from typing import Any, Generic, Literal, Protocol, TypeVar, overload
 
 from typing_extensions import Self
 
@@ -49,10 +49,19 @@ class Batched(Generic[T, U]):
         self._attribute = fn.__name__
         model = fn if instance is None else functools.partial(fn, instance)
         options = {"name": getattr(fn, "__qualname__", None), **options}
-        self.proxy: Proxy[T, U] = _FunctionProxy(model, **options)
+        self._proxy: Proxy[T, U] | None = _FunctionProxy(model, **options)  # checks options
 
     def __set_name__(self, owner: type, name: str) -> None:
+        """A method: each instance gets its own proxy in `__get__`; the class has none."""
         self._attribute = name
+        self._proxy = None
+
+    @property
+    def proxy(self) -> Proxy[T, U]:
+        """The `Proxy` doing the batching."""
+        if self._proxy is None:
+            raise TypeError(f"{self._fn.__qualname__} is a batched method: use it on an instance")
+        return self._proxy
 
     @overload
     def __get__(self, instance: None, owner: type | None = None) -> Self: ...
@@ -76,10 +85,38 @@ class Batched(Generic[T, U]):
     async def __call__(self, item: T, *, timeout: float | None = None, priority: int = 0) -> U:
         return await self.proxy.inference(item, timeout=timeout, priority=priority)
 
+    @overload
     async def many(
-        self, items: Iterable[T], *, timeout: float | None = None, priority: int = 0
-    ) -> list[U]:
-        return await self.proxy.inference_many(items, timeout=timeout, priority=priority)
+        self,
+        items: Iterable[T],
+        *,
+        timeout: float | None = ...,
+        priority: int = ...,
+        return_exceptions: Literal[False] = ...,
+    ) -> list[U]: ...
+
+    @overload
+    async def many(
+        self,
+        items: Iterable[T],
+        *,
+        timeout: float | None = ...,
+        priority: int = ...,
+        return_exceptions: bool,
+    ) -> list[U | Exception]: ...
+
+    async def many(
+        self,
+        items: Iterable[T],
+        *,
+        timeout: float | None = None,
+        priority: int = 0,
+        return_exceptions: bool = False,
+    ) -> list[U] | list[U | Exception]:
+        """`Proxy.inference_many`: each item batched like a call of its own."""
+        return await self.proxy.inference_many(
+            items, timeout=timeout, priority=priority, return_exceptions=return_exceptions
+        )
 
     @property
     def stats(self) -> ProxyStats:

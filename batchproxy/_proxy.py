@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import inspect
 import logging
 import threading
@@ -163,26 +164,42 @@ class Proxy(ABC, Generic[In, Out]):
         """Stop intake, run every accepted request to its outcome, release the worker.
 
         New calls get `ProxyClosed` from the moment this is called. Idempotent.
+        Awaited from inside `_inference`, it drains everything but that batch
+        (waiting for it would wait forever), which then finishes as usual.
         """
         self._closed = True
         loop, scheduler = self._loop, self._scheduler
         if loop is not None and scheduler is not None and not loop.is_closed():
+            calling_batch = _current_batch.get()
             if loop is asyncio.get_running_loop():
-                await self._drain()
+                await self._drain(calling_batch)
             elif loop.is_running():  # closing from another thread's loop
-                await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._drain(), loop))
-            else:
-                self._abandon_loop()
+                drain = asyncio.run_coroutine_threadsafe(self._drain(calling_batch), loop)
+                await asyncio.wrap_future(drain)
+            else:  # its loop is paused: what is queued cannot run; what runs ends there
+                self._refuse_queued(loop, scheduler)
         if self._owns_executor:
             await self._executor.aclose()
 
-    async def _drain(self) -> None:
+    async def _drain(self, exclude: asyncio.Task[None] | None) -> None:
         scheduler = self._scheduler
         assert scheduler is not None
         scheduler.drain()
-        while self._batch_tasks:
-            await asyncio.wait(list(self._batch_tasks))
+        while pending := self._batch_tasks - {exclude}:
+            await asyncio.wait(pending)
         scheduler.close()
+
+    def _refuse_queued(self, loop: asyncio.AbstractEventLoop, scheduler: Scheduler[In]) -> None:
+        """Fail every queued request with `ProxyClosed`, thread-safely, on its own loop."""
+        scheduler.close()
+        for request in scheduler.queue.drain():
+            loop.call_soon_threadsafe(self._refuse, request)
+
+    def _refuse(self, request: Request[In]) -> None:
+        if not request.future.done():
+            request.future.set_exception(ProxyClosed(self.name))
+            self._stats.errors += 1
+            self._finished("error", request)
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -302,6 +319,8 @@ class Proxy(ABC, Generic[In, Out]):
         batch = list(items)
         if not batch:
             return []
+        _validate.timeout("timeout", timeout)
+        _validate.priority(priority)
         loop = asyncio.get_running_loop()
         if loop is not self._loop and not self._bind(loop):
             assert self._loop is not None
@@ -408,8 +427,9 @@ class Proxy(ABC, Generic[In, Out]):
 
     def _finished(self, outcome: str, request: Request[In]) -> None:
         stats = self._stats
-        if stats.listeners and self._loop is not None:
-            stats.notify("request_finished", outcome, self._loop.time() - request.enqueued_at)
+        if stats.listeners:
+            seconds = request.future.get_loop().time() - request.enqueued_at
+            stats.notify("request_finished", outcome, seconds)
 
     # -- batches -------------------------------------------------------------------------
 
@@ -423,6 +443,7 @@ class Proxy(ABC, Generic[In, Out]):
         loop, scheduler, stats = self._loop, self._scheduler, self._stats
         assert loop is not None
         assert scheduler is not None
+        _current_batch.set(asyncio.current_task())  # this task's own context: seen by the model
         size = len(requests)
         started = loop.time()
         stats.batches += 1
@@ -444,7 +465,7 @@ class Proxy(ABC, Generic[In, Out]):
                 if error is not exc:
                     logger.error("%s._inference raised %r", self.name, exc)
             else:
-                error = self._deliver(requests, results)
+                error = self._deliver(requests, results, loop.time())
             if error is not None:
                 stats.failed_batches += 1
                 self._fail(requests, error)
@@ -457,7 +478,9 @@ class Proxy(ABC, Generic[In, Out]):
                 stats.notify("batch_finished", size, seconds, error)
             scheduler.batch_finished()
 
-    def _deliver(self, requests: list[Request[In]], results: object) -> Exception | None:
+    def _deliver(
+        self, requests: list[Request[In]], results: object, now: float
+    ) -> Exception | None:
         """Hand result i to caller i; return the batch-wide error instead when the results
         cannot be matched to the callers."""
         if isinstance(results, (str, bytes, bytearray, Mapping, Set)) or not hasattr(
@@ -476,8 +499,6 @@ class Proxy(ABC, Generic[In, Out]):
         if len(results) != len(requests):
             return BatchSizeMismatch(self.name, len(requests), len(results))
         stats = self._stats
-        assert self._loop is not None
-        now = self._loop.time()
         latency = stats.total_latency
         succeeded = errors = 0
         for request, result in zip(requests, results, strict=True):
@@ -526,6 +547,12 @@ class Proxy(ABC, Generic[In, Out]):
 
     def remove_listener(self, listener: Listener) -> None:
         self._stats.listeners.remove(listener)
+
+
+_current_batch: contextvars.ContextVar[asyncio.Task[Any] | None] = contextvars.ContextVar(
+    "batchproxy_current_batch", default=None
+)
+"""The batch task a model call belongs to (propagated to the worker thread)."""
 
 
 def _cancel_requested() -> bool:

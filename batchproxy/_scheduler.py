@@ -17,18 +17,20 @@ within a priority), when a batch slot is free (fewer than
 5. the proxy is draining for `aclose()`.
 
 Arrivals within one event-loop iteration always coalesce: a decision runs in a
-callback scheduled once per iteration, after every ready caller has queued.
+callback scheduled once per iteration, after every ready caller has queued. A
+freed slot is also filled from such a callback, so callers woken by the batch
+that just ended (and withdrawing requests, say) act before the next one forms.
 
-The idle rule. The expected gap to the next arrival is the larger of the
-smoothed mean inter-arrival gap (EWMA, weight 0.2) and the most recent gap; once
-the queue has been quiet for longer than that, the quiet time itself is the
-estimate (silence is evidence the stream has paused). With `end` the moment the
-oldest request's window closes, the batch leaves at the first moment `t` with
-`t + expected_gap(t) >= end`: when the next arrival would come too late to
-join. So the first request a proxy ever sees, one arriving after a quiet spell
-longer than `max_delay_ms`, or the stragglers of a burst once it has passed, go
-without waiting; under steady traffic the batch waits for as much company as
-the window allows.
+The idle rule. Only arrivals that find the proxy busy (something queued or
+running) count as evidence that company comes: an arrival to an empty proxy
+goes at once, whatever came before. So a lone request on an idle proxy, and
+each call of a caller that awaits one call after another, never waits. For the
+rest, the expected gap to the next arrival is the larger of the smoothed mean
+gap between such overlapping arrivals (EWMA, weight 0.2) and the most recent
+one. A partial batch leaves at the first moment `t` when either the next
+arrival is not expected before the oldest request's window closes
+(`t + gap >= oldest + max_delay_ms`) or the queue has been quiet for twice the
+expected gap (the stream has paused: the stragglers of a burst go at once).
 
 Failure modes handled here: a cancelled or expired request is never sent (the
 queue drops requests whose future is done); a decision is never lost (each
@@ -50,6 +52,7 @@ __all__ = ["Scheduler"]
 T = TypeVar("T")
 
 _EWMA_WEIGHT = 0.2
+_QUIET_FACTOR = 2.0  # quiet for this many expected gaps: the stream has paused
 _TIME_TOLERANCE = 1e-6  # a timer may fire this early; treat it as on time
 
 
@@ -78,7 +81,7 @@ class Scheduler(Generic[T]):
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._last_arrival: float | None = None
-        self._last_gap = math.inf  # no history yet: nothing suggests company is coming
+        self._last_gap = math.inf  # inf: nothing suggests company is coming
         self._mean_gap = math.inf
 
     # -- events ------------------------------------------------------------------
@@ -87,22 +90,26 @@ class Scheduler(Generic[T]):
         """Queue a request (its `enqueued_at` is the arrival time) and schedule a decision."""
         now = request.enqueued_at
         last = self._last_arrival
-        if last is not None:
+        if last is None or (self.queue.live == 0 and self.in_flight == 0):
+            self._last_gap = math.inf  # arrived to an empty proxy: no evidence of company
+        else:
             gap = now - last
             self._last_gap = gap
             mean = self._mean_gap
             self._mean_gap = gap if mean == math.inf else mean + _EWMA_WEIGHT * (gap - mean)
         self._last_arrival = now
         self.queue.push(request)
-        if not self._decision_scheduled:
-            self._decision_scheduled = True
-            self.loop.call_soon(self._decide)
+        self._schedule_decision()
 
     def batch_finished(self) -> None:
-        """A batch slot is free again: waiting requests go now."""
+        """A batch slot is free again: waiting requests go, one loop iteration later
+        (at once while draining, so a batch always runs while requests remain)."""
         self.in_flight -= 1
         self._slot_freed = True
-        self._decide()
+        if self._draining:
+            self._decide()
+        else:
+            self._schedule_decision()
 
     def drain(self) -> None:
         """From now on every queued request goes as soon as a slot is free."""
@@ -120,6 +127,11 @@ class Scheduler(Generic[T]):
         return self.in_flight == 0 and self.queue.live == 0
 
     # -- the decision ------------------------------------------------------------
+
+    def _schedule_decision(self) -> None:
+        if not self._decision_scheduled:
+            self._decision_scheduled = True
+            self.loop.call_soon(self._decide)
 
     def _decide(self) -> None:
         self._decision_scheduled = False
@@ -144,13 +156,12 @@ class Scheduler(Generic[T]):
         oldest = self.queue.oldest_enqueued_at()
         if oldest is None:
             return None
-        end = oldest + self._max_delay
-        last = self._last_arrival
-        if last is None:
-            return end
-        # the first t with t + max(gap, t - last) >= end
         gap = max(self._mean_gap, self._last_gap)
-        return min(end - gap, (end + last) / 2.0)
+        if gap == math.inf:
+            return oldest
+        last = self._last_arrival
+        assert last is not None
+        return min(oldest + self._max_delay - gap, last + _QUIET_FACTOR * gap)
 
     def _arm_timer(self, when: float) -> None:
         timer = self._timer

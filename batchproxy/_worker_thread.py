@@ -1,19 +1,23 @@
 """`WorkerThread`: one dedicated thread (the "GPU thread") that runs batches.
 
 The thread owns an event loop of its own, so it runs plain `def` models (called
-directly, blocking only that thread) and `async def` models (awaited on that
-loop) alike, one batch after another in submission order. Several proxies may
-share one `WorkerThread` to put several models on one device without contention.
+directly, blocking only that thread: one batch at a time, in submission order)
+and `async def` models (awaited on that loop, so they overlap where they await)
+alike. Several proxies may share one `WorkerThread` to put several models on one
+device, where plain `def` models then never run at the same time.
 
 Nothing is lost at shutdown: a batch submitted to a closing thread, or still
 running when it stops, fails with a `RuntimeError` in its caller instead of
-hanging. The thread is a daemon and is started lazily on first use.
+hanging. The thread is a daemon and is started lazily on first use. A model
+call runs in a copy of the submitting task's `contextvars` context, so context
+(request ids, tracing spans) set by callers reaches the model.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import inspect
 import threading
 from collections.abc import Awaitable
@@ -41,7 +45,7 @@ class _Raised:
 
 
 class _Job:
-    __slots__ = ("fn", "future", "items", "loop")
+    __slots__ = ("context", "fn", "future", "items", "loop")
 
     def __init__(
         self,
@@ -54,6 +58,7 @@ class _Job:
         self.items = items
         self.loop = loop
         self.future = future
+        self.context = contextvars.copy_context()
 
     def reply(self, outcome: Any) -> None:
         """Hand the outcome to the caller's loop (from the worker thread)."""
@@ -202,10 +207,10 @@ class WorkerThread(Executor):
         if job.future.cancelled():  # its batch was abandoned before it started
             return
         try:
-            outcome = job.fn(job.items)
+            outcome = job.context.run(job.fn, job.items)
             if inspect.isawaitable(outcome):
-                assert self._loop is not None
-                task = self._loop.create_task(self._finish(job, outcome))
+                assert self._loop is not None  # the task copies the job's context:
+                task = job.context.run(self._loop.create_task, self._finish(job, outcome))
                 self._running[task] = job
                 task.add_done_callback(self._running.pop)
                 return

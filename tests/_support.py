@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
 from typing_extensions import override
@@ -157,3 +158,17 @@ def tag_with_thread(items: list[Any]) -> list[tuple[str, Any]]:
     """A `respond` function: `(name of the thread the model ran on, item)` per item."""
     name = threading.current_thread().name
     return [(name, item) for item in items]
+
+
+@contextlib.contextmanager
+def loop_errors() -> Iterator[list[dict[str, Any]]]:
+    """Collect what reaches the running loop's exception handler (a crashed callback,
+    a task's exception nobody retrieved) instead of only logging it."""
+    loop = asyncio.get_running_loop()
+    seen: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: seen.append(context))
+    try:
+        yield seen
+    finally:
+        loop.set_exception_handler(previous)

@@ -50,31 +50,68 @@ async def test_arrivals_in_one_loop_iteration_share_a_batch() -> None:
         assert proxy.batches == [list(range(10))]
 
 
-async def test_full_batch_leaves_without_waiting() -> None:
+async def test_caller_awaiting_call_after_call_never_waits() -> None:
     loop = asyncio.get_running_loop()
-    async with Recorder(batch_size=4, max_delay_ms=1000) as proxy:
+    async with Recorder(batch_size=64, max_delay_ms=50, delay=0.001) as proxy:
+        for i in range(20):
+            called = loop.time()
+            await proxy.inference(i)
+            assert proxy.started_at[-1] == called
+
+
+async def test_stream_the_model_keeps_up_with_goes_one_by_one_without_waiting() -> None:
+    async with Recorder(batch_size=64, max_delay_ms=50, delay=0.0005) as proxy:
+        await arrive_every(proxy, 0.001, range(10))
+        assert proxy.batches == [[i] for i in range(10)]
+        assert proxy.stats.queue_wait.max == 0.0
+
+
+OVERLAPPING = {"max_concurrent_batches": 2, "delay": 0.050}
+"""A slow model with a spare slot: arrivals overlap pending work while a slot is free."""
+
+
+async def test_overlapping_traffic_waits_for_company_but_never_past_the_window() -> None:
+    loop = asyncio.get_running_loop()
+    async with Recorder(batch_size=64, max_delay_ms=10.5, **OVERLAPPING) as proxy:
         start = loop.time()
-        # a steady stream makes the proxy wait for company, up to the 1 s window
-        await arrive_every(proxy, 0.001, range(9))
-        assert proxy.batches == [[0], [1, 2, 3, 4], [5, 6, 7, 8]]
-        # each full batch left the moment its 4th member arrived
-        assert [t - start for t in proxy.started_at] == pytest.approx([0.0, 0.004, 0.008])
-
-
-async def test_steady_stream_waits_for_company_but_never_past_the_window() -> None:
-    async with Recorder(batch_size=64, max_delay_ms=10) as proxy:
         results = await arrive_every(proxy, 0.001, range(60))
         assert results == [("out", i) for i in range(60)]
-        sizes = [len(b) for b in proxy.batches]
-        assert sum(sizes) == 60
-        assert max(sizes) > 5  # company was awaited
-        assert proxy.stats.queue_wait.max <= 0.010 + 1e-9  # the window bounds every wait
+        # 0 goes at once; 1.. wait for company in the free slot until the window
+        # (less one expected gap) runs out; the rest accumulate while both run
+        assert proxy.batches[0] == [0]
+        assert proxy.batches[1] == list(range(1, 11))
+        assert [t - start for t in proxy.started_at[:2]] == pytest.approx([0.0, 0.0105])
+        assert proxy.stats.queue_wait.max <= 0.050 + 1e-6
 
 
-async def test_zero_delay_dispatches_every_iteration() -> None:
-    async with Recorder(batch_size=64, max_delay_ms=0) as proxy:
+async def test_full_batch_leaves_without_waiting() -> None:
+    loop = asyncio.get_running_loop()
+    async with Recorder(batch_size=4, max_delay_ms=1000, **OVERLAPPING) as proxy:
+        start = loop.time()
         await arrive_every(proxy, 0.001, range(5))
-        assert proxy.batches == [[0], [1], [2], [3], [4]]
+        assert proxy.batches[:2] == [[0], [1, 2, 3, 4]]
+        # the full batch left the moment its 4th member arrived, not after 1 s
+        assert [t - start for t in proxy.started_at[:2]] == pytest.approx([0.0, 0.004])
+
+
+async def test_burst_stragglers_do_not_wait_for_the_window() -> None:
+    loop = asyncio.get_running_loop()
+    async with Recorder(batch_size=64, max_delay_ms=1000, **OVERLAPPING) as proxy:
+        await arrive_every(proxy, 0.001, range(3))  # history: overlapping, 1 ms apart
+        await asyncio.sleep(1.0)
+        burst_at = loop.time()
+        await asyncio.gather(*(proxy.inference(i) for i in range(10)))
+        assert proxy.batches[-1] == list(range(10))
+        assert proxy.started_at[-1] - burst_at < 0.005  # not the 1 s window
+
+
+async def test_zero_delay_never_waits_for_company() -> None:
+    loop = asyncio.get_running_loop()
+    async with Recorder(batch_size=64, max_delay_ms=0, **OVERLAPPING) as proxy:
+        start = loop.time()
+        await arrive_every(proxy, 0.001, range(3))
+        assert proxy.batches[:2] == [[0], [1]]
+        assert [t - start for t in proxy.started_at[:2]] == pytest.approx([0.0, 0.001])
 
 
 async def test_busy_model_accumulates_and_next_batch_leaves_when_slot_frees() -> None:
