@@ -72,6 +72,11 @@ class Proxy(ABC, Generic[In, Out]):
     - `name`: how stats, errors and logs name this proxy (default: class name).
     """
 
+    # class-level defaults, so a subclass that forgot super().__init__() reaches
+    # _require_init() and its clear error instead of an AttributeError
+    _initialized = False
+    _loop: asyncio.AbstractEventLoop | None = None
+
     def __init__(
         self,
         batch_size: int = 64,
@@ -90,6 +95,8 @@ class Proxy(ABC, Generic[In, Out]):
         self._max_concurrent = _validate.count("max_concurrent_batches", max_concurrent_batches)
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a str or None, got {type(name).__name__} {name!r}")
+        if name == "":
+            raise ValueError(f"name must be a non-empty str or None, got {name!r}")
         self.name: str = name or type(self).__name__
 
         self._model = self._model_function()
@@ -103,6 +110,7 @@ class Proxy(ABC, Generic[In, Out]):
         self._loop_thread: int | None = None
         self._scheduler: Scheduler[In] | None = None
         self._batch_tasks: set[asyncio.Task[None]] = set()
+        self._closing: asyncio.Task[None] | None = None  # a close begun inside a batch
         self._closed = False
         self._initialized = True
 
@@ -164,29 +172,41 @@ class Proxy(ABC, Generic[In, Out]):
         """Stop intake, run every accepted request to its outcome, release the worker.
 
         New calls get `ProxyClosed` from the moment this is called. Idempotent.
-        Awaited from inside `_inference`, it drains everything but that batch
-        (waiting for it would wait forever), which then finishes as usual.
+        Awaited from inside this proxy's `_inference` (where waiting for the
+        batch would wait for itself), it returns at once and the close completes
+        on the proxy's loop as soon as that batch is done.
         """
+        self._require_init()
         self._closed = True
         loop, scheduler = self._loop, self._scheduler
         if loop is not None and scheduler is not None and not loop.is_closed():
             calling_batch = _current_batch.get()
+            if calling_batch in self._batch_tasks:  # from the model, maybe on the worker
+                loop.call_soon_threadsafe(self._close_after, calling_batch)
+                return
             if loop is asyncio.get_running_loop():
-                await self._drain(calling_batch)
+                await self._drain()
             elif loop.is_running():  # closing from another thread's loop
-                drain = asyncio.run_coroutine_threadsafe(self._drain(calling_batch), loop)
-                await asyncio.wrap_future(drain)
+                await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._drain(), loop))
             else:  # its loop is paused: what is queued cannot run; what runs ends there
                 self._refuse_queued(loop, scheduler)
         if self._owns_executor:
             await self._executor.aclose()
 
-    async def _drain(self, exclude: asyncio.Task[None] | None) -> None:
+    def _close_after(self, batch: asyncio.Task[Any]) -> None:
+        async def close() -> None:
+            await asyncio.wait([batch])
+            await self.aclose()
+
+        assert self._loop is not None
+        self._closing = self._loop.create_task(close())
+
+    async def _drain(self) -> None:
         scheduler = self._scheduler
         assert scheduler is not None
         scheduler.drain()
-        while pending := self._batch_tasks - {exclude}:
-            await asyncio.wait(pending)
+        while self._batch_tasks:
+            await asyncio.wait(list(self._batch_tasks))
         scheduler.close()
 
     def _refuse_queued(self, loop: asyncio.AbstractEventLoop, scheduler: Scheduler[In]) -> None:
@@ -212,13 +232,16 @@ class Proxy(ABC, Generic[In, Out]):
     def closed(self) -> bool:
         return self._closed
 
-    def _bind(self, loop: asyncio.AbstractEventLoop) -> bool:
-        """Make `loop` this proxy's loop; False if the current one still runs elsewhere."""
-        if not getattr(self, "_initialized", False):
+    def _require_init(self) -> None:
+        if not self._initialized:
             raise RuntimeError(
                 f"{type(self).__name__}.__init__ must call super().__init__() "
                 f"before the proxy is used"
             )
+
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Make `loop` this proxy's loop; False if the current one still runs elsewhere."""
+        self._require_init()
         if self._closed:
             raise ProxyClosed(self.name)
         old = self._loop
@@ -307,7 +330,8 @@ class Proxy(ABC, Generic[In, Out]):
 
         The items are batched like separate calls (with each other and with
         everyone else's). `timeout` bounds the whole call. By default the first
-        failure is raised and the remaining items are withdrawn; with
+        failure is raised as soon as it happens and the remaining items are
+        withdrawn; with
         `return_exceptions=True` failures take their item's place in the list.
         An empty input returns `[]` without touching the model.
         """
@@ -330,22 +354,41 @@ class Proxy(ABC, Generic[In, Out]):
             return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call, self._loop))
         self._check_room(len(batch))
         requests = [self._enqueue(loop, item, timeout, priority) for item in batch]
-        results: list[Any] = []
+        futures = [request.future for request in requests]
+        answered = loop.create_future()
+        remaining = len(requests)
+
+        def on_done(future: asyncio.Future[Any]) -> None:
+            # runs before the next dispatch decision, so withdrawn items are never sent
+            nonlocal remaining
+            remaining -= 1
+            failed = not future.cancelled() and future.exception() is not None
+            if failed and not return_exceptions:
+                self._withdraw(requests)
+            if (remaining == 0 or (failed and not return_exceptions)) and not answered.done():
+                answered.set_result(None)
+
+        for future in futures:
+            future.add_done_callback(on_done)
         try:
-            for request in requests:
-                try:
-                    results.append(await request.future)
-                except Exception as exc:
-                    if not return_exceptions:
-                        raise
-                    results.append(exc)
+            await answered
+            if not return_exceptions:
+                for future in futures:  # the first failure, in item order
+                    if future.done() and not future.cancelled() and future.exception():
+                        future.result()
+            results: list[Any] = [f.exception() or f.result() for f in futures]
             return results
         finally:
-            for request in requests:
-                if request.deadline_timer is not None:
-                    request.deadline_timer.cancel()
-                request.future.cancel()  # no-op for the ones already answered
+            self._withdraw(requests)
+
+    def _withdraw(self, requests: list[Request[In]]) -> None:
+        """Cancel the requests not answered yet; cancel every deadline timer."""
+        for request in requests:
+            if not request.future.done():
+                request.future.cancel()
                 self._abandon(request)
+            elif request.deadline_timer is not None:
+                request.deadline_timer.cancel()
 
     def submit(
         self, item: In, *, timeout: float | None = None, priority: int = 0
@@ -435,7 +478,9 @@ class Proxy(ABC, Generic[In, Out]):
 
     def _start_batch(self, requests: list[Request[In]]) -> None:
         assert self._loop is not None
-        task = self._loop.create_task(self._run_batch(requests))
+        # a batch serves many callers: it starts from an empty contextvars context
+        # rather than from whichever caller's context triggered the dispatch
+        task = contextvars.Context().run(self._loop.create_task, self._run_batch(requests))
         self._batch_tasks.add(task)
         task.add_done_callback(self._batch_tasks.discard)
 
@@ -443,7 +488,7 @@ class Proxy(ABC, Generic[In, Out]):
         loop, scheduler, stats = self._loop, self._scheduler, self._stats
         assert loop is not None
         assert scheduler is not None
-        _current_batch.set(asyncio.current_task())  # this task's own context: seen by the model
+        _current_batch.set(asyncio.current_task())  # seen by the model, on any executor
         size = len(requests)
         started = loop.time()
         stats.batches += 1
@@ -483,17 +528,20 @@ class Proxy(ABC, Generic[In, Out]):
     ) -> Exception | None:
         """Hand result i to caller i; return the batch-wide error instead when the results
         cannot be matched to the callers."""
-        if isinstance(results, (str, bytes, bytearray, Mapping, Set)) or not hasattr(
-            results, "__len__"
-        ):
-            return TypeError(
-                f"{self.name}._inference must return a sequence with one result per item "
-                f"(list, tuple or array), got {type(results).__name__}"
-            )
         if not isinstance(results, (list, tuple)):
             try:
+                if isinstance(results, (str, bytes, bytearray, Mapping, Set)):
+                    raise TypeError(type(results).__name__)
+                len(results)  # type: ignore[arg-type]
                 results = list(results)  # type: ignore[call-overload]
-            except Exception as exc:
+            except TypeError as exc:  # not a sized sequence; a 0-d array; a generator
+                error = TypeError(
+                    f"{self.name}._inference must return a sequence with one result per item "
+                    f"(list, tuple or array), got {type(results).__name__}"
+                )
+                error.__cause__ = exc
+                return error
+            except Exception as exc:  # a sequence whose iteration itself fails
                 return exc
         assert isinstance(results, (list, tuple))
         if len(results) != len(requests):
@@ -534,6 +582,7 @@ class Proxy(ABC, Generic[In, Out]):
     @property
     def stats(self) -> ProxyStats:
         """An immutable snapshot of counters, queue depth and recent latencies."""
+        self._require_init()
         scheduler = self._scheduler
         if scheduler is None:
             return self._stats.snapshot(0, 0)

@@ -9,8 +9,8 @@ device, where plain `def` models then never run at the same time.
 Nothing is lost at shutdown: a batch submitted to a closing thread, or still
 running when it stops, fails with a `RuntimeError` in its caller instead of
 hanging. The thread is a daemon and is started lazily on first use. A model
-call runs in a copy of the submitting task's `contextvars` context, so context
-(request ids, tracing spans) set by callers reaches the model.
+call runs in a copy of the submitting task's `contextvars` context, as it would
+on the submitter's own loop.
 """
 
 from __future__ import annotations

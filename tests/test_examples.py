@@ -1,0 +1,53 @@
+"""The examples run as documented (`make demo`) and report what they claim."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+QUICKSTART = Path(__file__).resolve().parent.parent / "examples" / "quickstart.py"
+
+
+def load_quickstart() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("quickstart_example", QUICKSTART)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quickstart_runs_as_a_script() -> None:
+    done = subprocess.run(
+        [sys.executable, str(QUICKSTART)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    requests = re.search(r"^requests:\s+(\d+)$", done.stdout, re.MULTILINE)
+    batches = re.search(r"^model calls:\s+(\d+) batches$", done.stdout, re.MULTILINE)
+    assert requests is not None, done.stdout
+    assert batches is not None, done.stdout
+    assert int(requests.group(1)) == 200
+    assert 1 <= int(batches.group(1)) < 200
+    assert "batch sizes:" in done.stdout
+    assert "p99" in done.stdout
+
+
+async def test_quickstart_main(capsys: pytest.CaptureFixture[str]) -> None:
+    quickstart = load_quickstart()
+    stats = await quickstart.main()
+    assert stats.requests == stats.succeeded == stats.items == 200
+    assert stats.errors == stats.timed_out == stats.cancelled == stats.rejected == 0
+    assert stats.batches < 200
+    assert max(stats.batch_sizes) <= quickstart.BATCH_SIZE
+    assert sum(size * count for size, count in stats.batch_sizes.items()) == 200
+    assert "requests:    200" in capsys.readouterr().out
