@@ -3,10 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from collections.abc import AsyncIterator
 
 import pytest
+
+VIRTUAL_CLOCK_WORKS = sys.version_info >= (3, 11)
+"""looptime's virtual clock stalls on Python 3.10 once tasks are cancelled (seen with
+looptime 0.7, the newest there); the library itself supports 3.10."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if VIRTUAL_CLOCK_WORKS:
+        return
+    skip = pytest.mark.skip(reason="looptime's virtual clock stalls on Python 3.10")
+    for item in items:
+        if item.get_closest_marker("looptime") or item.get_closest_marker("virtual_clock"):
+            item.add_marker(skip)
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import looptime
+import pytest
 from _support import Recorder
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -91,6 +92,7 @@ calls_strategy = st.lists(
 )
 
 
+@pytest.mark.virtual_clock
 @settings(
     max_examples=int(os.environ.get("CHAOS_EXAMPLES", "200")),
     deadline=None,
