@@ -51,8 +51,6 @@ logger = logging.getLogger("batchproxy")
 In = TypeVar("In")
 Out = TypeVar("Out")
 
-ModelResult = Sequence[Any]
-
 
 class Proxy(ABC, Generic[In, Out]):
     """Batch concurrent `await proxy.inference(item)` calls into `_inference(items)` calls.
@@ -101,9 +99,9 @@ class Proxy(ABC, Generic[In, Out]):
 
         self._model = self._model_function()
         self._executor, self._owns_executor = self._choose_executor(offload)
-        if self._owns_executor:
+        if isinstance(self._executor, WorkerThread) and self._owns_executor:
             # a proxy dropped without aclose() still stops its thread
-            weakref.finalize(self, self._executor_closer(self._executor)).atexit = False
+            weakref.finalize(self, self._executor.close).atexit = False
 
         self._stats = StatsRecorder(self.name)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -140,11 +138,6 @@ class Proxy(ABC, Generic[In, Out]):
         if offload or not inspect.iscoroutinefunction(self._model):
             return WorkerThread(name=f"batchproxy-{self.name}"), True
         return LoopExecutor(), False
-
-    @staticmethod
-    def _executor_closer(executor: Executor) -> Callable[[], None]:
-        assert isinstance(executor, WorkerThread)
-        return executor.close
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -331,9 +324,8 @@ class Proxy(ABC, Generic[In, Out]):
         The items are batched like separate calls (with each other and with
         everyone else's). `timeout` bounds the whole call. By default the first
         failure is raised as soon as it happens and the remaining items are
-        withdrawn; with
-        `return_exceptions=True` failures take their item's place in the list.
-        An empty input returns `[]` without touching the model.
+        withdrawn; with `return_exceptions=True` failures take their item's place
+        in the list. An empty input returns `[]` without touching the model.
         """
         if isinstance(items, (str, bytes, bytearray, Mapping)):
             raise TypeError(
@@ -529,20 +521,23 @@ class Proxy(ABC, Generic[In, Out]):
         """Hand result i to caller i; return the batch-wide error instead when the results
         cannot be matched to the callers."""
         if not isinstance(results, (list, tuple)):
-            try:
-                if isinstance(results, (str, bytes, bytearray, Mapping, Set)):
-                    raise TypeError(type(results).__name__)
-                len(results)  # type: ignore[arg-type]
-                results = list(results)  # type: ignore[call-overload]
-            except TypeError as exc:  # not a sized sequence; a 0-d array; a generator
+            cause: Exception | None = None
+            if hasattr(results, "__len__") and not isinstance(
+                results, (str, bytes, bytearray, Mapping, Set)
+            ):
+                try:
+                    results = list(results)  # type: ignore[call-overload]
+                except TypeError as exc:  # a 0-d array, say
+                    cause = exc
+                except Exception as exc:  # a sequence whose iteration itself fails
+                    return exc
+            if not isinstance(results, list):
                 error = TypeError(
                     f"{self.name}._inference must return a sequence with one result per item "
                     f"(list, tuple or array), got {type(results).__name__}"
                 )
-                error.__cause__ = exc
+                error.__cause__ = cause
                 return error
-            except Exception as exc:  # a sequence whose iteration itself fails
-                return exc
         assert isinstance(results, (list, tuple))
         if len(results) != len(requests):
             return BatchSizeMismatch(self.name, len(requests), len(results))
