@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 
 import pytest
@@ -456,3 +457,39 @@ async def test_aclose_from_another_loop_drains_on_the_proxys_loop(
         with pytest.raises(ProxyClosed):
             await asyncio.wait_for(asyncio.wrap_future(proxy.submit(9)), 10)
     assert not thread_alive("batchproxy-remote-close")
+
+
+def test_event_loop_ending_mid_batch_leaves_the_proxy_usable(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """asyncio.run() returning while a batch runs cancels it with the callers; nothing
+    is reported to the loop's exception handler, and the next loop is served."""
+    proxy = Recorder(delay=10.0)
+
+    async def leave_a_batch_running() -> None:
+        caller = asyncio.create_task(proxy.inference("abandoned"))
+        await asyncio.sleep(0.01)
+        assert not caller.done()
+        assert proxy.stats.in_flight == 1
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        asyncio.run(leave_a_batch_running())
+    assert caplog.records == []
+    proxy.delay = 0.0
+    assert asyncio.run(proxy.inference("next")) == ("out", "next")
+
+
+async def test_batch_task_cancelled_from_outside_fails_its_callers() -> None:
+    """If something cancels the batch task itself, its callers get InferenceError at
+    once instead of waiting forever, and the proxy serves the next batch."""
+    proxy = Recorder(delay=10.0, batch_size=2)
+    calls = [asyncio.create_task(proxy.inference(i)) for i in range(2)]
+    await asyncio.sleep(0.01)
+    (batch_task,) = proxy._batch_tasks
+    batch_task.cancel()
+    outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 5)
+    assert all(isinstance(o, batchproxy.InferenceError) for o in outcomes)
+    assert isinstance(outcomes[0].__cause__, asyncio.CancelledError)
+    proxy.delay = 0.0
+    assert await asyncio.wait_for(proxy.inference("next"), 5) == ("out", "next")
+    await proxy.aclose()
