@@ -2,7 +2,7 @@
 
 Event-driven, no polling: the scheduler runs only when something happens (an
 arrival, a batch finishing, its one timer firing), decides, and goes back to
-sleep. An idle proxy has no timer armed and costs no CPU.
+sleep. Once the queue is empty no timer stays armed: an idle proxy costs no CPU.
 
 A batch leaves, with up to `batch_size` requests (highest priority first, FIFO
 within a priority), when a batch slot is free (fewer than
@@ -117,7 +117,7 @@ class Scheduler(Generic[T]):
         self._decide()
 
     def close(self) -> None:
-        """Disarm the timer (the loop is going away or the proxy is closed)."""
+        """Disarm the timer (nothing waits, the proxy is closed, or its loop is gone)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -142,7 +142,7 @@ class Scheduler(Generic[T]):
             if not go_now and queue.live < self._batch_size:
                 when = self._departure_time()
                 if when is None:  # every queued request turned out to be dead
-                    return
+                    break
                 if when > self.loop.time() + _TIME_TOLERANCE:
                     self._arm_timer(when)
                     return
@@ -150,6 +150,8 @@ class Scheduler(Generic[T]):
             if batch:
                 self.in_flight += 1
                 self._start_batch(batch)
+        if not queue.live:
+            self.close()  # nothing waits: no timer left armed
 
     def _departure_time(self) -> float | None:
         """When the current partial batch should leave, by the window and the idle rule."""

@@ -173,3 +173,22 @@ async def test_deadline_timers_are_cancelled_once_answered() -> None:
         await asyncio.gather(*(proxy.inference(i) for i in range(20)))
         await asyncio.sleep(0.01)
         assert armed_timers(loop) == []
+
+
+async def test_timer_is_disarmed_as_soon_as_the_queue_empties() -> None:
+    async with Recorder(batch_size=3, max_delay_ms=1000, max_concurrent_batches=2) as proxy:
+        proxy.delay = 0.5
+        first = asyncio.create_task(proxy.inference("first"))
+        await asyncio.sleep(0.001)
+        waiting = [asyncio.create_task(proxy.inference(i)) for i in range(2)]
+        for _ in range(3):  # the callers queue, then the decision runs
+            await asyncio.sleep(0)
+        scheduler = proxy._scheduler
+        assert scheduler is not None
+        assert scheduler._timer is not None  # two requests wait for company
+        waiting.append(asyncio.create_task(proxy.inference(2)))  # fills the batch
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert proxy.stats.queue_depth == 0
+        assert scheduler._timer is None
+        await asyncio.gather(first, *waiting)
