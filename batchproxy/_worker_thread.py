@@ -20,7 +20,7 @@ import contextlib
 import contextvars
 import inspect
 import threading
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from typing_extensions import Self
@@ -91,7 +91,7 @@ class WorkerThread(Executor):
         self._running: dict[asyncio.Task[None], _Job] = {}
         self._closed = False
         self._exited = False
-        self._exit_callbacks: list[Any] = []
+        self._exit_callbacks: list[Callable[[], None]] = []
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "running" if self._thread else "idle"
