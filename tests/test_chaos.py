@@ -95,73 +95,72 @@ def batch_error(batch: list[Call]) -> type[BaseException] | None:
     return None
 
 
-calls_strategy = st.lists(
-    st.builds(
-        lambda at, kind, priority, timeout, cancel_after: (
-            at,
-            kind,
-            priority,
-            timeout,
-            cancel_after,
-        ),
-        st.floats(0, 0.2),
+@dataclass(frozen=True)
+class Case:
+    """One chaos run: the calls, the proxy's options, the model's delay, when to close."""
+
+    calls: list[Call]
+    options: dict[str, Any]
+    model_delay: float
+    close_at: float | None
+
+
+def cases(horizon: float, max_calls: int, delays: list[float]) -> st.SearchStrategy[Case]:
+    """Calls arriving within `horizon` seconds, with deadlines and cancellations on the
+    same scale, against random proxy options, and maybe a close mid-stream."""
+    call = st.tuples(
+        st.floats(0, horizon),
         st.sampled_from(KINDS),
         st.integers(0, 2),
-        st.none() | st.floats(0.001, 0.1),
-        st.none() | st.floats(0, 0.1),
-    ),
-    min_size=1,
-    max_size=60,
-)
+        st.none() | st.floats(0.001, horizon / 2),
+        st.none() | st.floats(0, horizon / 2),
+    )
+    options = st.fixed_dictionaries(
+        {
+            "batch_size": st.integers(1, 8),
+            "max_delay_ms": st.sampled_from([0.0, 1.0, 5.0, 20.0]),
+            "max_concurrent_batches": st.integers(1, 3),
+            "max_queue_size": st.none() | st.integers(1, 20),
+        }
+    )
+    return st.builds(
+        Case,
+        st.lists(call, min_size=1, max_size=max_calls).map(
+            lambda raw: [Call(i, *fields) for i, fields in enumerate(raw)]
+        ),
+        options,
+        st.sampled_from(delays),
+        st.none() | st.floats(0, horizon * 1.5),
+    )
+
+
+def chaos_settings(examples_variable: str, default: int) -> settings:
+    return settings(
+        max_examples=int(os.environ.get(examples_variable, str(default))),
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
 
 
 @pytest.mark.virtual_clock
-@settings(
-    max_examples=int(os.environ.get("CHAOS_EXAMPLES", "200")),
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-@given(
-    raw_calls=calls_strategy,
-    batch_size=st.integers(1, 8),
-    max_delay_ms=st.sampled_from([0.0, 1.0, 5.0, 20.0]),
-    max_concurrent=st.integers(1, 3),
-    max_queue_size=st.none() | st.integers(1, 20),
-    model_delay=st.sampled_from([0.0, 0.001, 0.01, 0.05]),
-    close_at=st.none() | st.floats(0, 0.3),
-)
-def test_every_call_ends_once_with_its_own_outcome(
-    raw_calls: list[tuple[float, str, int, float | None, float | None]],
-    batch_size: int,
-    max_delay_ms: float,
-    max_concurrent: int,
-    max_queue_size: int | None,
-    model_delay: float,
-    close_at: float | None,
-) -> None:
-    calls = [Call(i, *raw) for i, raw in enumerate(raw_calls)]
+@chaos_settings("CHAOS_EXAMPLES", 200)
+@given(case=cases(horizon=0.2, max_calls=60, delays=[0.0, 0.001, 0.01, 0.05]))
+def test_every_call_ends_once_with_its_own_outcome(case: Case) -> None:
     loop = looptime.new_event_loop(start=0.0)
     try:
         proxy, outcomes, closed_at = loop.run_until_complete(
             asyncio.wait_for(
                 scenario(
-                    calls,
-                    Recorder(
-                        respond,
-                        delay=model_delay,
-                        batch_size=batch_size,
-                        max_delay_ms=max_delay_ms,
-                        max_concurrent_batches=max_concurrent,
-                        max_queue_size=max_queue_size,
-                    ),
-                    close_at,
+                    case.calls,
+                    Recorder(respond, delay=case.model_delay, **case.options),
+                    case.close_at,
                 ),
                 timeout=3600,  # virtual seconds: a hang fails here, fast
             )
         )
     finally:
         loop.close()
-    check(calls, proxy, outcomes, closed_at, batch_size)
+    check(case.calls, proxy, outcomes, closed_at, case.options["batch_size"])
 
 
 async def scenario(
@@ -283,55 +282,14 @@ def check(
     assert stats.items == len(batch_of)
 
 
-real_calls_strategy = st.lists(
-    st.tuples(
-        st.floats(0, 0.03),
-        st.sampled_from(KINDS),
-        st.integers(0, 2),
-        st.none() | st.floats(0.001, 0.02),
-        st.none() | st.floats(0, 0.02),
-    ),
-    min_size=1,
-    max_size=30,
-)
-
-
-@settings(
-    max_examples=int(os.environ.get("CHAOS_EXAMPLES_THREADED", "25")),
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-@given(
-    raw_calls=real_calls_strategy,
-    batch_size=st.integers(1, 8),
-    max_delay_ms=st.sampled_from([0.0, 1.0, 5.0]),
-    max_concurrent=st.integers(1, 3),
-    max_queue_size=st.none() | st.integers(1, 20),
-    model_delay=st.sampled_from([0.0, 0.001, 0.005]),
-    close_at=st.none() | st.floats(0, 0.04),
-)
-def test_every_call_ends_once_with_a_model_on_the_worker_thread(
-    raw_calls: list[tuple[float, str, int, float | None, float | None]],
-    batch_size: int,
-    max_delay_ms: float,
-    max_concurrent: int,
-    max_queue_size: int | None,
-    model_delay: float,
-    close_at: float | None,
-) -> None:
+@chaos_settings("CHAOS_EXAMPLES_THREADED", 25)
+@given(case=cases(horizon=0.03, max_calls=30, delays=[0.0, 0.001, 0.005]))
+def test_every_call_ends_once_with_a_model_on_the_worker_thread(case: Case) -> None:
     """The same chaos in real time, through the worker thread (cross-thread replies,
     BaseExceptions carried back, shutdown of the owned thread)."""
-    calls = [Call(i, *raw) for i, raw in enumerate(raw_calls)]
-    model = ThreadedModel(
-        delay=model_delay,
-        batch_size=batch_size,
-        max_delay_ms=max_delay_ms,
-        max_concurrent_batches=max_concurrent,
-        max_queue_size=max_queue_size,
-        name="chaos-threaded",
-    )
+    model = ThreadedModel(delay=case.model_delay, name="chaos-threaded", **case.options)
     proxy, outcomes, closed_at = asyncio.run(
-        asyncio.wait_for(scenario(calls, model, close_at), timeout=30)
+        asyncio.wait_for(scenario(case.calls, model, case.close_at), timeout=30)
     )
-    check(calls, proxy, outcomes, closed_at, batch_size, exact_clock=False)
+    check(case.calls, proxy, outcomes, closed_at, case.options["batch_size"], exact_clock=False)
     assert not [t for t in threading.enumerate() if t.name == "batchproxy-chaos-threaded"]
