@@ -2,8 +2,11 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
+# torch pinned exactly, in the same pip command as the extras that need it, so pip
+# takes the CPU build on this machine and never resolves a newer torch with CUDA packages
+TORCH   = torch==2.13.0
 
-.PHONY: demo test lint typecheck unit bench clean
+.PHONY: demo test lint typecheck unit bench bench-tensors clean
 
 demo: $(VENV)/.installed
 	$(BIN)/python examples/quickstart.py
@@ -23,6 +26,9 @@ unit: $(VENV)/.installed-dev
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/overhead.py
 
+bench-tensors: $(VENV)/.installed-dev
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/length_aware.py
+
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
@@ -31,8 +37,8 @@ $(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
 	$(BIN)/python -m pip install --quiet -e .
 	touch $@
 
-$(VENV)/.installed-dev: pyproject.toml | $(VENV)/bin/python
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+$(VENV)/.installed-dev: pyproject.toml Makefile | $(VENV)/bin/python
+	$(BIN)/python -m pip install --quiet -e '.[dev,models]' '$(TORCH)'
 	touch $@ $(VENV)/.installed
 
 clean:

@@ -17,6 +17,7 @@ from ._errors import (
 from ._executor import Executor
 from ._proxy import Proxy
 from ._stats import Listener, Percentiles, ProxyStats
+from ._tensor_proxy import TensorProxy
 from ._worker_thread import WorkerThread
 
 __version__ = "0.1.0"
@@ -34,6 +35,7 @@ __all__ = [
     "ProxyClosed",
     "ProxyStats",
     "QueueFull",
+    "TensorProxy",
     "WorkerThread",
     "__version__",
     "batch",

@@ -68,7 +68,14 @@ class Proxy(ABC, Generic[In, Out]):
       `WorkerThread` shares one between proxies; a plain `def _inference` always
       runs on a worker thread, never on the event loop.
     - `name`: how stats, errors and logs name this proxy (default: class name).
+    - `length`: a per-item cost (e.g. sequence length). When given, batches are
+      formed from requests of similar cost (little padding), `max_batch_tokens`
+      is enforced, and `stats.padding_waste` is tracked.
+    - `max_batch_tokens`: the most padded tokens in one batch: members x largest
+      cost (default cost: `batchproxy.tensors.length`). An item over it runs alone.
     """
+
+    _group_by_length = True  # TensorProxy(length_aware=False): costs without grouping
 
     # class-level defaults, so a subclass that forgot super().__init__() reaches
     # _require_init() and its clear error instead of an AttributeError
@@ -85,6 +92,8 @@ class Proxy(ABC, Generic[In, Out]):
         max_concurrent_batches: int = 1,
         offload: bool | Executor = False,
         name: str | None = None,
+        length: Callable[[In], int] | None = None,
+        max_batch_tokens: int | None = None,
     ) -> None:
         self._batch_size = _validate.count("batch_size", batch_size)
         self._max_delay = _validate.duration("max_delay_ms", max_delay_ms, allow_zero=True) / 1e3
@@ -96,6 +105,14 @@ class Proxy(ABC, Generic[In, Out]):
         if name == "":
             raise ValueError(f"name must be a non-empty str or None, got {name!r}")
         self.name: str = name or type(self).__name__
+        self._max_batch_tokens = _validate.optional_count("max_batch_tokens", max_batch_tokens)
+        if length is None and self._max_batch_tokens is not None:
+            from .tensors import length as sequence_length
+
+            length = sequence_length
+        if length is not None and not callable(length):
+            raise TypeError(f"length must be a callable or None, got {length!r}")
+        self._length = length
 
         self._model = self._model_function()
         self._executor, self._owns_executor = self._choose_executor(offload)
@@ -256,6 +273,9 @@ class Proxy(ABC, Generic[In, Out]):
             max_delay=self._max_delay,
             max_concurrent_batches=self._max_concurrent,
             start_batch=self._start_batch,
+            by_cost=self._length is not None,
+            group_by_cost=self._group_by_length,
+            max_batch_tokens=self._max_batch_tokens,
         )
         return True
 
@@ -423,9 +443,10 @@ class Proxy(ABC, Generic[In, Out]):
         if type(priority) is not int:
             priority = _validate.priority(priority)
         seconds = self._timeout if timeout is None else _validate.timeout("timeout", timeout)
+        cost = 1 if self._length is None else self._cost(item)
         self._check_room(1)
         now = loop.time()
-        request: Request[In] = Request(item, loop.create_future(), priority, now)
+        request: Request[In] = Request(item, loop.create_future(), priority, now, cost)
         if seconds is not None:
             request.deadline_timer = loop.call_at(now + seconds, self._expire, request, seconds)
         scheduler = self._scheduler
@@ -436,6 +457,16 @@ class Proxy(ABC, Generic[In, Out]):
         if stats.listeners:
             stats.notify("request_queued", scheduler.queue.live)
         return request
+
+    def _cost(self, item: In) -> int:
+        assert self._length is not None
+        cost = self._length(item)
+        if isinstance(cost, bool) or not isinstance(cost, int) or cost < 0:
+            raise TypeError(
+                f"{self.name}: length(item) must return an int >= 0, got {cost!r} "
+                f"for {type(item).__name__}"
+            )
+        return cost
 
     def _expire(self, request: Request[In], seconds: float) -> None:
         """Deadline timer: fail the call; a queued request leaves without reaching the model."""
@@ -488,6 +519,10 @@ class Proxy(ABC, Generic[In, Out]):
         stats.batch_sizes[size] = stats.batch_sizes.get(size, 0) + 1
         waits = [started - request.enqueued_at for request in requests]
         stats.queue_wait.extend(waits)
+        if self._length is not None:
+            stats.record_padding(
+                real=sum(r.cost for r in requests), padded=size * max(r.cost for r in requests)
+            )
         if stats.listeners:
             stats.notify("batch_started", size, waits)
         error: BaseException | None = None

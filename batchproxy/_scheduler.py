@@ -32,6 +32,19 @@ arrival is not expected before the oldest request's window closes
 (`t + gap >= oldest + max_delay_ms`) or the queue has been quiet for twice the
 expected gap (the stream has paused: the stragglers of a burst go at once).
 
+Length-aware batches (when requests carry a cost, e.g. a sequence length): a
+batch still leaves by the rules above (a full token budget counts as full),
+but its members are picked from the first `max(4 x batch_size, 64)` queued
+requests so that padding is small: the oldest request (highest priority
+first) always goes, with the requests closest to it in cost. A request that is
+among the `batch_size` oldest (the batch FIFO would send) and left out is
+passed over; once passed over 3 times it goes in the next batch. So no request
+waits more than 3 batches longer than in FIFO order (with a token budget, a
+request that does not fit goes in the batch after). Forcing it after a single
+pass would make every other batch a FIFO batch and undo the grouping under
+load. With `max_batch_tokens`, members x largest cost stays within the
+budget, and an item over the budget goes alone.
+
 Failure modes handled here: a cancelled or expired request is never sent (the
 queue drops requests whose future is done); a decision is never lost (each
 path that can make a batch ready, arrival, slot freed, timer, drain, schedules
@@ -67,6 +80,9 @@ class Scheduler(Generic[T]):
         max_delay: float,
         max_concurrent_batches: int,
         start_batch: Callable[[list[Request[T]]], None],
+        by_cost: bool = False,
+        group_by_cost: bool = True,
+        max_batch_tokens: int | None = None,
     ) -> None:
         self.loop = loop
         self.queue: RequestQueue[T] = RequestQueue()
@@ -75,6 +91,10 @@ class Scheduler(Generic[T]):
         self._max_delay = max_delay
         self._max_concurrent = max_concurrent_batches
         self._start_batch = start_batch
+        self._by_cost = by_cost
+        self._group = group_by_cost
+        self._budget = max_batch_tokens
+        self._window = max(4 * batch_size, 64)
         self._decision_scheduled = False
         self._slot_freed = False
         self._draining = False
@@ -139,19 +159,31 @@ class Scheduler(Generic[T]):
         self._slot_freed = False
         queue = self.queue
         while self.in_flight < self._max_concurrent and queue.live:
-            if not go_now and queue.live < self._batch_size:
+            if not go_now and not self._full():
                 when = self._departure_time()
                 if when is None:  # every queued request turned out to be dead
                     break
                 if when > self.loop.time() + _TIME_TOLERANCE:
                     self._arm_timer(when)
                     return
-            batch = queue.pop_batch(self._batch_size)
+            batch = self._take()
             if batch:
                 self.in_flight += 1
                 self._start_batch(batch)
         if not queue.live:
             self.close()  # nothing waits: no timer left armed
+
+    def _full(self) -> bool:
+        queue = self.queue
+        budget = self._budget
+        return queue.live >= self._batch_size or (budget is not None and queue.live_cost >= budget)
+
+    def _take(self) -> list[Request[T]]:
+        if not self._by_cost:
+            return self.queue.pop_batch(self._batch_size)
+        return self.queue.pop_similar(
+            self._batch_size, self._budget, self._window, group=self._group
+        )
 
     def _departure_time(self) -> float | None:
         """When the current partial batch should leave, by the window and the idle rule."""

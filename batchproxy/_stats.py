@@ -77,6 +77,9 @@ class ProxyStats:
     queue_wait: Percentiles
     model_time: Percentiles
     total_latency: Percentiles
+    padding_waste: float | None = None
+    """Padded elements / total elements over all batches, by the proxy's `length`
+    (None without one): 0.0 when every batch held items of one length."""
 
     @property
     def mean_batch_size(self) -> float:
@@ -127,7 +130,16 @@ class StatsRecorder:
         self.queue_wait: deque[float] = deque(maxlen=WINDOW)
         self.model_time: deque[float] = deque(maxlen=WINDOW)
         self.total_latency: deque[float] = deque(maxlen=WINDOW)
+        self.real_elements = 0
+        self.padded_elements = 0
+        self.tracks_padding = False
         self.listeners: list[Listener] = []
+
+    def record_padding(self, real: int, padded: int) -> None:
+        """One batch: `real` elements of data in a padded batch of `padded` elements."""
+        self.tracks_padding = True
+        self.real_elements += real
+        self.padded_elements += padded
 
     def snapshot(self, queue_depth: int, in_flight: int) -> ProxyStats:
         return ProxyStats(
@@ -147,7 +159,14 @@ class StatsRecorder:
             queue_wait=Percentiles.of(self.queue_wait),
             model_time=Percentiles.of(self.model_time),
             total_latency=Percentiles.of(self.total_latency),
+            padding_waste=self._padding_waste(),
         )
+
+    def _padding_waste(self) -> float | None:
+        if not self.tracks_padding:
+            return None
+        padded = self.padded_elements
+        return (padded - self.real_elements) / padded if padded else 0.0
 
     def notify(self, hook: str, *args: object) -> None:
         """Call `hook` on every listener; log and swallow what they raise."""

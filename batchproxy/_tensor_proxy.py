@@ -1,0 +1,192 @@
+"""`TensorProxy[In, Out]`: a `Proxy` whose model method sees one collated, padded batch.
+
+A batch runs as: `tensors.validate(items)`; an item that cannot be batched with
+the others gets its error as its result (that caller alone fails); the rest are
+collated (`tensors.collate`), moved to `device` if one is set, passed to
+`_forward`, and its outputs are split back to one per item (`tensors.split`),
+un-padded where they carry the padded sequence axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from abc import abstractmethod
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+
+from . import _validate, tensors
+from ._proxy import Proxy
+from .tensors import Collated, PaddingSide
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["TensorProxy"]
+
+In = TypeVar("In")
+Out = TypeVar("Out")
+
+
+class TensorProxy(Proxy[In, Out]):
+    """A `Proxy` for arrays, tensors and feature dicts: implement `_forward(batch)`.
+
+    Items are NumPy arrays, torch tensors, `dict[str, array]` feature dicts or
+    tuples of these, of varying length along axis 0. Arguments (the rest go to
+    `Proxy`: `max_delay_ms`, `offload`, `max_batch_tokens`, ...):
+
+    - `pad_value`: what pads ragged items; one value, or one per dict key (e.g.
+      `{"input_ids": 0, "labels": -100}`).
+    - `padding_side`: `"right"`, or `"left"` for decoder models that read the
+      last position.
+    - `pad_to_multiple_of`: round the padded length up to a multiple of this.
+    - `device`: a torch device (`"cuda:0"`, `"cpu"`) the collated batch and its
+      mask are moved to before `_forward`, through pinned memory when the target
+      is a CUDA device. Applies to torch data only: NumPy items with a `device`
+      set fail their batch with `TypeError`. Outputs stay where `_forward` put
+      them; each caller gets its own slice of them.
+    - `length_aware`: form batches of items of similar length, so less padding
+      is computed. Either way each item's cost is `tensors.length` (pass
+      `length=` to change it), which `max_batch_tokens` and the padding stats use.
+
+    A plain `def _forward` runs on the proxy's worker thread, with validation,
+    collation and splitting; an `async def _forward` runs on the event loop
+    unless `offload=True`.
+    """
+
+    def __init__(
+        self,
+        batch_size: int = 64,
+        *,
+        pad_value: float | Mapping[str, float] = 0,
+        padding_side: PaddingSide = "right",
+        pad_to_multiple_of: int | None = None,
+        device: str | torch.device | None = None,
+        length_aware: bool = True,
+        **options: Any,
+    ) -> None:
+        if padding_side not in ("right", "left"):
+            raise ValueError(f'padding_side must be "right" or "left", got {padding_side!r}')
+        self._pad_value = pad_value
+        self._padding_side: PaddingSide = padding_side
+        self._pad_to_multiple_of = _validate.optional_count(
+            "pad_to_multiple_of", pad_to_multiple_of
+        )
+        self._device = _torch_device(device)
+        options.setdefault("length", tensors.length)  # costs for max_batch_tokens and stats
+        self._group_by_length = length_aware
+        super().__init__(batch_size, **options)
+
+    @abstractmethod
+    def _forward(self, batch: Collated, /) -> Any:
+        """Run the model on one collated batch; return the batched outputs.
+
+        `batch.data` is the padded batch (one array/tensor, a dict or a tuple),
+        `batch.mask` the attention mask (`None` when nothing was padded). Return
+        an array/tensor (or a dict, tuple or list of them) whose axis 0 is the
+        batch; outputs whose axis 1 is `batch.padded_length` are un-padded per
+        item. May be `async def` or plain `def`.
+        """
+
+    def _inference(
+        self, items: list[In], /
+    ) -> Awaitable[Sequence[Out | BaseException]] | Sequence[Out | BaseException]:
+        result: Awaitable[Sequence[Out | BaseException]] | Sequence[Out | BaseException]
+        result = self._model_function()(items)
+        return result
+
+    def _model_function(self) -> Callable[[list[In]], Any]:
+        """A plain callable for a plain `_forward` (so it runs on the worker thread), else
+        a coroutine function."""
+        if inspect.iscoroutinefunction(self._forward):
+            return self._run_async
+        return self._run_sync
+
+    def _run_sync(self, items: list[In], /) -> list[Any]:
+        batch = self._prepare(items)
+        if batch.collated is not None:
+            batch.deliver(self._forward(batch.collated), self.name)
+        return batch.results
+
+    async def _run_async(self, items: list[In], /) -> list[Any]:
+        batch = self._prepare(items)
+        if batch.collated is not None:
+            batch.deliver(await self._forward(batch.collated), self.name)
+        return batch.results
+
+    def _prepare(self, items: list[In]) -> _Batch:
+        """Validate, collate the valid items and move them to the device."""
+        errors = tensors.validate(items)
+        results: list[Any] = list(errors)
+        valid = [i for i, error in enumerate(errors) if error is None]
+        if not valid:
+            return _Batch(results, valid, None)
+        collated = tensors.collate(
+            [items[i] for i in valid],
+            pad_value=self._pad_value,
+            padding_side=self._padding_side,
+            pad_to_multiple_of=self._pad_to_multiple_of,
+        )
+        if self._device is not None:
+            collated = dataclasses.replace(
+                collated,
+                data=_move(collated.data, self._device),
+                mask=None if collated.mask is None else _move(collated.mask, self._device),
+            )
+        return _Batch(results, valid, collated)
+
+
+@dataclasses.dataclass
+class _Batch:
+    """One batch in flight: per-item results (errors pre-filled) and who was collated."""
+
+    results: list[Any]
+    valid: list[int]
+    collated: Collated | None
+
+    def deliver(self, outputs: Any, proxy: str) -> None:
+        assert self.collated is not None
+        parts = tensors.split(outputs, self.collated)
+        if len(parts) != len(self.valid):
+            raise ValueError(
+                f"{proxy}._forward returned outputs for {len(parts)} items "
+                f"for a batch of {len(self.valid)}"
+            )
+        for index, part in zip(self.valid, parts, strict=True):
+            self.results[index] = part
+
+
+def _torch_device(device: object) -> torch.device | None:
+    if device is None:
+        return None
+    import torch
+
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(
+            f"device must be a str, a torch.device or None, got {type(device).__name__} {device!r}"
+        )
+    return torch.device(device)
+
+
+def _move(data: Any, device: torch.device) -> Any:
+    """`data` with every torch tensor on `device` (pinned first for a CUDA target)."""
+    import torch
+
+    if isinstance(data, torch.Tensor):
+        if device.type == "cuda" and data.device.type == "cpu" and torch.cuda.is_available():
+            data = data.pin_memory()
+        return data.to(device, non_blocking=True)
+    if isinstance(data, np.ndarray):
+        raise TypeError(
+            f"device={str(device)!r} applies to torch tensors, but this batch holds NumPy "
+            f"arrays; send torch tensors (torch.from_numpy) or leave device unset"
+        )
+    if isinstance(data, Mapping):
+        return {key: _move(value, device) for key, value in data.items()}
+    if isinstance(data, tuple):
+        return tuple(_move(value, device) for value in data)
+    if isinstance(data, list):
+        return [_move(value, device) for value in data]
+    return data

@@ -1,0 +1,559 @@
+"""Collate, pad and split NumPy arrays and torch tensors for batched models.
+
+Items are NumPy arrays, torch tensors, `dict[str, array]` feature dicts or tuples
+of arrays; all items of one batch share that structure. torch is never imported
+here: a torch tensor can only exist once its user has imported torch.
+
+The rules:
+
+- `collate(items)` stacks same-shape items on a new batch axis. Items whose sizes
+  differ on some axes (ragged axes; any axis may be one) are padded with
+  `pad_value` to the longest on each ragged axis, at the end (`"right"`) or the
+  start (`"left"`) of that axis, then stacked; `pad_to_multiple_of` rounds each
+  padded ragged axis up. Axis 0 of an item is its sequence axis: `lengths`
+  holds each item's size there (the largest over the leaves of a dict or
+  tuple), and `mask` is `True` on its real positions.
+- dtype and device are kept exactly; NumPy and torch are never mixed.
+- `split(outputs, collated)` hands back one output per item: row `i` of every
+  array in `outputs` (nested in dicts, tuples and lists as you like), un-padded
+  as described in `split`.
+- `validate(items)` finds the items that cannot be batched with the rest
+  (another type or library, other dict keys, another rank, dtype or device of
+  a leaf), measured against the most common structure, so one bad item never
+  fails the good ones. `collate` raises the first such error.
+- `length(item)` is the item's cost for length-aware batching: its size along
+  axis 0, the largest over its leaves.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard
+
+import numpy as np
+
+from . import _validate
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Collated", "PaddingSide", "collate", "length", "split", "validate"]
+
+PaddingSide = Literal["right", "left"]
+
+_Path = tuple[str | int, ...]
+"""Where a leaf sits in an item: `()` for a lone array, `(key,)` in a dict, `(i,)` in a tuple."""
+
+_Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class Collated:
+    """A collated batch and what `split` needs to hand each item its own output.
+
+    - `data`: the batch: one array/tensor, a `dict[str, array]` or a tuple of them,
+      with the batch on axis 0.
+    - `lengths`: each item's size along its sequence axis (axis 0 of the item; the
+      largest over the leaves of a dict or tuple).
+    - `mask`: a bool array/tensor of shape `(n, padded_length)`, same library and
+      device as `data`, `True` on each item's real positions; `None` when nothing
+      was padded.
+    - `padded_length`: the padded size of the sequence axis (axis 1 of the batch).
+    - `padding_side`: where the padding went.
+    """
+
+    data: Any
+    lengths: list[int]
+    mask: Any | None
+    padded_length: int
+    padding_side: PaddingSide
+    _paths: tuple[_Path, ...] = field(default=(), repr=False)
+    _item_shapes: tuple[tuple[_Shape, ...], ...] = field(default=(), repr=False)
+    """`_item_shapes[i][j]`: the shape of item i's leaf at `_paths[j]`."""
+    _padded_shapes: tuple[_Shape, ...] = field(default=(), repr=False)
+    """The padded shape (without the batch axis) of the leaf at `_paths[j]`."""
+
+
+# -- leaves -----------------------------------------------------------------------------------
+
+
+def _is_tensor(value: object) -> TypeGuard[torch.Tensor]:
+    torch_module = sys.modules.get("torch")  # no tensor exists before torch is imported
+    tensor_type = getattr(torch_module, "Tensor", None)
+    return tensor_type is not None and isinstance(value, tensor_type)
+
+
+def _is_leaf(value: object) -> bool:
+    return isinstance(value, np.ndarray) or _is_tensor(value)
+
+
+def _shape(leaf: Any) -> _Shape:
+    return tuple(int(size) for size in leaf.shape)
+
+
+def _library(leaf: Any) -> str:
+    return "torch" if _is_tensor(leaf) else "numpy"
+
+
+def _dtype_name(leaf: Any) -> str:
+    return str(leaf.dtype).removeprefix("torch.")
+
+
+def _device(leaf: Any) -> str:
+    return str(leaf.device) if _is_tensor(leaf) else "cpu"
+
+
+def _leaves(item: object) -> list[tuple[_Path, Any]]:
+    """The arrays of one item with their paths, in the item's own order.
+
+    Raises `TypeError` for an unsupported item (naming its type) and `ValueError`
+    for an empty dict or tuple.
+    """
+    if _is_leaf(item):
+        return [((), item)]
+    if isinstance(item, Mapping):
+        found: list[tuple[_Path, Any]] = []
+        for key, value in item.items():
+            if not isinstance(key, str):
+                raise TypeError(f"dict keys must be str, got {type(key).__name__} {key!r}")
+            if not _is_leaf(value):
+                raise TypeError(
+                    f"key {key!r} holds a {type(value).__name__}; "
+                    "dict values must be NumPy arrays or torch tensors"
+                )
+            found.append(((key,), value))
+        if not found:
+            raise ValueError("an empty dict has nothing to batch")
+        return found
+    if isinstance(item, tuple):
+        for index, value in enumerate(item):
+            if not _is_leaf(value):
+                raise TypeError(
+                    f"element {index} is a {type(value).__name__}; "
+                    "tuple elements must be NumPy arrays or torch tensors"
+                )
+        if not item:
+            raise ValueError("an empty tuple has nothing to batch")
+        return [((index,), value) for index, value in enumerate(item)]
+    raise TypeError(
+        f"cannot batch a {_type_name(item)}: items must be "
+        "NumPy arrays, torch tensors, dict[str, array] or tuples of arrays"
+    )
+
+
+def _type_name(value: object) -> str:
+    kind = type(value)
+    return (
+        kind.__qualname__
+        if kind.__module__ == "builtins"
+        else f"{kind.__module__}.{kind.__qualname__}"
+    )
+
+
+# -- validate ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _LeafSignature:
+    library: str
+    ndim: int
+    dtype: str
+    device: str
+
+
+@dataclass(frozen=True)
+class _Signature:
+    kind: Literal["array", "dict", "tuple"]
+    keys: tuple[str, ...]  # sorted dict keys, else ()
+    leaves: tuple[_LeafSignature, ...]  # in sorted key order for dicts
+
+
+def _sorted_leaves(item: object) -> list[tuple[_Path, Any]]:
+    found = _leaves(item)
+    return sorted(found, key=lambda pair: str(pair[0][0])) if isinstance(item, Mapping) else found
+
+
+def _signature(item: object) -> _Signature:
+    found = _sorted_leaves(item)
+    kind: Literal["array", "dict", "tuple"] = (
+        "dict" if isinstance(item, Mapping) else "tuple" if isinstance(item, tuple) else "array"
+    )
+    keys = tuple(str(path[0]) for path, _ in found) if kind == "dict" else ()
+    leaves = tuple(
+        _LeafSignature(_library(leaf), len(leaf.shape), _dtype_name(leaf), _device(leaf))
+        for _, leaf in found
+    )
+    return _Signature(kind, keys, leaves)
+
+
+def _kind_name(signature: _Signature, *, plural: bool) -> str:
+    if signature.kind == "dict":
+        return "dicts" if plural else "a dict"
+    if signature.kind == "tuple":
+        count = len(signature.leaves)
+        return f"tuples of {count}" if plural else f"a tuple of {count}"
+    if signature.leaves[0].library == "torch":
+        return "torch tensors" if plural else "a torch tensor"
+    return "NumPy arrays" if plural else "a NumPy array"
+
+
+def _subject(path: _Path, library: str) -> str:
+    if not path:
+        return "tensor" if library == "torch" else "array"
+    if isinstance(path[0], str):
+        return f"key {path[0]!r}"
+    return f"element {path[0]}"
+
+
+def _mismatch(
+    index: int, item: object, signature: _Signature, reference: object, expected: _Signature
+) -> Exception:
+    """Why `item` (with `signature`) cannot join a batch of items like `reference`."""
+    prefix = f"item {index}: "
+    if signature.kind != expected.kind or (
+        signature.kind == "array" and signature.leaves[0].library != expected.leaves[0].library
+    ):
+        return TypeError(
+            f"{prefix}{_kind_name(signature, plural=False)}, "
+            f"the batch has {_kind_name(expected, plural=True)}"
+        )
+    if signature.keys != expected.keys:
+        missing = ", ".join(repr(key) for key in expected.keys if key not in signature.keys)
+        extra = ", ".join(repr(key) for key in signature.keys if key not in expected.keys)
+        details = "; ".join(
+            part for part in (missing and f"missing {missing}", extra and f"extra {extra}") if part
+        )
+        return ValueError(
+            f"{prefix}dict keys {list(signature.keys)}, the batch has {list(expected.keys)} "
+            f"({details})"
+        )
+    if len(signature.leaves) != len(expected.leaves):
+        return ValueError(
+            f"{prefix}{_kind_name(signature, plural=False)} arrays, "
+            f"the batch has {_kind_name(expected, plural=True)}"
+        )
+    pairs = zip(
+        _sorted_leaves(item),
+        _sorted_leaves(reference),
+        signature.leaves,
+        expected.leaves,
+        strict=True,
+    )
+    for (path, leaf), (_, reference_leaf), got, want in pairs:
+        subject = prefix + _subject(path, got.library)
+        shapes = f"(shape {_shape(leaf)} vs {_shape(reference_leaf)})"
+        if got.library != want.library:
+            got_name = "a torch tensor" if got.library == "torch" else "a NumPy array"
+            want_name = "torch tensors" if want.library == "torch" else "NumPy arrays"
+            return TypeError(f"{subject} is {got_name}, the batch has {want_name} {shapes}")
+        if got.device != want.device:
+            return ValueError(
+                f"{subject} is on {got.device}, the batch is on {want.device} {shapes}"
+            )
+        if got.ndim != want.ndim:
+            return ValueError(
+                f"{subject} has rank {got.ndim}, the batch has rank {want.ndim} {shapes}"
+            )
+        if got.dtype != want.dtype:
+            return TypeError(
+                f"{subject} has dtype {got.dtype}, the batch has {want.dtype} {shapes}"
+            )
+    raise AssertionError("signatures differ but no difference found")  # pragma: no cover
+
+
+def validate(items: Sequence[Any]) -> list[Exception | None]:
+    """Per item: `None` if it can be batched with the others, else the error saying why.
+
+    Items are measured against the most common structure among them (ties: the
+    earliest), so one odd item fails alone. `TypeError` for another type, library
+    or dtype; `ValueError` for other dict keys, rank, device, or an empty dict or
+    tuple. Sizes never matter: every axis may be ragged.
+    """
+    signatures: list[_Signature | Exception] = []
+    for index, item in enumerate(items):
+        try:
+            signatures.append(_signature(item))
+        except (TypeError, ValueError) as error:
+            signatures.append(type(error)(f"item {index}: {error}"))
+    counts = Counter(s for s in signatures if isinstance(s, _Signature))
+    if not counts:
+        return [s if isinstance(s, Exception) else None for s in signatures]
+    most = max(counts.values())
+    expected = next(s for s in signatures if isinstance(s, _Signature) and counts[s] == most)
+    reference = items[signatures.index(expected)]
+    errors: list[Exception | None] = []
+    for index, (item, signature) in enumerate(zip(items, signatures, strict=True)):
+        if isinstance(signature, Exception):
+            errors.append(signature)
+        elif signature == expected:
+            errors.append(None)
+        else:
+            errors.append(_mismatch(index, item, signature, reference, expected))
+    return errors
+
+
+# -- collate ----------------------------------------------------------------------------------
+
+
+def _check_pad_value(value: object, leaf: Any, path: _Path) -> None:
+    """A pad value must be a number that the leaf's dtype holds exactly (integer dtypes)."""
+    where = f" for key {path[0]!r}" if path and isinstance(path[0], str) else ""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number, np.bool_)):
+        raise TypeError(f"pad_value{where} must be a number, got {type(value).__name__} {value!r}")
+    if _is_tensor(leaf):
+        if leaf.dtype.is_floating_point or leaf.dtype.is_complex:
+            return
+        import torch
+
+        try:
+            held: object = torch.tensor(value, dtype=leaf.dtype).item()
+        except (RuntimeError, OverflowError, ValueError, TypeError):
+            held = None
+    else:
+        if np.issubdtype(leaf.dtype, np.inexact):
+            return
+        try:
+            held = np.asarray(value).astype(leaf.dtype).item()
+        except (OverflowError, ValueError, TypeError):
+            held = None
+    if held is None or held != value:
+        raise ValueError(
+            f"pad_value{where} {value!r} does not fit dtype {_dtype_name(leaf)} exactly"
+        )
+
+
+def _region(own: _Shape, padded: _Shape, side: PaddingSide) -> tuple[slice, ...]:
+    """Where an item of shape `own` sits inside `padded`."""
+    if side == "right":
+        return tuple(slice(0, size) for size in own)
+    return tuple(slice(full - size, full) for size, full in zip(own, padded, strict=True))
+
+
+def _collate_leaf(
+    leaves: list[Any], pad_value: float | int, side: PaddingSide, multiple: int | None
+) -> tuple[Any, _Shape, bool]:
+    """Stack one leaf across the items, padding ragged axes: (batch, padded shape, padded?)."""
+    shapes = [_shape(leaf) for leaf in leaves]
+    first = leaves[0]
+    tensor = _is_tensor(first)
+    if all(shape == shapes[0] for shape in shapes):
+        if tensor:
+            import torch
+
+            return torch.stack(leaves), shapes[0], False
+        return np.stack(leaves), shapes[0], False
+    padded: list[int] = []
+    for axis in range(len(shapes[0])):
+        sizes = {shape[axis] for shape in shapes}
+        size = max(sizes)
+        if len(sizes) > 1 and multiple is not None:
+            size = -(-size // multiple) * multiple
+        padded.append(size)
+    target = tuple(padded)
+    batch: Any
+    if tensor:
+        import torch
+
+        batch = torch.full(
+            (len(leaves), *target), pad_value, dtype=first.dtype, device=first.device
+        )
+    else:
+        batch = np.full((len(leaves), *target), pad_value, dtype=first.dtype)
+    for index, (leaf, shape) in enumerate(zip(leaves, shapes, strict=True)):
+        where = (index, *_region(shape, target, side))
+        batch[where] = leaf
+    return batch, target, True
+
+
+def _mask(lengths: list[int], padded_length: int, side: PaddingSide, like: Any) -> Any:
+    if _is_tensor(like):
+        import torch
+
+        positions: Any = torch.arange(padded_length, device=like.device)
+        sizes: Any = torch.tensor(lengths, device=like.device)
+    else:
+        positions = np.arange(padded_length)
+        sizes = np.asarray(lengths)
+    if side == "right":
+        return positions[None, :] < sizes[:, None]
+    return positions[None, :] >= (padded_length - sizes)[:, None]
+
+
+def collate(
+    items: Sequence[Any],
+    *,
+    pad_value: float | int | Mapping[str, float | int] = 0,
+    padding_side: PaddingSide = "right",
+    pad_to_multiple_of: int | None = None,
+) -> Collated:
+    """Stack `items` into one batch, padding ragged axes; see the module docstring.
+
+    `pad_value` is one number for every leaf, or a mapping from dict key to pad
+    value (keys it lacks pad with 0). Raises `ValueError` for no items and the
+    first `validate` error when the items cannot be batched together.
+    """
+    if not items:
+        raise ValueError("collate needs at least one item")
+    if padding_side not in ("right", "left"):
+        raise ValueError(f'padding_side must be "right" or "left", got {padding_side!r}')
+    multiple = _validate.optional_count("pad_to_multiple_of", pad_to_multiple_of)
+    for error in validate(items):
+        if error is not None:
+            raise error
+    first = items[0]
+    paths = [path for path, _ in _leaves(first)]
+    if isinstance(pad_value, Mapping) and not isinstance(first, Mapping):
+        raise TypeError(
+            f"a pad_value mapping needs dict items, got {type(first).__name__} items; "
+            "pass one number"
+        )
+    per_item = [[_leaf_at(item, path) for path in paths] for item in items]
+    batched: list[Any] = []
+    padded_shapes: list[_Shape] = []
+    any_padding = False
+    for j, path in enumerate(paths):
+        leaves = [leaves_of_item[j] for leaves_of_item in per_item]
+        value = pad_value.get(str(path[0]), 0) if isinstance(pad_value, Mapping) else pad_value
+        _check_pad_value(value, leaves[0], path)
+        batch, padded, did_pad = _collate_leaf(leaves, value, padding_side, multiple)
+        batched.append(batch)
+        padded_shapes.append(padded)
+        any_padding = any_padding or did_pad
+    item_shapes = tuple(tuple(_shape(leaf) for leaf in leaves) for leaves in per_item)
+    lengths = [max(shape[0] if shape else 1 for shape in shapes) for shapes in item_shapes]
+    padded_length = max(shape[0] if shape else 1 for shape in padded_shapes)
+    data: Any
+    if isinstance(first, Mapping):
+        data = {str(path[0]): batch for path, batch in zip(paths, batched, strict=True)}
+    elif isinstance(first, tuple):
+        data = tuple(batched)
+    else:
+        data = batched[0]
+    mask = _mask(lengths, padded_length, padding_side, batched[0]) if any_padding else None
+    return Collated(
+        data=data,
+        lengths=lengths,
+        mask=mask,
+        padded_length=padded_length,
+        padding_side=padding_side,
+        _paths=tuple(paths),
+        _item_shapes=item_shapes,
+        _padded_shapes=tuple(padded_shapes),
+    )
+
+
+def _leaf_at(item: Any, path: _Path) -> Any:
+    return item[path[0]] if path else item
+
+
+# -- split ------------------------------------------------------------------------------------
+
+
+def split(outputs: Any, collated: Collated, *, copy: bool = False) -> list[Any]:
+    """One output per collated item: row `i` of every array/tensor in `outputs`.
+
+    `outputs` is an array/tensor with the batch on axis 0, or a dict, tuple or
+    list of them (nested as you like); each item gets the same structure back
+    (dicts as plain dicts, named tuples rebuilt). `None` stays `None`.
+
+    Un-padding, so that item `i` gets exactly what it would get alone:
+
+    - an output at the same place as an input leaf (the same dict key or tuple
+      position, or both lone arrays) whose axes after the batch axis start with
+      that leaf's padded shape is cut back to item `i`'s own shape of that leaf
+      (so `split(collated.data, collated)` returns the items);
+    - otherwise, when padding happened, an output with ndim >= 2 whose axis 1 is
+      `collated.padded_length` carries the padded sequence axis and is cut to the
+      item's length: its first `lengths[i]` positions for right padding, its last
+      for left padding;
+    - anything else (pooled outputs such as `(n, hidden)`) is row `i` as it is.
+
+    A pooled output whose axis 1 happens to equal `padded_length` is
+    indistinguishable from a sequence output and is cut too. Rows are views into
+    `outputs` unless `copy=True` (then a caller holding its row does not keep the
+    whole batch alive). An output whose axis 0 is not the number of items raises
+    `ValueError`; a value that is not an array, tensor, dict, tuple, list or None
+    raises `TypeError`.
+    """
+    count = len(collated.lengths)
+    return _split(outputs, collated, (), count, copy)
+
+
+def _split(node: Any, collated: Collated, path: _Path, count: int, copy: bool) -> list[Any]:
+    where = "outputs" + "".join(f"[{part!r}]" for part in path)
+    if node is None:
+        return [None] * count
+    if _is_leaf(node) or isinstance(node, np.generic):
+        shape = _shape(node)
+        if not shape or shape[0] != count:
+            got = f"shape {shape}" if shape else "a 0-d value"
+            raise ValueError(
+                f"{where} must have the batch on axis 0: expected {count} rows "
+                f"(one per item), got {got}"
+            )
+        rows = [_unpad(node[index, ...], index, collated, path) for index in range(count)]
+        if copy:
+            rows = [row.clone() if _is_tensor(row) else row.copy() for row in rows]
+        return rows
+    if isinstance(node, Mapping):
+        parts = {
+            key: _split(value, collated, (*path, key), count, copy) for key, value in node.items()
+        }
+        return [{key: part[index] for key, part in parts.items()} for index in range(count)]
+    if isinstance(node, (tuple, list)):
+        columns = [
+            _split(value, collated, (*path, position), count, copy)
+            for position, value in enumerate(node)
+        ]
+        if isinstance(node, list):
+            return [[column[index] for column in columns] for index in range(count)]
+        if hasattr(node, "_fields"):  # a named tuple
+            return [type(node)(*(column[index] for column in columns)) for index in range(count)]
+        return [tuple(column[index] for column in columns) for index in range(count)]
+    raise TypeError(
+        f"{where} is a {type(node).__name__}; split takes NumPy arrays, torch tensors, "
+        "and dicts, tuples or lists of them"
+    )
+
+
+def _unpad(row: Any, index: int, collated: Collated, path: _Path) -> Any:
+    shape = _shape(row)
+    if path in collated._paths:
+        j = collated._paths.index(path)
+        padded = collated._padded_shapes[j]
+        if shape[: len(padded)] == padded:
+            own = collated._item_shapes[index][j]
+            if own == padded:
+                return row
+            return row[_region(own, padded, collated.padding_side)]
+    size = collated.lengths[index]
+    if collated.mask is not None and shape and shape[0] == collated.padded_length != size:
+        return row[_region((size,), (collated.padded_length,), collated.padding_side)]
+    return row
+
+
+# -- length -----------------------------------------------------------------------------------
+
+
+def length(item: Any) -> int:
+    """The cost of an item for length-aware batching: its size along axis 0.
+
+    For a dict or tuple, the largest over its leaves (not the number of keys);
+    1 for a 0-d array or a plain number; 0 for an empty dict or tuple.
+    """
+    if _is_leaf(item):
+        shape = _shape(item)
+        return shape[0] if shape else 1
+    if isinstance(item, (int, float, complex, np.generic)):
+        return 1
+    if isinstance(item, Mapping):
+        return max((length(value) for value in item.values()), default=0)
+    if isinstance(item, tuple):
+        return max((length(value) for value in item), default=0)
+    raise TypeError(
+        f"cannot measure a {_type_name(item)}: items must be NumPy arrays, torch tensors, "
+        "dict[str, array] or tuples of arrays"
+    )

