@@ -32,31 +32,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
-import os
-import platform
 import random
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import date
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import torch
+from _report import RESULTS, environment, write_json
 from minilm import MiniLMEmbedder, embed, load_minilm, reference_embedding  # sets HF_HUB_OFFLINE
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from typing_extensions import override
 
-import batchproxy
 from batchproxy.tensors import Collated
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 BATCH_SIZE = 32
 MIN_WORDS, MAX_WORDS = 8, 60
@@ -319,21 +313,6 @@ def table(summaries: Sequence[dict[str, Any]], config: Config) -> tuple[str, flo
     return "\n".join([*rows, "", *notes]), ratio
 
 
-def environment() -> dict[str, Any]:
-    import transformers
-
-    return {
-        "date": date.today().isoformat(),
-        "batchproxy": batchproxy.__version__,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "transformers": transformers.__version__,
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-    }
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="a fast smoke run (noisy numbers)")
@@ -367,7 +346,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         )
 
-    env = environment()
+    import transformers
+
+    env = environment(
+        torch=torch.__version__,
+        torch_threads=torch.get_num_threads(),
+        transformers=transformers.__version__,
+    )
     print(
         f"batchproxy {env['batchproxy']} length-aware batching, all-MiniLM-L6-v2, {env['date']}, "
         f"Python {env['python']}, torch {env['torch']} ({env['torch_threads']} threads), "
@@ -380,7 +365,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     text, ratio = table(summaries, config)
     print(text)
 
-    output.parent.mkdir(parents=True, exist_ok=True)
     document = {
         "environment": env,
         "quick": args.quick,
@@ -390,8 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "reference_seconds": reference_seconds,
         "sides": summaries,
     }
-    output.write_text(json.dumps(document, indent=2) + "\n")
-    print(f"\nresults written to {output}")
+    write_json(output, document)
     return 0
 
 

@@ -26,25 +26,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import math
-import os
-import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass
-from datetime import date
 from pathlib import Path
 from typing import Any
 
+from _report import RESULTS, environment, write_json
 from typing_extensions import override
 
-import batchproxy
 from batchproxy import Proxy
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 CALLERS = 1_000
 BATCH_SIZE = 64
@@ -274,17 +268,6 @@ def spread(samples: Sequence[float]) -> str:
     return f"{min(samples):.2f} to {max(samples):.2f}"
 
 
-def environment() -> dict[str, Any]:
-    return {
-        "date": date.today().isoformat(),
-        "batchproxy": batchproxy.__version__,
-        "python": platform.python_version(),
-        "implementation": platform.python_implementation(),
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-    }
-
-
 async def run(config: Config) -> dict[str, Any]:
     cpu = await measure_cpu(config)
     idle = await measure_latency(config.idle_calls, config.idle_warmup, IDLE_GAP_S)
@@ -318,7 +301,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = asyncio.run(run(config))
     print(table(results["cpu"], results["idle"], results["busy"]))
 
-    output.parent.mkdir(parents=True, exist_ok=True)
     document = {
         "environment": env,
         "quick": args.quick,
@@ -329,8 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         **{name: asdict(result) for name, result in results.items()},
     }
-    output.write_text(json.dumps(document, indent=2) + "\n")
-    print(f"\nresults written to {output}")
+    write_json(output, document)
     return 0
 
 
