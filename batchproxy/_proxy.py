@@ -106,7 +106,8 @@ class Proxy(ABC, Generic[In, Out]):
             raise ValueError(f"name must be a non-empty str or None, got {name!r}")
         self.name: str = name or type(self).__name__
         self._max_batch_tokens = _validate.optional_count("max_batch_tokens", max_batch_tokens)
-        if length is None and self._max_batch_tokens is not None:
+        self._default_length = length is None and self._max_batch_tokens is not None
+        if self._default_length:
             from .tensors import length as sequence_length
 
             length = sequence_length
@@ -460,7 +461,15 @@ class Proxy(ABC, Generic[In, Out]):
 
     def _cost(self, item: In) -> int:
         assert self._length is not None
-        cost = self._length(item)
+        try:
+            cost = self._length(item)
+        except TypeError as exc:
+            if not self._default_length:
+                raise
+            raise TypeError(
+                f"{self.name}: max_batch_tokens measures items with batchproxy.tensors.length, "
+                f"which says: {exc}; pass length=... to measure these items"
+            ) from exc
         if isinstance(cost, bool) or not isinstance(cost, int) or cost < 0:
             raise TypeError(
                 f"{self.name}: length(item) must return an int >= 0, got {cost!r} "

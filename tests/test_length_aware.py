@@ -124,6 +124,15 @@ async def test_bad_length_results_fail_the_call_at_once() -> None:
         assert proxy.stats.requests == 0
 
 
+@pytest.mark.looptime
+async def test_budget_without_length_on_items_it_cannot_measure_says_what_to_do() -> None:
+    async with Recorder(max_batch_tokens=100) as proxy:
+        with pytest.raises(TypeError, match=r"pass length=\.\.\."):
+            await proxy.inference("a string")
+    async with Recorder(max_batch_tokens=100, length=len) as proxy:
+        assert await proxy.inference("a string") == ("out", "a string")
+
+
 def test_length_must_be_callable() -> None:
     with pytest.raises(TypeError, match="length"):
         Recorder(length=5)
