@@ -435,7 +435,10 @@ class Proxy(ABC, Generic[In, Out]):
         limit = self._max_queue_size
         assert self._scheduler is not None
         if limit is not None and self._scheduler.queue.live + wanted > limit:
-            self._stats.rejected += wanted
+            stats = self._stats
+            stats.rejected += wanted
+            if stats.listeners:
+                stats.notify("request_rejected", wanted)
             raise QueueFull(self.name, limit)
 
     def _enqueue(

@@ -97,6 +97,9 @@ class Listener:
     def request_queued(self, proxy: str, queue_depth: int) -> None:
         """A call was accepted; `queue_depth` includes it."""
 
+    def request_rejected(self, proxy: str, count: int) -> None:
+        """`count` requests were refused with `QueueFull` (never accepted)."""
+
     def batch_started(self, proxy: str, size: int, queue_waits: Sequence[float]) -> None:
         """A batch of `size` items goes to the model; seconds each waited in the queue."""
 

@@ -273,6 +273,9 @@ class Log(batchproxy.Listener):
     def request_queued(self, proxy: str, queue_depth: int) -> None:
         self.calls.append(("request_queued", proxy, queue_depth))
 
+    def request_rejected(self, proxy: str, count: int) -> None:
+        self.calls.append(("request_rejected", proxy, count))
+
     def batch_started(self, proxy: str, size: int, queue_waits: Sequence[float]) -> None:
         self.calls.append(("batch_started", proxy, size, list(queue_waits)))
 
@@ -451,3 +454,23 @@ async def test_removed_listener_hears_nothing_more(no_leftovers: None) -> None:
     await asyncio.wait_for(proxy.inference(2), 10)
     assert len(log.calls) == heard
     await proxy.aclose()
+
+
+@pytest.mark.looptime
+async def test_listener_hears_rejections() -> None:
+    log = Log()
+    async with Recorder(delay=1.0, batch_size=1, max_queue_size=1, name="lis") as proxy:
+        proxy.add_listener(log)
+        first = asyncio.create_task(proxy.inference(1))
+        await asyncio.sleep(0.01)
+        second = asyncio.create_task(proxy.inference(2))
+        await asyncio.sleep(0)
+        with pytest.raises(batchproxy.QueueFull):
+            await proxy.inference(3)
+        with pytest.raises(batchproxy.QueueFull):
+            await proxy.inference_many([4, 5])
+        await asyncio.gather(first, second)
+    assert [c for c in log.calls if c[0] == "request_rejected"] == [
+        ("request_rejected", "lis", 1),
+        ("request_rejected", "lis", 2),
+    ]
