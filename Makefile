@@ -1,4 +1,4 @@
-# `make demo` runs the quickstart; `make test` runs every check CI runs.
+# `make demo` runs the embedding service demo; `make test` runs every check CI runs.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
@@ -6,10 +6,11 @@ BIN     = $(VENV)/bin
 # takes the CPU build on this machine and never resolves a newer torch with CUDA packages
 TORCH   = torch==2.13.0
 
-.PHONY: demo test lint typecheck unit bench bench-tensors clean
+.PHONY: demo test lint typecheck unit bench bench-tensors bench-suite clean
 
-demo: $(VENV)/.installed
-	$(BIN)/python examples/quickstart.py
+# the real model over HTTP, regular vs batched: the table, benchmarks/results/demo.{json,png}
+demo: $(VENV)/.installed-demo
+	$(BIN)/python examples/demo.py
 
 test: lint typecheck unit
 
@@ -29,6 +30,10 @@ bench: $(VENV)/.installed
 bench-tensors: $(VENV)/.installed-dev
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/length_aware.py
 
+# batchproxy beside the peers that install here (batched), on every workload
+bench-suite: $(VENV)/.installed-dev
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/suite.py
+
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
@@ -37,9 +42,13 @@ $(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
 	$(BIN)/python -m pip install --quiet -e .
 	touch $@
 
-$(VENV)/.installed-dev: pyproject.toml Makefile | $(VENV)/bin/python
-	$(BIN)/python -m pip install --quiet -e '.[dev,models]' '$(TORCH)'
+$(VENV)/.installed-demo: pyproject.toml Makefile | $(VENV)/bin/python
+	$(BIN)/python -m pip install --quiet -e '.[models,serve,prometheus,demo]' '$(TORCH)'
 	touch $@ $(VENV)/.installed
+
+$(VENV)/.installed-dev: pyproject.toml Makefile | $(VENV)/bin/python
+	$(BIN)/python -m pip install --quiet -e '.[dev,models,serve,prometheus,demo,bench]' '$(TORCH)'
+	touch $@ $(VENV)/.installed $(VENV)/.installed-demo
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

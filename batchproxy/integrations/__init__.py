@@ -1,0 +1,7 @@
+"""Optional integrations, each in a module of its own with its own extra.
+
+Nothing here is imported by ``import batchproxy``; import the module you need:
+
+- `batchproxy.integrations.prometheus`: Prometheus metrics for proxies
+  (``pip install batchproxy[prometheus]``).
+"""

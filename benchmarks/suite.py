@@ -1,0 +1,391 @@
+"""The benchmark suite: batchproxy beside its peers, side by side in one run.
+
+Run: `python benchmarks/suite.py` (`--quick` for a smoke run). Writes Markdown,
+JSON and a PNG to `benchmarks/results/suite.*`.
+
+Every workload runs through each batcher that is installed, one after another
+in the same process, with the same batch size and delay window:
+
+- batchproxy (`@batchproxy.batch`),
+- `batched` (`batched.aio.dynamically`), if installed (the `bench` extra).
+
+Ray Serve's `ray.serve.batch` is not here: it refuses to run outside a Serve
+replica (it asks for the replica context), and through a deployment it would
+measure Ray's RPC and HTTP path rather than its batching.
+
+Workloads:
+
+1. Overhead: an identity model, 1,000 concurrent callers, batch 64: CPU
+   microseconds per request added over callers awaiting the model directly.
+2. Idle latency: a lone request on an idle batcher (delay window 5 ms), after a
+   quiet spell: added latency p50/p99 over a direct await.
+3. Simulated accelerator: a model that takes `10 ms + 0.2 ms x n` for a batch of
+   n; 150 closed-loop callers; throughput as a share of the ideal (every batch
+   full, the model never idle).
+4. Real model: all-MiniLM-L6-v2 (offline), 150 concurrent callers embedding
+   sentences of 8-60 words; the regular way (one sentence per forward pass on the
+   model thread) against each batcher wrapping the same batch function on the
+   same model thread, plus batchproxy's length-aware `TensorProxy`.
+
+Numbers are ratios against a baseline measured in the same run: the machine is
+shared and noisy, the ratios are what carries over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import importlib.util
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from _report import RESULTS, environment, write_json
+
+import batchproxy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+BatchFn = Callable[[list[Any]], Awaitable[list[Any]]]
+DELAY_MS = 5.0
+
+
+@dataclass
+class Batcher:
+    """One batcher wrapping one batch function: awaited per item, closed at the end."""
+
+    name: str
+    call: Callable[[Any], Awaitable[Any]]
+    close: Callable[[], Awaitable[None]]
+
+
+def with_batchproxy(fn: BatchFn, batch_size: int) -> Batcher:
+    batched_fn = batchproxy.batch(batch_size=batch_size, max_delay_ms=DELAY_MS)(fn)
+    return Batcher("batchproxy", batched_fn, batched_fn.aclose)
+
+
+def with_batched(fn: BatchFn, batch_size: int) -> Batcher:
+    import batched
+
+    processor = batched.aio.dynamically(batch_size=batch_size, timeout_ms=DELAY_MS)(fn)
+
+    async def close() -> None:  # it keeps a collector task running; stop it
+        task = getattr(processor, "_task", None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    return Batcher("batched", processor, close)
+
+
+def peers() -> list[Callable[[BatchFn, int], Batcher]]:
+    found = [with_batchproxy]
+    if importlib.util.find_spec("batched"):
+        found.append(with_batched)
+    return found
+
+
+# -- 1. overhead -----------------------------------------------------------------
+
+
+async def identity(items: list[Any]) -> list[Any]:
+    return items
+
+
+async def cpu_per_request(call: Callable[[Any], Awaitable[Any]], rounds: int) -> float:
+    """CPU microseconds per request, 1,000 concurrent callers a round."""
+    start = time.process_time()
+    for _ in range(rounds):
+        await asyncio.gather(*(call(i) for i in range(1000)))
+    return (time.process_time() - start) / (rounds * 1000) * 1e6
+
+
+async def direct_identity(item: Any) -> Any:
+    return (await identity([item]))[0]
+
+
+async def overhead(make: Callable[[BatchFn, int], Batcher], rounds: int, reps: int) -> float:
+    batcher = make(identity, 64)
+    try:
+        await cpu_per_request(batcher.call, 2)  # warm-up
+        added = []
+        for _ in range(reps):  # interleaved with the baseline: the same noise for both
+            base = await cpu_per_request(direct_identity, rounds)
+            added.append(await cpu_per_request(batcher.call, rounds) - base)
+        return statistics.median(added)
+    finally:
+        await batcher.close()
+
+
+# -- 2. idle latency ---------------------------------------------------------------
+
+
+async def idle_latency(make: Callable[[BatchFn, int], Batcher], calls: int) -> dict[str, float]:
+    batcher = make(identity, 64)
+    added: list[float] = []
+    try:
+        for i in range(calls + 20):
+            await asyncio.sleep(0.006)  # quiet: longer than the delay window
+            start = time.perf_counter()
+            await batcher.call(i)
+            proxied = time.perf_counter() - start
+            start = time.perf_counter()
+            await direct_identity(i)
+            direct = time.perf_counter() - start
+            if i >= 20:
+                added.append((proxied - direct) * 1e3)
+    finally:
+        await batcher.close()
+    added.sort()
+    return {"p50_ms": added[len(added) // 2], "p99_ms": added[int(len(added) * 0.99) - 1]}
+
+
+# -- 3. simulated accelerator -------------------------------------------------------
+
+A_S, B_S, SIM_BATCH = 0.010, 0.0002, 64
+
+
+async def accelerator(items: list[Any]) -> list[Any]:
+    await asyncio.sleep(A_S + B_S * len(items))
+    return items
+
+
+async def closed_loop(call: Callable[[Any], Awaitable[Any]], callers: int, each: int) -> float:
+    """Requests per second with `callers` callers each making `each` calls in turn."""
+
+    async def caller() -> None:
+        for i in range(each):
+            await call(i)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(caller() for _ in range(callers)))
+    return callers * each / (time.perf_counter() - start)
+
+
+async def accelerator_share(make: Callable[[BatchFn, int], Batcher], each: int) -> float:
+    batcher = make(accelerator, SIM_BATCH)
+    try:
+        await closed_loop(batcher.call, 150, 2)
+        rate = await closed_loop(batcher.call, 150, each)
+    finally:
+        await batcher.close()
+    ideal = SIM_BATCH / (A_S + B_S * SIM_BATCH)
+    return rate / ideal
+
+
+# -- 4. real model --------------------------------------------------------------------
+
+
+async def real_model(sentences: list[str], makes: list[Any]) -> dict[str, dict[str, float]]:
+    import numpy as np
+    import torch
+    from minilm import MiniLMEmbedder, load_minilm, mean_pool
+
+    tokenizer, model = load_minilm()
+    model_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model")
+
+    def forward(texts: list[str]) -> list[Any]:
+        tokens = tokenizer(
+            texts, padding=True, truncation=True, max_length=256, return_tensors="pt"
+        )
+        with torch.inference_mode():
+            out = model(**tokens).last_hidden_state
+        pooled = torch.nn.functional.normalize(mean_pool(out, tokens["attention_mask"]), dim=-1)
+        return list(pooled.numpy())
+
+    async def on_model_thread(texts: list[str]) -> list[Any]:
+        return await asyncio.get_running_loop().run_in_executor(model_thread, forward, texts)
+
+    async def regular(text: str) -> Any:
+        return (await on_model_thread([text]))[0]
+
+    reference = {s: forward([s])[0] for s in sentences[:20]}
+
+    async def drive(name: str, call: Callable[[str], Awaitable[Any]]) -> dict[str, float]:
+        queue = list(sentences)
+        latencies: list[float] = []
+        worst = 0.0
+
+        async def caller() -> None:
+            nonlocal worst
+            while queue:
+                text = queue.pop()
+                start = time.perf_counter()
+                vector = np.asarray(await call(text))
+                latencies.append(time.perf_counter() - start)
+                if text in reference:
+                    worst = max(worst, float(np.abs(vector - reference[text]).max()))
+
+        await asyncio.gather(*(call(s) for s in sentences[:32]))  # warm-up
+        start = time.perf_counter()
+        await asyncio.gather(*(caller() for _ in range(150)))
+        wall = time.perf_counter() - start
+        latencies.sort()
+        print(f"  real model, {name}: {wall:.2f} s", file=sys.stderr)
+        return {
+            "wall_s": wall,
+            "throughput": len(sentences) / wall,
+            "p50_ms": latencies[len(latencies) // 2] * 1e3,
+            "p99_ms": latencies[int(len(latencies) * 0.99) - 1] * 1e3,
+            "max_abs_diff": worst,
+        }
+
+    results = {"regular": await drive("regular", regular)}
+    for make in makes:
+        batcher = make(on_model_thread, 32)
+        try:
+            results[batcher.name] = await drive(batcher.name, batcher.call)
+        finally:
+            await batcher.close()
+    async with MiniLMEmbedder(tokenizer, model, batch_size=32, offload=True) as embedder:
+        from minilm import embed
+
+        results["batchproxy TensorProxy, length-aware"] = await drive(
+            "batchproxy TensorProxy", lambda text: embed(embedder, text)
+        )
+    model_thread.shutdown()
+    return results
+
+
+def sentences(count: int) -> list[str]:
+    import random
+
+    words = [
+        "model",
+        "batch",
+        "request",
+        "queue",
+        "latency",
+        "throughput",
+        "tensor",
+        "padding",
+        "token",
+        "the",
+        "a",
+        "of",
+        "server",
+        "client",
+        "event",
+        "loop",
+        "thread",
+        "window",
+        "budget",
+        "length",
+        "sentence",
+        "embedding",
+        "vector",
+    ]
+    rng = random.Random(0)
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(8, 60))) for _ in range(count)]
+
+
+# -- the run --------------------------------------------------------------------------
+
+
+async def run(quick: bool) -> dict[str, Any]:
+    makes = peers()
+    results: dict[str, Any] = {"overhead_us": {}, "idle": {}, "accelerator_share": {}}
+    for make in makes:
+        name = make(identity, 1).name
+        print(f"{name}: overhead, idle latency, simulated accelerator", file=sys.stderr)
+        results["overhead_us"][name] = await overhead(make, 3 if quick else 10, 3 if quick else 7)
+        results["idle"][name] = await idle_latency(make, 100 if quick else 500)
+        results["accelerator_share"][name] = await accelerator_share(make, 4 if quick else 20)
+    results["real_model"] = await real_model(sentences(90 if quick else 300), makes)
+    return results
+
+
+def markdown(results: dict[str, Any]) -> str:
+    names = list(results["overhead_us"])
+    lines = [
+        "| workload | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+        "| added CPU per request (µs), 1,000 callers, identity model | "
+        + " | ".join(f"{results['overhead_us'][n]:.2f}" for n in names)
+        + " |",
+        "| idle lone request, added latency p50 (ms) | "
+        + " | ".join(f"{results['idle'][n]['p50_ms']:.3f}" for n in names)
+        + " |",
+        "| idle lone request, added latency p99 (ms) | "
+        + " | ".join(f"{results['idle'][n]['p99_ms']:.3f}" for n in names)
+        + " |",
+        "| simulated accelerator, % of ideal throughput | "
+        + " | ".join(f"{100 * results['accelerator_share'][n]:.1f}%" for n in names)
+        + " |",
+    ]
+    real = results["real_model"]
+    base = real["regular"]["wall_s"]
+    lines += [
+        "",
+        "| all-MiniLM-L6-v2, 150 concurrent callers | wall time | speedup vs regular "
+        "| p50 | p99 | max abs diff vs single |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in real.items():
+        lines.append(
+            f"| {name} | {r['wall_s']:.2f} s | {base / r['wall_s']:.2f}x | {r['p50_ms']:.0f} ms "
+            f"| {r['p99_ms']:.0f} ms | {r['max_abs_diff']:.1e} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results["overhead_us"])
+    fig, axes = plt.subplots(1, 4, figsize=(16, 4))
+    panels = [
+        ("added CPU µs / request (lower is better)", [results["overhead_us"][n] for n in names]),
+        ("idle added latency p50, ms (lower)", [results["idle"][n]["p50_ms"] for n in names]),
+        (
+            "% of ideal, simulated accelerator (higher)",
+            [100 * results["accelerator_share"][n] for n in names],
+        ),
+    ]
+    for ax, (title, values) in zip(axes, panels, strict=False):
+        ax.bar(names, values, color=["tab:blue", "tab:orange", "tab:green"][: len(names)])
+        ax.set_title(title, fontsize=9)
+        ax.tick_params(axis="x", labelsize=8)
+    real = results["real_model"]
+    base = real["regular"]["wall_s"]
+    labels = [
+        n.replace("batchproxy TensorProxy, length-aware", "batchproxy\nlength-aware") for n in real
+    ]
+    axes[3].bar(labels, [base / r["wall_s"] for r in real.values()], color="tab:purple")
+    axes[3].set_title("MiniLM speedup vs regular, 150 callers (higher)", fontsize=9)
+    axes[3].tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="a fast smoke run (noisy numbers)")
+    parser.add_argument("--output-dir", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    results = asyncio.run(run(args.quick))
+    env = environment(peers=[make(identity, 1).name for make in peers()])
+    text = markdown(results)
+    print(f"batchproxy suite, {env['date']}, Python {env['python']}, {env['cpus']} CPUs\n")
+    print(text)
+    stem = "suite-quick" if args.quick else "suite"
+    (args.output_dir).mkdir(parents=True, exist_ok=True)
+    (args.output_dir / f"{stem}.md").write_text(text + "\n")
+    plot(results, args.output_dir / f"{stem}.png")
+    write_json(
+        args.output_dir / f"{stem}.json", {"environment": env, "quick": args.quick, **results}
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""The all-MiniLM-L6-v2 embedding service on aiohttp: the same routes as `fastapi_app.py`.
+
+    python examples/aiohttp_app.py --port 8001    # 127.0.0.1 unless --host
+
+- `POST /embed` `{"text": str}` -> `{"embedding": [...]}`, or `{"texts": [...]}`
+  -> `{"embeddings": [[...], ...]}`: batched through the proxy.
+- `POST /embed/regular`: the same, one forward pass per text, no batching.
+- `GET /healthz`, `GET /metrics` (Prometheus text).
+
+Errors are `{"detail": "..."}`: 422 bad JSON / malformed body / empty text,
+413 oversized text or too many texts, 503 + `Retry-After: 1` queue full,
+504 deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+from embeddings import (
+    MAX_TEXT_CHARS,
+    MAX_TEXTS,
+    EmbeddingService,
+    ServiceError,
+    parse_json,
+    serve_options,
+)
+from minilm import load_minilm
+from prometheus_client import CollectorRegistry
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from batchproxy.integrations.prometheus import CONTENT_TYPE, PrometheusMetrics, render
+
+__all__ = ["METRICS", "SERVICE", "create_app"]
+
+SERVICE = web.AppKey("service", EmbeddingService)
+"""The running service: `app[SERVICE]`."""
+Renderer = Callable[[], tuple[bytes, str]]
+METRICS: web.AppKey[Renderer] = web.AppKey("metrics")
+"""What `/metrics` serves: `app[METRICS]()` -> (payload, content type)."""
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _metrics(service: EmbeddingService) -> Renderer:
+    """What `/metrics` serves: (payload, content type), from a registry of this app's own."""
+    metrics = PrometheusMetrics(CollectorRegistry())
+    metrics.instrument(service.proxy)
+    return lambda: (render(metrics.registry), CONTENT_TYPE)
+
+
+@web.middleware
+async def refusals(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A `ServiceError` becomes its JSON answer."""
+    try:
+        return await handler(request)
+    except ServiceError as exc:
+        return web.json_response({"detail": exc.detail}, status=exc.status, headers=exc.headers)
+
+
+async def _answer(request: web.Request, *, batched: bool) -> web.Response:
+    service = request.app[SERVICE]
+    texts, single = service.parse(parse_json(await request.read()))
+    if batched:
+        vectors = await service.embed(texts)
+    else:
+        vectors = await service.embed_regular(texts)
+    return web.json_response({"embedding": vectors[0]} if single else {"embeddings": vectors})
+
+
+async def embed(request: web.Request) -> web.Response:
+    """Batched: `{"text": str}` or `{"texts": [str, ...]}`."""
+    return await _answer(request, batched=True)
+
+
+async def embed_regular(request: web.Request) -> web.Response:
+    """The regular way, one forward pass per text: the same body and answer."""
+    return await _answer(request, batched=False)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    payload, content_type = request.app[METRICS]()
+    return web.Response(body=payload, headers={"Content-Type": content_type})
+
+
+def create_app(
+    *,
+    batch_size: int = 32,
+    max_delay_ms: float = 5.0,
+    max_queue_size: int | None = 512,
+    timeout: float | None = 10.0,
+    max_text_chars: int = MAX_TEXT_CHARS,
+    max_texts: int = MAX_TEXTS,
+    minilm: tuple[PreTrainedTokenizerBase, PreTrainedModel] | None = None,
+) -> web.Application:
+    """The service; `minilm` is a loaded `(tokenizer, model)`, else loaded at startup.
+
+    Startup starts the proxy, cleanup closes it (answering every accepted
+    request first); the running service is `app[SERVICE]`.
+    """
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        tokenizer, model = minilm if minilm else await asyncio.to_thread(load_minilm)
+        service = EmbeddingService(
+            tokenizer,
+            model,
+            batch_size=batch_size,
+            max_delay_ms=max_delay_ms,
+            max_queue_size=max_queue_size,
+            timeout=timeout,
+            max_text_chars=max_text_chars,
+            max_texts=max_texts,
+        )
+        await service.start()
+        app[SERVICE] = service
+        app[METRICS] = _metrics(service)
+        try:
+            yield
+        finally:
+            await service.aclose()
+
+    app = web.Application(middlewares=[refusals])
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_post("/embed", embed)
+    app.router.add_post("/embed/regular", embed_regular)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+def main() -> None:
+    host, port, options = serve_options("all-MiniLM-L6-v2 embeddings on aiohttp", 8001)
+    web.run_app(create_app(**options), host=host, port=port)
+
+
+if __name__ == "__main__":
+    main()

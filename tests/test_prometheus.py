@@ -1,0 +1,322 @@
+"""batchproxy.integrations.prometheus: counters, histograms and gauges per proxy label."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import subprocess
+import sys
+import weakref
+from typing import Any
+
+import pytest
+from _support import Recorder
+
+import batchproxy
+from batchproxy import DeadlineExceeded, QueueFull
+
+prometheus_client = pytest.importorskip("prometheus_client")
+
+from prometheus_client import CollectorRegistry  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from batchproxy.integrations.prometheus import (  # noqa: E402
+    CONTENT_TYPE,
+    PrometheusMetrics,
+    render,
+)
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(registry: CollectorRegistry) -> Samples:
+    """Render the registry and parse it back: {(sample name, sorted labels): value}."""
+    samples: Samples = {}
+    for family in text_string_to_metric_families(render(registry).decode()):
+        for sample in family.samples:
+            samples[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
+    return samples
+
+
+def value(samples: Samples, name: str, proxy: str, **labels: str) -> float | None:
+    return samples.get((name, tuple(sorted({"proxy": proxy, **labels}.items()))))
+
+
+def counts(samples: Samples, proxy: str) -> dict[str, float | None]:
+    names = ("requests", "batches", "failed_batches", "errors", "rejected", "timed_out")
+    return {
+        name: value(samples, f"batchproxy_{name}_total", proxy) for name in (*names, "cancelled")
+    }
+
+
+def zero_counts(**nonzero: float) -> dict[str, float | None]:
+    names = ("requests", "batches", "failed_batches", "errors", "rejected", "timed_out")
+    zeros: dict[str, float | None] = {name: 0.0 for name in (*names, "cancelled")}
+    return zeros | nonzero
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+@pytest.fixture
+def metrics(registry: CollectorRegistry) -> PrometheusMetrics:
+    return PrometheusMetrics(registry)
+
+
+def _slot_or_batch_error(items: list[int]) -> list[Any]:
+    if 0 in items:
+        raise RuntimeError("batch failed")
+    return [ValueError("slot") if item == 2 else item for item in items]
+
+
+# -- counters and histograms ---------------------------------------------------------------
+
+
+@pytest.mark.looptime
+async def test_successes_batches_and_histograms(
+    no_leftovers: None, registry: CollectorRegistry, metrics: PrometheusMetrics
+) -> None:
+    proxy = Recorder(batch_size=4, delay=0.010, name="a")
+    metrics.instrument(proxy)
+    await asyncio.wait_for(asyncio.gather(*(proxy.inference(i) for i in range(10))), 10)
+    assert [len(batch) for batch in proxy.batches] == [4, 4, 2]
+    samples = scrape(registry)
+    assert counts(samples, "a") == zero_counts(requests=10.0, batches=3.0)
+
+    # batches of 4, 4, 2 one after another, 0.010 s of model time each
+    assert value(samples, "batchproxy_model_seconds_count", "a") == 3
+    assert value(samples, "batchproxy_model_seconds_sum", "a") == pytest.approx(0.030)
+    assert value(samples, "batchproxy_model_seconds_bucket", "a", le="0.005") == 0
+    assert value(samples, "batchproxy_model_seconds_bucket", "a", le="0.01") == 3
+    assert value(samples, "batchproxy_queue_wait_seconds_count", "a") == 10
+    waited = 4 * 0.0 + 4 * 0.010 + 2 * 0.020
+    assert value(samples, "batchproxy_queue_wait_seconds_sum", "a") == pytest.approx(waited)
+    assert value(samples, "batchproxy_request_seconds_count", "a") == 10
+    took = 4 * 0.010 + 4 * 0.020 + 2 * 0.030
+    assert value(samples, "batchproxy_request_seconds_sum", "a") == pytest.approx(took)
+
+    assert value(samples, "batchproxy_batch_size_count", "a") == 3
+    assert value(samples, "batchproxy_batch_size_sum", "a") == 10
+    buckets = {
+        le: value(samples, "batchproxy_batch_size_bucket", "a", le=le)
+        for le in ("1.0", "2.0", "4.0", "8.0", "512.0", "+Inf")
+    }
+    assert buckets == {"1.0": 0, "2.0": 1, "4.0": 3, "8.0": 3, "512.0": 3, "+Inf": 3}
+    assert ("batchproxy_batch_size_bucket", (("le", "1024.0"), ("proxy", "a"))) not in samples
+    await proxy.aclose()
+
+
+@pytest.mark.looptime
+async def test_errors_from_a_slot_and_from_a_raising_batch(
+    no_leftovers: None, registry: CollectorRegistry, metrics: PrometheusMetrics
+) -> None:
+    proxy = Recorder(respond=_slot_or_batch_error, delay=0.010, batch_size=3, name="err")
+    metrics.instrument(proxy)
+    results = await asyncio.wait_for(
+        asyncio.gather(*(proxy.inference(i) for i in (1, 2, 3)), return_exceptions=True), 10
+    )
+    assert [type(result).__name__ for result in results] == ["int", "ValueError", "int"]
+    with pytest.raises(RuntimeError, match="batch failed"):
+        await asyncio.wait_for(asyncio.gather(proxy.inference(0), proxy.inference(5)), 10)
+    await asyncio.sleep(0.1)  # let the second caller of the failed batch end too
+
+    samples = scrape(registry)
+    assert counts(samples, "err") == zero_counts(
+        requests=5.0, batches=2.0, failed_batches=1.0, errors=3.0
+    )
+    assert proxy.stats.errors == 3
+    assert value(samples, "batchproxy_model_seconds_count", "err") == 2  # failed batches too
+    assert value(samples, "batchproxy_request_seconds_count", "err") == 5
+    await proxy.aclose()
+
+
+@pytest.mark.looptime
+async def test_rejected_timed_out_and_cancelled(
+    no_leftovers: None, registry: CollectorRegistry, metrics: PrometheusMetrics
+) -> None:
+    proxy = Recorder(batch_size=1, delay=1.0, max_queue_size=2, name="busy")
+    metrics.instrument(proxy)
+    running = asyncio.create_task(proxy.inference(0))
+    await asyncio.sleep(0.1)  # 0 is in the model; the queue is empty
+    expiring = asyncio.create_task(proxy.inference(1, timeout=0.25))
+    withdrawn = asyncio.create_task(proxy.inference(2))
+    await asyncio.sleep(0)
+    for item in (3, 4):
+        with pytest.raises(QueueFull):
+            await proxy.inference(item)
+    await asyncio.sleep(0.05)
+    withdrawn.cancel()
+    with pytest.raises(DeadlineExceeded):
+        await asyncio.wait_for(expiring, 10)
+    await asyncio.wait_for(running, 10)
+
+    samples = scrape(registry)
+    assert counts(samples, "busy") == zero_counts(
+        requests=3.0, batches=1.0, rejected=2.0, timed_out=1.0, cancelled=1.0
+    )
+    # every call that ended, whatever its outcome: 1.0 s answered, 0.25 timed out, 0.05 cancelled
+    assert value(samples, "batchproxy_request_seconds_count", "busy") == 3
+    assert value(samples, "batchproxy_request_seconds_sum", "busy") == pytest.approx(1.3)
+    await proxy.aclose()
+
+
+# -- gauges --------------------------------------------------------------------------------
+
+
+@pytest.mark.looptime
+async def test_queue_depth_and_in_flight_gauges_while_the_model_is_busy(
+    no_leftovers: None, registry: CollectorRegistry, metrics: PrometheusMetrics
+) -> None:
+    proxy = Recorder(batch_size=2, delay=1.0, name="q")
+    metrics.instrument(proxy)
+    samples = scrape(registry)
+    assert value(samples, "batchproxy_queue_depth", "q") == 0
+    assert value(samples, "batchproxy_in_flight_batches", "q") == 0
+
+    first = asyncio.create_task(proxy.inference(0))
+    await asyncio.sleep(0.1)
+    waiting = [asyncio.create_task(proxy.inference(i)) for i in (1, 2, 3)]
+    await asyncio.sleep(0.1)
+    samples = scrape(registry)
+    assert value(samples, "batchproxy_queue_depth", "q") == 3
+    assert value(samples, "batchproxy_in_flight_batches", "q") == 1
+
+    await asyncio.wait_for(asyncio.gather(first, *waiting), 10)
+    samples = scrape(registry)
+    assert value(samples, "batchproxy_queue_depth", "q") == 0
+    assert value(samples, "batchproxy_in_flight_batches", "q") == 0
+    assert value(samples, "batchproxy_batches_total", "q") == 3
+    await proxy.aclose()
+
+
+@pytest.mark.looptime
+async def test_proxies_sharing_a_name_share_one_gauge_sample(
+    no_leftovers: None, registry: CollectorRegistry, metrics: PrometheusMetrics
+) -> None:
+    proxies = [Recorder(batch_size=1, delay=1.0, name="same") for _ in range(2)]
+    for proxy in proxies:
+        metrics.instrument(proxy)
+    calls = [asyncio.create_task(proxy.inference(i)) for proxy in proxies for i in range(3)]
+    await asyncio.sleep(0.1)
+    samples = scrape(registry)
+    assert value(samples, "batchproxy_queue_depth", "same") == 4
+    assert value(samples, "batchproxy_in_flight_batches", "same") == 2
+    assert value(samples, "batchproxy_requests_total", "same") == 6
+    await asyncio.wait_for(asyncio.gather(*calls), 10)
+    for proxy in proxies:
+        await proxy.aclose()
+
+
+# -- several proxies, twice, garbage collection --------------------------------------------
+
+
+@pytest.mark.looptime
+async def test_two_proxies_in_one_registry_have_their_own_labels(
+    no_leftovers: None, registry: CollectorRegistry, metrics: PrometheusMetrics
+) -> None:
+    small = Recorder(batch_size=2, delay=0.010, name="small")
+    large = Recorder(batch_size=8, delay=0.020, name="large")
+    metrics.instrument(small)
+    metrics.instrument(large)
+    await asyncio.wait_for(
+        asyncio.gather(
+            *(small.inference(i) for i in range(4)), *(large.inference(i) for i in range(8))
+        ),
+        10,
+    )
+    samples = scrape(registry)
+    assert counts(samples, "small") == zero_counts(requests=4.0, batches=2.0)
+    assert counts(samples, "large") == zero_counts(requests=8.0, batches=1.0)
+    assert value(samples, "batchproxy_model_seconds_sum", "small") == pytest.approx(0.020)
+    assert value(samples, "batchproxy_model_seconds_sum", "large") == pytest.approx(0.020)
+    assert value(samples, "batchproxy_batch_size_sum", "large") == 8
+    for name in ("small", "large"):
+        assert value(samples, "batchproxy_queue_depth", name) == 0
+    await small.aclose()
+    await large.aclose()
+
+
+@pytest.mark.looptime
+async def test_instrumenting_twice_does_not_double_count(
+    no_leftovers: None, registry: CollectorRegistry, metrics: PrometheusMetrics
+) -> None:
+    proxy = Recorder(batch_size=4, name="twice")
+    metrics.instrument(proxy)
+    metrics.instrument(proxy)
+    await asyncio.wait_for(asyncio.gather(*(proxy.inference(i) for i in range(4))), 10)
+    samples = scrape(registry)
+    assert counts(samples, "twice") == zero_counts(requests=4.0, batches=1.0)
+    assert value(samples, "batchproxy_request_seconds_count", "twice") == 4
+
+    metrics.uninstrument(proxy)
+    metrics.uninstrument(proxy)  # again: a no-op
+    await asyncio.wait_for(proxy.inference(9), 10)
+    samples = scrape(registry)
+    assert value(samples, "batchproxy_requests_total", "twice") == 4  # kept, no longer fed
+    assert value(samples, "batchproxy_queue_depth", "twice") is None
+    await proxy.aclose()
+
+
+async def test_a_proxy_is_held_only_weakly(
+    registry: CollectorRegistry, metrics: PrometheusMetrics
+) -> None:
+    proxy = Recorder(name="gone")
+    metrics.instrument(proxy)
+    assert await asyncio.wait_for(proxy.inference(1), 10) == ("out", 1)
+    await proxy.aclose()
+    assert value(scrape(registry), "batchproxy_queue_depth", "gone") == 0
+    ref = weakref.ref(proxy)
+    del proxy
+    gc.collect()
+    assert ref() is None
+    samples = scrape(registry)
+    assert value(samples, "batchproxy_queue_depth", "gone") is None
+    assert value(samples, "batchproxy_requests_total", "gone") == 1
+
+
+async def test_a_batch_function_and_a_namespace(registry: CollectorRegistry) -> None:
+    metrics = PrometheusMetrics(registry, namespace="svc")
+
+    @batchproxy.batch(batch_size=8, name="double")
+    async def double(items: list[int]) -> list[int]:
+        return [2 * item for item in items]
+
+    metrics.instrument(double)
+    assert await asyncio.wait_for(double.many([1, 2, 3]), 10) == [2, 4, 6]
+    samples = scrape(registry)
+    assert value(samples, "svc_requests_total", "double") == 3
+    assert value(samples, "svc_queue_depth", "double") == 0
+    assert not any(name.startswith("batchproxy_") for name, _ in samples)
+    await double.aclose()
+
+
+def test_one_metrics_object_per_registry_and_namespace(
+    registry: CollectorRegistry, metrics: PrometheusMetrics
+) -> None:
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        PrometheusMetrics(registry)
+    PrometheusMetrics(registry, namespace="other")  # another namespace is fine
+
+
+def test_instrument_refuses_what_is_not_a_proxy(metrics: PrometheusMetrics) -> None:
+    with pytest.raises(TypeError, match=r"batchproxy\.Proxy"):
+        metrics.instrument(object())  # type: ignore[arg-type]
+
+
+def test_render_and_content_type(registry: CollectorRegistry, metrics: PrometheusMetrics) -> None:
+    assert CONTENT_TYPE.startswith("text/plain")
+    text = render(registry).decode()
+    assert "# TYPE batchproxy_requests_total counter" in text
+    assert "# TYPE batchproxy_queue_depth gauge" in text
+
+
+def test_import_batchproxy_does_not_import_prometheus_client() -> None:
+    code = (
+        "import sys, batchproxy, batchproxy.integrations\n"
+        "assert 'prometheus_client' not in sys.modules, 'imported prometheus_client'\n"
+        "import batchproxy.integrations.prometheus\n"
+        "assert 'prometheus_client' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

