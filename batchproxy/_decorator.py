@@ -8,7 +8,7 @@ instance's `__dict__`), so two model instances never share a queue.
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, Generic, Literal, Protocol, TypeVar, overload
 
 from typing_extensions import Self
@@ -82,8 +82,11 @@ class Batched(Generic[T, U]):
             ) from None
         return bound
 
-    async def __call__(self, item: T, *, timeout: float | None = None, priority: int = 0) -> U:
-        return await self.proxy.inference(item, timeout=timeout, priority=priority)
+    def __call__(
+        self, item: T, *, timeout: float | None = None, priority: int = 0
+    ) -> Coroutine[Any, Any, U]:
+        """`await f(item)`: the proxy's own coroutine, no extra layer per call."""
+        return self.proxy.inference(item, timeout=timeout, priority=priority)
 
     @overload
     async def many(
