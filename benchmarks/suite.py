@@ -252,38 +252,6 @@ async def real_model(sentences: list[str], makes: list[Any]) -> dict[str, dict[s
     return results
 
 
-def sentences(count: int) -> list[str]:
-    import random
-
-    words = [
-        "model",
-        "batch",
-        "request",
-        "queue",
-        "latency",
-        "throughput",
-        "tensor",
-        "padding",
-        "token",
-        "the",
-        "a",
-        "of",
-        "server",
-        "client",
-        "event",
-        "loop",
-        "thread",
-        "window",
-        "budget",
-        "length",
-        "sentence",
-        "embedding",
-        "vector",
-    ]
-    rng = random.Random(0)
-    return [" ".join(rng.choice(words) for _ in range(rng.randint(8, 60))) for _ in range(count)]
-
-
 # -- the run --------------------------------------------------------------------------
 
 
@@ -296,7 +264,9 @@ async def run(quick: bool) -> dict[str, Any]:
         results["overhead_us"][name] = await overhead(make, 3 if quick else 10, 3 if quick else 7)
         results["idle"][name] = await idle_latency(make, 100 if quick else 500)
         results["accelerator_share"][name] = await accelerator_share(make, 4 if quick else 20)
-    results["real_model"] = await real_model(sentences(90 if quick else 300), makes)
+    from sample_text import make_sentences
+
+    results["real_model"] = await real_model(make_sentences(90 if quick else 300), makes)
     return results
 
 

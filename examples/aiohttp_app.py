@@ -14,19 +14,16 @@ Errors are `{"detail": "..."}`: 422 bad JSON / malformed body / empty text,
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 from embeddings import (
-    MAX_TEXT_CHARS,
-    MAX_TEXTS,
     EmbeddingService,
     ServiceError,
     parse_json,
     serve_options,
 )
-from minilm import load_minilm
 from prometheus_client import CollectorRegistry
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -89,34 +86,17 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def create_app(
-    *,
-    batch_size: int = 32,
-    max_delay_ms: float = 5.0,
-    max_queue_size: int | None = 512,
-    timeout: float | None = 10.0,
-    max_text_chars: int = MAX_TEXT_CHARS,
-    max_texts: int = MAX_TEXTS,
-    minilm: tuple[PreTrainedTokenizerBase, PreTrainedModel] | None = None,
+    *, minilm: tuple[PreTrainedTokenizerBase, PreTrainedModel] | None = None, **options: Any
 ) -> web.Application:
-    """The service; `minilm` is a loaded `(tokenizer, model)`, else loaded at startup.
+    """The service; `minilm` is a loaded `(tokenizer, model)`, else loaded at startup;
+    `options` go to `EmbeddingService` (batch_size, max_queue_size, timeout, ...).
 
     Startup starts the proxy, cleanup closes it (answering every accepted
     request first); the running service is `app[SERVICE]`.
     """
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
-        tokenizer, model = minilm if minilm else await asyncio.to_thread(load_minilm)
-        service = EmbeddingService(
-            tokenizer,
-            model,
-            batch_size=batch_size,
-            max_delay_ms=max_delay_ms,
-            max_queue_size=max_queue_size,
-            timeout=timeout,
-            max_text_chars=max_text_chars,
-            max_texts=max_texts,
-        )
-        await service.start()
+        service = await EmbeddingService.open(minilm, **options)
         app[SERVICE] = service
         app[METRICS] = _metrics(service)
         try:

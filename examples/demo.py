@@ -30,7 +30,6 @@ import contextlib
 import importlib.metadata
 import math
 import os
-import random
 import re
 import signal
 import socket
@@ -51,6 +50,7 @@ EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _report import RESULTS, environment, write_json  # noqa: E402
+from sample_text import MAX_WORDS, MIN_WORDS, make_sentences  # noqa: E402
 
 LEVELS = (1, 5, 100, 150)
 # requests per concurrency level, per mode: enough for steady numbers, few enough that
@@ -69,36 +69,6 @@ REQUEST_TIMEOUT = 120.0
 BATCHED_PATH = "/embed"
 REGULAR_PATH = "/embed/regular"
 MODES = ("regular", "batched")
-
-MIN_WORDS, MAX_WORDS = 8, 60
-_WORD_LIST = (
-    "the a an of to in for on with at by from about into over after under between "
-    "model batch token sentence vector request queue server client thread device "
-    "memory cache signal network layer weight input output value result answer "
-    "question system process window length padding order time second minute hour "
-    "day week year city river mountain forest garden house street market station "
-    "library museum school kitchen window table chair book letter story picture "
-    "music song voice light shadow morning evening night summer winter spring "
-    "autumn weather rain snow wind cloud sun moon star ocean island bridge road "
-    "train car bicycle ship plane engine machine computer program function data "
-    "quickly slowly quietly carefully easily often never always sometimes usually "
-    "runs walks reads writes builds finds keeps takes gives makes sees knows "
-    "thinks feels brings holds turns moves starts stops opens closes grows falls "
-    "small large old new long short bright dark warm cold early late simple clear "
-    "careful strange quiet busy empty full heavy light fast slow happy tired "
-    "because while although when where before until unless since therefore"
-)
-WORDS = _WORD_LIST.split()
-
-
-def make_sentences(count: int, seed: int) -> list[str]:
-    """`count` sentences of MIN_WORDS..MAX_WORDS words, the same on every run."""
-    rng = random.Random(seed)
-    sentences = []
-    for _ in range(count):
-        words = [rng.choice(WORDS) for _ in range(rng.randint(MIN_WORDS, MAX_WORDS))]
-        sentences.append(" ".join(words).capitalize() + ".")
-    return sentences
 
 
 def versions(*packages: str) -> dict[str, str | None]:

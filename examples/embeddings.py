@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-from minilm import MiniLMEmbedder, reference_embedding
+from minilm import MiniLMEmbedder, load_minilm, reference_embedding
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from batchproxy import DeadlineExceeded, ProxyClosed, QueueFull
@@ -124,6 +124,17 @@ class EmbeddingService:
         self.regular = OneAtATime(tokenizer, model)
         self.max_text_chars = max_text_chars
         self.max_texts = max_texts
+
+    @classmethod
+    async def open(
+        cls, minilm: tuple[PreTrainedTokenizerBase, PreTrainedModel] | None = None, **options: Any
+    ) -> EmbeddingService:
+        """Build and start a service; `minilm` is a loaded `(tokenizer, model)`, else the
+        model is loaded here, off the event loop. `options` are the constructor's."""
+        tokenizer, model = minilm if minilm else await asyncio.to_thread(load_minilm)
+        service = cls(tokenizer, model, **options)
+        await service.start()
+        return service
 
     async def start(self) -> None:
         await self.proxy.start()

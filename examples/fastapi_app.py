@@ -18,13 +18,11 @@ with `Retry-After: 1`; deadline 504.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from embeddings import (
-    MAX_TEXT_CHARS,
-    MAX_TEXTS,
     EmbeddingService,
     ServiceError,
     parse_json,
@@ -32,7 +30,6 @@ from embeddings import (
 )
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
-from minilm import load_minilm
 from prometheus_client import CollectorRegistry
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -49,16 +46,10 @@ def _metrics(service: EmbeddingService) -> Callable[[], tuple[bytes, str]]:
 
 
 def create_app(
-    *,
-    batch_size: int = 32,
-    max_delay_ms: float = 5.0,
-    max_queue_size: int | None = 512,
-    timeout: float | None = 10.0,
-    max_text_chars: int = MAX_TEXT_CHARS,
-    max_texts: int = MAX_TEXTS,
-    minilm: tuple[PreTrainedTokenizerBase, PreTrainedModel] | None = None,
+    *, minilm: tuple[PreTrainedTokenizerBase, PreTrainedModel] | None = None, **options: Any
 ) -> FastAPI:
-    """The service; `minilm` is a loaded `(tokenizer, model)`, else loaded at startup.
+    """The service; `minilm` is a loaded `(tokenizer, model)`, else loaded at startup;
+    `options` go to `EmbeddingService` (batch_size, max_queue_size, timeout, ...).
 
     The lifespan starts the proxy and closes it (answering every accepted
     request) at shutdown; the running service is `app.state.service`.
@@ -66,18 +57,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        tokenizer, model = minilm if minilm else await asyncio.to_thread(load_minilm)
-        service = EmbeddingService(
-            tokenizer,
-            model,
-            batch_size=batch_size,
-            max_delay_ms=max_delay_ms,
-            max_queue_size=max_queue_size,
-            timeout=timeout,
-            max_text_chars=max_text_chars,
-            max_texts=max_texts,
-        )
-        await service.start()
+        service = await EmbeddingService.open(minilm, **options)
         app.state.service = service
         app.state.metrics = _metrics(service)
         try:
