@@ -7,11 +7,12 @@ Every workload runs through each batcher that is installed, one after another
 in the same process, with the same batch size and delay window:
 
 - batchproxy (`@batchproxy.batch`),
-- `batched` (`batched.aio.dynamically`), if installed (the `bench` extra).
-
-Ray Serve's `ray.serve.batch` is not here: it refuses to run outside a Serve
-replica (it asks for the replica context), and through a deployment it would
-measure Ray's RPC and HTTP path rather than its batching.
+- `batched` (`batched.aio.dynamically`), if installed (the `bench` extra),
+- Ray Serve's `ray.serve.batch`, if installed (the `bench-ray` extra: Ray is
+  large, so it is not part of the dev install). It is run in-process, outside a
+  Serve replica: its queue asks the replica for a setting only to print a
+  warning, and that one check is skipped; the batching measured is Ray's own.
+  (Through a deployment it would measure Ray's RPC and HTTP path instead.)
 
 Workloads:
 
@@ -83,10 +84,31 @@ def with_batched(fn: BatchFn, batch_size: int) -> Batcher:
     return Batcher("batched", processor, close)
 
 
+def with_ray(fn: BatchFn, batch_size: int) -> Batcher:
+    from ray.serve import batching
+
+    # `serve.batch` checks, for a warning, a setting of the Serve replica it expects
+    # to run in; outside one that check fails. Skip only that check: the queue,
+    # collector and timing measured are Ray's own batching code.
+    batching._BatchQueue._warn_if_max_batch_size_exceeds_max_ongoing_requests = (  # type: ignore[method-assign]
+        lambda self: None
+    )
+    from ray import serve
+
+    wrapped = serve.batch(max_batch_size=batch_size, batch_wait_timeout_s=DELAY_MS / 1e3)(fn)
+
+    async def close() -> None:
+        pass
+
+    return Batcher("ray.serve.batch", wrapped, close)
+
+
 def peers() -> list[Callable[[BatchFn, int], Batcher]]:
     found = [with_batchproxy]
     if importlib.util.find_spec("batched"):
         found.append(with_batched)
+    if importlib.util.find_spec("ray") and importlib.util.find_spec("ray.serve"):
+        found.append(with_ray)
     return found
 
 
