@@ -125,6 +125,10 @@ class Batched(Generic[T, U]):
     def stats(self) -> ProxyStats:
         return self.proxy.stats
 
+    def configure(self, **limits: Any) -> None:
+        """`Proxy.configure`: change limits while it runs."""
+        self.proxy.configure(**limits)
+
     async def start(self) -> None:
         await self.proxy.start()
 

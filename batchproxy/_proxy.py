@@ -32,6 +32,7 @@ import threading
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence, Set
+from types import EllipsisType
 from typing import Any, Generic, Literal, TypeVar, overload
 
 from typing_extensions import Self
@@ -288,6 +289,49 @@ class Proxy(ABC, Generic[In, Out]):
         self._scheduler = None
         self._loop = None
         self._batch_tasks.clear()
+
+    def configure(
+        self,
+        *,
+        batch_size: int | EllipsisType = ...,
+        max_delay_ms: float | EllipsisType = ...,
+        max_concurrent_batches: int | EllipsisType = ...,
+        max_queue_size: int | EllipsisType | None = ...,
+    ) -> None:
+        """Change limits while the proxy runs; `...` (the default) keeps a value.
+
+        Every value is checked like the constructor's before any is applied, so a
+        bad call changes nothing. Thread-safe: from another thread the change
+        reaches the proxy's loop through `call_soon_threadsafe`. It applies from
+        the next batch on; running batches and queued requests are left as they
+        are (a lower `max_queue_size` refuses new calls until the queue is below it).
+        """
+        self._require_init()
+        size = self._batch_size if batch_size is ... else _validate.count("batch_size", batch_size)
+        delay = (
+            self._max_delay
+            if max_delay_ms is ...
+            else _validate.duration("max_delay_ms", max_delay_ms, allow_zero=True) / 1e3
+        )
+        slots = (
+            self._max_concurrent
+            if max_concurrent_batches is ...
+            else _validate.count("max_concurrent_batches", max_concurrent_batches)
+        )
+        room = (
+            self._max_queue_size
+            if max_queue_size is ...
+            else _validate.optional_count("max_queue_size", max_queue_size)
+        )
+        self._batch_size, self._max_delay, self._max_concurrent = size, delay, slots
+        self._max_queue_size = room
+        loop, scheduler = self._loop, self._scheduler
+        if loop is None or scheduler is None or loop.is_closed():
+            return  # the next event loop's scheduler starts with these values
+        if threading.get_ident() == self._loop_thread:
+            scheduler.reconfigure(size, delay, slots)
+        else:
+            loop.call_soon_threadsafe(scheduler.reconfigure, size, delay, slots)
 
     # -- calls ---------------------------------------------------------------------------
 

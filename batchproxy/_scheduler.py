@@ -131,6 +131,14 @@ class Scheduler(Generic[T]):
         else:
             self._schedule_decision()
 
+    def reconfigure(self, batch_size: int, max_delay: float, max_concurrent_batches: int) -> None:
+        """New limits from the next decision on (running batches are not touched)."""
+        self._batch_size = batch_size
+        self._max_delay = max_delay
+        self._max_concurrent = max_concurrent_batches
+        self._window = max(4 * batch_size, 64)
+        self._schedule_decision()  # a smaller batch or a new slot may make a batch ready
+
     def drain(self) -> None:
         """From now on every queued request goes as soon as a slot is free."""
         self._draining = True
