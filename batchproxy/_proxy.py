@@ -40,6 +40,7 @@ from typing_extensions import Self
 from . import _validate
 from ._errors import BatchSizeMismatch, DeadlineExceeded, InferenceError, ProxyClosed, QueueFull
 from ._executor import Executor, LoopExecutor
+from ._oom import BatchCap, OomPredicate, is_out_of_memory
 from ._queue import Request
 from ._scheduler import Scheduler
 from ._stats import Listener, ProxyStats, StatsRecorder
@@ -74,6 +75,9 @@ class Proxy(ABC, Generic[In, Out]):
       is enforced, and `stats.padding_waste` is tracked.
     - `max_batch_tokens`: the most padded tokens in one batch: members x largest
       cost (default cost: `batchproxy.tensors.length`). An item over it runs alone.
+    - `oom_backoff`: when `_inference` runs out of memory (`MemoryError`,
+      `torch.cuda.OutOfMemoryError`, ...; or your predicate), retry the batch in
+      halves and lower the batch cap for a while; `False` turns it off.
     """
 
     _group_by_length = True  # TensorProxy(length_aware=False): costs without grouping
@@ -95,6 +99,7 @@ class Proxy(ABC, Generic[In, Out]):
         name: str | None = None,
         length: Callable[[In], int] | None = None,
         max_batch_tokens: int | None = None,
+        oom_backoff: bool | OomPredicate = True,
     ) -> None:
         self._batch_size = _validate.count("batch_size", batch_size)
         self._max_delay = _validate.duration("max_delay_ms", max_delay_ms, allow_zero=True) / 1e3
@@ -115,6 +120,12 @@ class Proxy(ABC, Generic[In, Out]):
         if length is not None and not callable(length):
             raise TypeError(f"length must be a callable or None, got {length!r}")
         self._length = length
+        if oom_backoff is True:
+            oom_backoff = is_out_of_memory
+        elif not (oom_backoff is False or callable(oom_backoff)):
+            raise TypeError(f"oom_backoff must be a bool or a predicate, got {oom_backoff!r}")
+        self._is_oom: OomPredicate | None = oom_backoff or None
+        self._cap = BatchCap(self._batch_size)
 
         self._model = self._model_function()
         self._executor, self._owns_executor = self._choose_executor(offload)
@@ -271,7 +282,7 @@ class Proxy(ABC, Generic[In, Out]):
         self._loop_thread = threading.get_ident()
         self._scheduler = Scheduler(
             loop,
-            batch_size=self._batch_size,
+            batch_size=self._cap.cap,
             max_delay=self._max_delay,
             max_concurrent_batches=self._max_concurrent,
             start_batch=self._start_batch,
@@ -325,6 +336,8 @@ class Proxy(ABC, Generic[In, Out]):
         )
         self._batch_size, self._max_delay, self._max_concurrent = size, delay, slots
         self._max_queue_size = room
+        self._cap.set_limit(size)
+        size = self._cap.cap
         loop, scheduler = self._loop, self._scheduler
         if loop is None or scheduler is None or loop.is_closed():
             return  # the next event loop's scheduler starts with these values
@@ -584,7 +597,7 @@ class Proxy(ABC, Generic[In, Out]):
         error: BaseException | None = None
         try:
             try:
-                results = await self._executor.run(self._model, [r.item for r in requests])
+                results = await self._call_model([r.item for r in requests])
             except BaseException as exc:
                 if isinstance(exc, asyncio.CancelledError) and _cancel_requested():
                     self._fail(requests, InferenceError(self.name, exc))
@@ -605,6 +618,38 @@ class Proxy(ABC, Generic[In, Out]):
             if stats.listeners:
                 stats.notify("batch_finished", size, seconds, error)
             scheduler.batch_finished()
+
+    async def _call_model(self, items: list[In]) -> Any:
+        """Run the model. If it runs out of memory, lower the cap and run the items in
+        chunks of the cap (each lowering it further if need be); an item that does not
+        fit alone gets the error in its own slot, so only its caller fails."""
+        try:
+            results = await self._executor.run(self._model, items)
+        except Exception as exc:
+            if self._is_oom is None or not self._is_oom(exc):
+                raise
+            if len(items) == 1:
+                return [exc]
+            self._cap.out_of_memory(len(items))
+            self._stats.oom_splits += 1
+            self._apply_cap()
+            logger.warning(
+                "%s: out of memory on a batch of %d (%r); retrying in chunks of %d",
+                self.name, len(items), exc, self._cap.cap,
+            )  # fmt: skip
+            chunked: list[Any] = []
+            while len(chunked) < len(items):
+                chunk = items[len(chunked) : len(chunked) + self._cap.cap]
+                chunked.extend(await self._call_model(chunk))
+            return chunked
+        if self._cap.succeeded(len(items)):
+            self._apply_cap()
+        return results
+
+    def _apply_cap(self) -> None:
+        scheduler = self._scheduler
+        if scheduler is not None:
+            scheduler.reconfigure(self._cap.cap, self._max_delay, self._max_concurrent)
 
     def _deliver(
         self, requests: list[Request[In]], results: object, now: float
@@ -671,8 +716,8 @@ class Proxy(ABC, Generic[In, Out]):
         self._require_init()
         scheduler = self._scheduler
         if scheduler is None:
-            return self._stats.snapshot(0, 0)
-        return self._stats.snapshot(scheduler.queue.live, scheduler.in_flight)
+            return self._stats.snapshot(0, 0, self._cap.cap)
+        return self._stats.snapshot(scheduler.queue.live, scheduler.in_flight, self._cap.cap)
 
     def add_listener(self, listener: Listener) -> None:
         """Register hooks called on the event loop; see `Listener`."""

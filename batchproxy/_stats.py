@@ -77,6 +77,11 @@ class ProxyStats:
     queue_wait: Percentiles
     model_time: Percentiles
     total_latency: Percentiles
+    oom_splits: int = 0
+    """Batches that ran out of memory and were retried in halves."""
+    batch_cap: int = 0
+    """The largest batch the proxy forms now: `batch_size`, or less after running
+    out of memory."""
     padding_waste: float | None = None
     """Padded elements / total elements over all batches, by the proxy's `length`
     (None without one): 0.0 when every batch held items of one length."""
@@ -133,6 +138,7 @@ class StatsRecorder:
         self.queue_wait: deque[float] = deque(maxlen=WINDOW)
         self.model_time: deque[float] = deque(maxlen=WINDOW)
         self.total_latency: deque[float] = deque(maxlen=WINDOW)
+        self.oom_splits = 0
         self.real_elements = 0
         self.padded_elements = 0
         self.tracks_padding = False
@@ -144,7 +150,7 @@ class StatsRecorder:
         self.real_elements += real
         self.padded_elements += padded
 
-    def snapshot(self, queue_depth: int, in_flight: int) -> ProxyStats:
+    def snapshot(self, queue_depth: int, in_flight: int, batch_cap: int) -> ProxyStats:
         return ProxyStats(
             name=self.name,
             requests=self.requests,
@@ -162,6 +168,8 @@ class StatsRecorder:
             queue_wait=Percentiles.of(self.queue_wait),
             model_time=Percentiles.of(self.model_time),
             total_latency=Percentiles.of(self.total_latency),
+            oom_splits=self.oom_splits,
+            batch_cap=batch_cap,
             padding_waste=self._padding_waste(),
         )
 
