@@ -5,6 +5,7 @@ batches by size and delay, runs the model once per batch, and hands each caller
 exactly its own result.
 """
 
+from ._cost_model import CostEstimate
 from ._decorator import Batched, batch
 from ._errors import (
     BatchProxyError,
@@ -26,6 +27,7 @@ __all__ = [
     "BatchProxyError",
     "BatchSizeMismatch",
     "Batched",
+    "CostEstimate",
     "DeadlineExceeded",
     "Executor",
     "InferenceError",

@@ -38,6 +38,7 @@ from typing import Any, Generic, Literal, TypeVar, overload
 from typing_extensions import Self
 
 from . import _validate
+from ._cost_model import CostModel
 from ._errors import BatchSizeMismatch, DeadlineExceeded, InferenceError, ProxyClosed, QueueFull
 from ._executor import Executor, LoopExecutor
 from ._oom import BatchCap, OomPredicate, is_out_of_memory
@@ -126,6 +127,7 @@ class Proxy(ABC, Generic[In, Out]):
             raise TypeError(f"oom_backoff must be a bool or a predicate, got {oom_backoff!r}")
         self._is_oom: OomPredicate | None = oom_backoff or None
         self._cap = BatchCap(self._batch_size)
+        self._cost_model = CostModel("item" if length is None else "token")
 
         self._model = self._model_function()
         self._executor, self._owns_executor = self._choose_executor(offload)
@@ -595,6 +597,7 @@ class Proxy(ABC, Generic[In, Out]):
         if stats.listeners:
             stats.notify("batch_started", size, waits)
         error: BaseException | None = None
+        splits = stats.oom_splits
         try:
             try:
                 results = await self._call_model([r.item for r in requests])
@@ -607,6 +610,9 @@ class Proxy(ABC, Generic[In, Out]):
                     logger.error("%s._inference raised %r", self.name, exc)
             else:
                 error = self._deliver(requests, results, loop.time())
+                if error is None and stats.oom_splits == splits:  # ran through, in one piece
+                    units = size if self._length is None else size * max(r.cost for r in requests)
+                    self._cost_model.add(units, loop.time() - started)
             if error is not None:
                 stats.failed_batches += 1
                 self._fail(requests, error)
@@ -715,9 +721,10 @@ class Proxy(ABC, Generic[In, Out]):
         """An immutable snapshot of counters, queue depth and recent latencies."""
         self._require_init()
         scheduler = self._scheduler
-        if scheduler is None:
-            return self._stats.snapshot(0, 0, self._cap.cap)
-        return self._stats.snapshot(scheduler.queue.live, scheduler.in_flight, self._cap.cap)
+        depth, running = (
+            (0, 0) if scheduler is None else (scheduler.queue.live, scheduler.in_flight)
+        )
+        return self._stats.snapshot(depth, running, self._cap.cap, self._cost_model.estimate())
 
     def add_listener(self, listener: Listener) -> None:
         """Register hooks called on the event loop; see `Listener`."""

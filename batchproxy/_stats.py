@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from ._cost_model import CostEstimate
+
 __all__ = ["Listener", "Percentiles", "ProxyStats", "StatsRecorder"]
 
 logger = logging.getLogger("batchproxy")
@@ -82,6 +84,9 @@ class ProxyStats:
     batch_cap: int = 0
     """The largest batch the proxy forms now: `batch_size`, or less after running
     out of memory."""
+    cost_model: CostEstimate | None = None
+    """The fitted model time per batch, `fixed + per_unit x units` (units: items, or
+    padded tokens with a `length`); None until a few batches have run."""
     padding_waste: float | None = None
     """Padded elements / total elements over all batches, by the proxy's `length`
     (None without one): 0.0 when every batch held items of one length."""
@@ -150,7 +155,9 @@ class StatsRecorder:
         self.real_elements += real
         self.padded_elements += padded
 
-    def snapshot(self, queue_depth: int, in_flight: int, batch_cap: int) -> ProxyStats:
+    def snapshot(
+        self, queue_depth: int, in_flight: int, batch_cap: int, cost_model: CostEstimate | None
+    ) -> ProxyStats:
         return ProxyStats(
             name=self.name,
             requests=self.requests,
@@ -170,6 +177,7 @@ class StatsRecorder:
             total_latency=Percentiles.of(self.total_latency),
             oom_splits=self.oom_splits,
             batch_cap=batch_cap,
+            cost_model=cost_model,
             padding_waste=self._padding_waste(),
         )
 
