@@ -1,4 +1,5 @@
-"""Out-of-memory back-off: what counts as out of memory, and the batch cap it lowers.
+"""Out-of-memory back-off (opt-in: `Proxy(oom_backoff=True)`): what counts as out of
+memory, and the batch cap it lowers.
 
 When a batch runs out of memory, the proxy retries it in halves (recursively,
 down to single items), so callers get results rather than the error; only an

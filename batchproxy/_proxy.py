@@ -76,9 +76,10 @@ class Proxy(ABC, Generic[In, Out]):
       is enforced, and `stats.padding_waste` is tracked.
     - `max_batch_tokens`: the most padded tokens in one batch: members x largest
       cost (default cost: `batchproxy.tensors.length`). An item over it runs alone.
-    - `oom_backoff`: when `_inference` runs out of memory (`MemoryError`,
-      `torch.cuda.OutOfMemoryError`, ...; or your predicate), retry the batch in
-      halves and lower the batch cap for a while; `False` turns it off.
+    - `oom_backoff` (opt-in): `True` (or your predicate of what counts as out of
+      memory) reruns a batch whose `_inference` ran out of memory (`MemoryError`,
+      `torch.cuda.OutOfMemoryError`, ...) in smaller chunks and lowers the batch
+      cap for a while. Off by default: an exception then fails the whole batch.
     """
 
     _group_by_length = True  # TensorProxy(length_aware=False): costs without grouping
@@ -100,7 +101,7 @@ class Proxy(ABC, Generic[In, Out]):
         name: str | None = None,
         length: Callable[[In], int] | None = None,
         max_batch_tokens: int | None = None,
-        oom_backoff: bool | OomPredicate = True,
+        oom_backoff: bool | OomPredicate = False,
     ) -> None:
         self._batch_size = _validate.count("batch_size", batch_size)
         self._max_delay = _validate.duration("max_delay_ms", max_delay_ms, allow_zero=True) / 1e3

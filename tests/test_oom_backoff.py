@@ -37,7 +37,7 @@ async def burst(proxy: Recorder, items: range) -> list[Any]:
 
 @pytest.mark.looptime
 async def test_a_batch_out_of_memory_is_retried_in_halves() -> None:
-    async with Recorder(fits(4), batch_size=16, max_delay_ms=1) as proxy:
+    async with Recorder(fits(4), oom_backoff=True, batch_size=16, max_delay_ms=1) as proxy:
         assert await burst(proxy, range(16)) == [("out", i) for i in range(16)]
         # 16 and 8 ran out of memory; then chunks of the learned cap, 4
         assert [len(b) for b in proxy.batches] == [16, 8, 4, 4, 4, 4]
@@ -50,7 +50,7 @@ async def test_a_batch_out_of_memory_is_retried_in_halves() -> None:
 
 @pytest.mark.looptime
 async def test_the_lowered_cap_shapes_the_next_batches() -> None:
-    async with Recorder(fits(4), batch_size=16, max_delay_ms=1) as proxy:
+    async with Recorder(fits(4), oom_backoff=True, batch_size=16, max_delay_ms=1) as proxy:
         await burst(proxy, range(16))
         proxy.batches.clear()
         await burst(proxy, range(100, 112))
@@ -64,7 +64,7 @@ async def test_the_cap_creeps_back_after_sustained_success() -> None:
     def respond(items: list[Any]) -> Any:
         return fits(limit[0])(items)
 
-    model = Recorder(respond, batch_size=16, max_delay_ms=1)
+    model = Recorder(respond, oom_backoff=True, batch_size=16, max_delay_ms=1)
     async with model as proxy:
         await burst(proxy, range(16))
         assert proxy.stats.batch_cap == 4
@@ -84,7 +84,7 @@ async def test_an_item_that_does_not_fit_alone_fails_only_its_caller() -> None:
             raise MemoryError("huge")
         return [("out", item) for item in items]
 
-    async with Recorder(respond, batch_size=4, max_delay_ms=1) as proxy:
+    async with Recorder(respond, oom_backoff=True, batch_size=4, max_delay_ms=1) as proxy:
         results = await asyncio.gather(
             *(proxy.inference(i) for i in ["a", "huge", "b", "c"]), return_exceptions=True
         )
@@ -96,14 +96,18 @@ async def test_an_item_that_does_not_fit_alone_fails_only_its_caller() -> None:
 @pytest.mark.looptime
 async def test_torch_style_errors_are_recognised_by_name_and_message() -> None:
     for error in (OutOfMemoryError, lambda: RuntimeError("CUDA out of memory. Tried...")):
-        async with Recorder(fits(2, error), batch_size=8, max_delay_ms=1) as proxy:
+        async with Recorder(
+            fits(2, error), oom_backoff=True, batch_size=8, max_delay_ms=1
+        ) as proxy:
             assert await burst(proxy, range(8)) == [("out", i) for i in range(8)]
             assert proxy.stats.oom_splits == 2
 
 
 @pytest.mark.looptime
 async def test_other_errors_are_not_retried() -> None:
-    async with Recorder(fits(2, lambda: ValueError("bad")), batch_size=8) as proxy:
+    async with Recorder(
+        fits(2, lambda: ValueError("bad")), oom_backoff=True, batch_size=8
+    ) as proxy:
         results = await asyncio.gather(
             *(proxy.inference(i) for i in range(8)), return_exceptions=True
         )
@@ -126,13 +130,15 @@ async def test_a_user_predicate_decides_what_is_out_of_memory() -> None:
 
 
 @pytest.mark.looptime
-async def test_back_off_can_be_turned_off() -> None:
-    async with Recorder(fits(2), oom_backoff=False, batch_size=8, max_delay_ms=1) as proxy:
+async def test_back_off_is_off_by_default() -> None:
+    """DESIGN 2.4: without the opt-in, an exception fails every caller of the batch."""
+    async with Recorder(fits(2), batch_size=8, max_delay_ms=1) as proxy:
         results = await asyncio.gather(
             *(proxy.inference(i) for i in range(8)), return_exceptions=True
         )
         assert all(isinstance(r, MemoryError) for r in results)
         assert proxy.stats.oom_splits == 0
+        assert len(proxy.batches) == 1
 
 
 def test_oom_backoff_must_be_a_bool_or_a_predicate() -> None:
@@ -147,7 +153,7 @@ async def test_back_off_works_through_the_worker_thread() -> None:
                 raise MemoryError
             return [2 * i for i in items]
 
-    async with Sync(batch_size=12, max_delay_ms=1) as proxy:
+    async with Sync(batch_size=12, max_delay_ms=1, oom_backoff=True) as proxy:
         results = await asyncio.wait_for(
             asyncio.gather(*(proxy.inference(i) for i in range(12))), 10
         )
