@@ -645,9 +645,11 @@ class Proxy(ABC, Generic[In, Out]):
                 self.name, len(items), exc, self._cap.cap,
             )  # fmt: skip
             chunked: list[Any] = []
-            while len(chunked) < len(items):
-                chunk = items[len(chunked) : len(chunked) + self._cap.cap]
+            start = 0
+            while start < len(items):  # by index: a chunk answered with a wrong count
+                chunk = items[start : start + self._cap.cap]  # shows up as a mismatch
                 chunked.extend(await self._call_model(chunk))
+                start += len(chunk)
             return chunked
         if self._cap.succeeded(len(items)):
             self._apply_cap()

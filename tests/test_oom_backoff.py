@@ -177,3 +177,18 @@ def test_is_out_of_memory() -> None:
     assert is_out_of_memory(RuntimeError("CUDA out of memory"))
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
     assert not is_out_of_memory(ValueError("out of memory"))
+
+
+@pytest.mark.looptime
+async def test_a_chunk_answered_with_a_wrong_count_fails_the_batch_not_loops() -> None:
+    def respond(items: list[Any]) -> list[Any]:
+        if len(items) > 2:
+            raise MemoryError
+        return []  # a buggy model: no results at all
+
+    async with Recorder(respond, oom_backoff=True, batch_size=4, max_delay_ms=1) as proxy:
+        results = await asyncio.gather(
+            *(proxy.inference(i) for i in range(4)), return_exceptions=True
+        )
+        assert all(isinstance(r, batchproxy.BatchSizeMismatch) for r in results)
+        assert len(proxy.batches) == 3  # 4 (out of memory), then two chunks of 2
