@@ -591,10 +591,10 @@ class Proxy(ABC, Generic[In, Out]):
         stats.batch_sizes[size] = stats.batch_sizes.get(size, 0) + 1
         waits = [started - request.enqueued_at for request in requests]
         stats.queue_wait.extend(waits)
+        # what the model computes: items, or padded tokens (batch x longest) with a length
+        units = size if self._length is None else size * max(r.cost for r in requests)
         if self._length is not None:
-            stats.record_padding(
-                real=sum(r.cost for r in requests), padded=size * max(r.cost for r in requests)
-            )
+            stats.record_padding(real=sum(r.cost for r in requests), padded=units)
         if stats.listeners:
             stats.notify("batch_started", size, waits)
         error: BaseException | None = None
@@ -612,7 +612,6 @@ class Proxy(ABC, Generic[In, Out]):
             else:
                 error = self._deliver(requests, results, loop.time())
                 if error is None and stats.oom_splits == splits:  # ran through, in one piece
-                    units = size if self._length is None else size * max(r.cost for r in requests)
                     self._cost_model.add(units, loop.time() - started)
             if error is not None:
                 stats.failed_batches += 1
