@@ -94,7 +94,6 @@ class Scheduler(Generic[T]):
         self._by_cost = by_cost
         self._group = group_by_cost
         self._budget = max_batch_tokens
-        self._window = max(4 * batch_size, 64)
         self._decision_scheduled = False
         self._slot_freed = False
         self._draining = False
@@ -136,7 +135,6 @@ class Scheduler(Generic[T]):
         self._batch_size = batch_size
         self._max_delay = max_delay
         self._max_concurrent = max_concurrent_batches
-        self._window = max(4 * batch_size, 64)
         self._schedule_decision()  # a smaller batch or a new slot may make a batch ready
 
     def drain(self) -> None:
@@ -190,7 +188,7 @@ class Scheduler(Generic[T]):
         if not self._by_cost:
             return self.queue.pop_batch(self._batch_size)
         return self.queue.pop_similar(
-            self._batch_size, self._budget, self._window, group=self._group
+            self._batch_size, self._budget, max(4 * self._batch_size, 64), group=self._group
         )
 
     def _departure_time(self) -> float | None:
