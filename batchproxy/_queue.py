@@ -167,21 +167,12 @@ class RequestQueue(Generic[T]):
         for request in candidates[:limit]:
             if request.queued:
                 request.passed_over += 1
-        self._drop_dead_heads()
+        self._clean_heads()
         return batch
 
-    def _drop_dead_heads(self) -> None:
-        for negated in list(self._order):
-            level = self._levels[-negated]
-            while level and not level[0].queued:
-                level.popleft()
-                self._dead -= 1
-            if not level:
-                self._drop_level(negated)
-
-    def oldest_enqueued_at(self) -> float | None:
-        """Arrival time of the longest-waiting live request, or None when empty."""
-        oldest: float | None = None
+    def _clean_heads(self) -> None:
+        """Drop dead entries from the front of each level, and retire a queued head
+        whose caller already left (its future is done); empty levels go."""
         for negated in list(self._order):
             level = self._levels[-negated]
             while level and (not level[0].queued or level[0].future.done()):
@@ -192,9 +183,12 @@ class RequestQueue(Generic[T]):
                     self._dead -= 1
             if not level:
                 self._drop_level(negated)
-            elif oldest is None or level[0].enqueued_at < oldest:
-                oldest = level[0].enqueued_at
-        return oldest
+
+    def oldest_enqueued_at(self) -> float | None:
+        """Arrival time of the longest-waiting live request, or None when empty."""
+        self._clean_heads()
+        heads = (self._levels[-negated][0].enqueued_at for negated in self._order)
+        return min(heads, default=None)
 
     def drain(self) -> list[Request[T]]:
         """Remove and return every live request (used when the event loop is gone)."""
