@@ -107,13 +107,13 @@ class TensorProxy(Proxy[In, Out]):
     def _run_sync(self, items: list[In], /) -> list[Any]:
         batch = self._prepare(items)
         if batch.collated is not None:
-            batch.deliver(self._forward(batch.collated), self.name)
+            batch.deliver(self._forward(batch.collated))
         return batch.results
 
     async def _run_async(self, items: list[In], /) -> list[Any]:
         batch = self._prepare(items)
         if batch.collated is not None:
-            batch.deliver(await self._forward(batch.collated), self.name)
+            batch.deliver(await self._forward(batch.collated))
         return batch.results
 
     def _prepare(self, items: list[In]) -> _Batch:
@@ -146,14 +146,10 @@ class _Batch:
     valid: list[int]
     collated: Collated | None
 
-    def deliver(self, outputs: Any, proxy: str) -> None:
+    def deliver(self, outputs: Any) -> None:
+        """Each valid item's part of `outputs`; `split` refuses outputs with a wrong count."""
         assert self.collated is not None
         parts = tensors.split(outputs, self.collated)
-        if len(parts) != len(self.valid):
-            raise ValueError(
-                f"{proxy}._forward returned outputs for {len(parts)} items "
-                f"for a batch of {len(self.valid)}"
-            )
         for index, part in zip(self.valid, parts, strict=True):
             self.results[index] = part
 
