@@ -123,7 +123,7 @@ class TensorProxy(Proxy[In, Out]):
         valid = [i for i, error in enumerate(errors) if error is None]
         if not valid:
             return _Batch(results, valid, None)
-        collated = tensors.collate(
+        collated = tensors._collate_valid(  # validated just above: not again
             [items[i] for i in valid],
             pad_value=self._pad_value,
             padding_side=self._padding_side,

@@ -403,6 +403,19 @@ def collate(
     for error in validate(items):
         if error is not None:
             raise error
+    return _collate_valid(
+        items, pad_value=pad_value, padding_side=padding_side, pad_to_multiple_of=multiple
+    )
+
+
+def _collate_valid(
+    items: Sequence[Any],
+    *,
+    pad_value: float | int | Mapping[str, float | int],
+    padding_side: PaddingSide,
+    pad_to_multiple_of: int | None,
+) -> Collated:
+    """`collate` for items `validate` has passed and arguments already checked."""
     first = items[0]
     paths = [path for path, _ in _leaves(first)]
     if isinstance(pad_value, Mapping) and not isinstance(first, Mapping):
@@ -418,7 +431,7 @@ def collate(
         leaves = [leaves_of_item[j] for leaves_of_item in per_item]
         value = pad_value.get(str(path[0]), 0) if isinstance(pad_value, Mapping) else pad_value
         _check_pad_value(value, leaves[0], path)
-        batch, padded, did_pad = _collate_leaf(leaves, value, padding_side, multiple)
+        batch, padded, did_pad = _collate_leaf(leaves, value, padding_side, pad_to_multiple_of)
         batched.append(batch)
         padded_shapes.append(padded)
         any_padding = any_padding or did_pad
