@@ -57,13 +57,23 @@ class DeadlineExceeded(BatchProxyError, TimeoutError):
     """The call's `timeout` ran out before its result arrived.
 
     A request still queued at its deadline is removed and never reaches the model.
-    A `TimeoutError`, so `except TimeoutError` catches it.
+    With `shed_late=True` a call the proxy predicts cannot finish in time fails at
+    once, before it is queued; `predicted` is then the expected seconds to an
+    answer (None otherwise). A `TimeoutError`, so `except TimeoutError` catches it.
     """
 
-    def __init__(self, proxy: str, timeout: float) -> None:
-        super().__init__(f"{proxy}: no result within the call's timeout of {timeout:g} s")
+    def __init__(self, proxy: str, timeout: float, predicted: float | None = None) -> None:
+        if predicted is None:
+            message = f"{proxy}: no result within the call's timeout of {timeout:g} s"
+        else:
+            message = (
+                f"{proxy}: refused at once: the answer is expected in {predicted:.3g} s, "
+                f"after the call's timeout of {timeout:g} s (shed_late=True)"
+            )
+        super().__init__(message)
         self.proxy = proxy
         self.timeout = timeout
+        self.predicted = predicted
 
 
 class InferenceError(BatchProxyError):

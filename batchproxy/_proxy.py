@@ -102,6 +102,9 @@ class Proxy(ABC, Generic[In, Out]):
         length: Callable[[In], int] | None = None,
         max_batch_tokens: int | None = None,
         oom_backoff: bool | OomPredicate = False,
+        window: Literal["adaptive", "fixed"] = "adaptive",
+        aging_ms: float | None = None,
+        shed_late: bool = False,
     ) -> None:
         self._batch_size = _validate.count("batch_size", batch_size)
         self._max_delay = _validate.duration("max_delay_ms", max_delay_ms, allow_zero=True) / 1e3
@@ -127,6 +130,17 @@ class Proxy(ABC, Generic[In, Out]):
         elif not (oom_backoff is False or callable(oom_backoff)):
             raise TypeError(f"oom_backoff must be a bool or a predicate, got {oom_backoff!r}")
         self._is_oom: OomPredicate | None = oom_backoff or None
+        if window not in ("adaptive", "fixed"):
+            raise ValueError(f'window must be "adaptive" or "fixed", got {window!r}')
+        self._adaptive = window == "adaptive"
+        self._aging = (
+            None
+            if aging_ms is None
+            else _validate.duration("aging_ms", aging_ms, allow_zero=False) / 1e3
+        )
+        if not isinstance(shed_late, bool):
+            raise TypeError(f"shed_late must be a bool, got {type(shed_late).__name__}")
+        self._shed_late = shed_late
         self._cap = BatchCap(self._batch_size)
         self._cost_model = CostModel("item" if length is None else "token")
 
@@ -292,6 +306,9 @@ class Proxy(ABC, Generic[In, Out]):
             by_cost=self._length is not None,
             group_by_cost=self._group_by_length,
             max_batch_tokens=self._max_batch_tokens,
+            adaptive=self._adaptive,
+            estimate=self._cost_model.estimate,
+            aging=self._aging,
         )
         return True
 
@@ -510,17 +527,34 @@ class Proxy(ABC, Generic[In, Out]):
         cost = 1 if self._length is None else self._cost(item)
         self._check_room(1)
         now = loop.time()
-        request: Request[In] = Request(item, loop.create_future(), priority, now, cost)
-        if seconds is not None:
-            request.deadline_timer = loop.call_at(now + seconds, self._expire, request, seconds)
         scheduler = self._scheduler
         assert scheduler is not None
+        if seconds is None:
+            request: Request[In] = Request(item, loop.create_future(), priority, now, cost)
+        else:
+            deadline = now + seconds
+            if self._shed_late:
+                self._shed_if_late(scheduler, priority, deadline, cost, seconds)
+            request = Request(item, loop.create_future(), priority, now, cost, deadline)
+            request.deadline_timer = loop.call_at(deadline, self._expire, request, seconds)
         scheduler.submit(request)
         stats = self._stats
         stats.requests += 1
         if stats.listeners:
             stats.notify("request_queued", scheduler.queue.live)
         return request
+
+    def _shed_if_late(
+        self, scheduler: Scheduler[In], priority: int, deadline: float, cost: int, seconds: float
+    ) -> None:
+        """Refuse a call at once when even the soonest predicted answer misses its deadline."""
+        expected = scheduler.expected_finish(priority, deadline, cost)
+        if expected is not None and expected > deadline:
+            stats = self._stats
+            stats.shed += 1
+            if stats.listeners:
+                stats.notify("request_shed")
+            raise DeadlineExceeded(self.name, seconds, expected - (deadline - seconds))
 
     def _cost(self, item: In) -> int:
         assert self._length is not None

@@ -1,17 +1,30 @@
-"""Pending requests: one FIFO per priority level, highest level first.
+"""Pending requests: one level per priority, highest level first.
+
+Within a level, requests with a deadline go earliest deadline first, then those
+without one in arrival order (so with one timeout for every call, the order is
+FIFO). With `aging` (seconds), levels are served in order of their oldest
+request's arrival time minus `aging` per level of priority, and a level whose
+oldest request has waited `aging` is served oldest first. So a request is never
+overtaken by one of Δp levels more that arrived more than Δp x `aging` after it,
+nor, in its own level, by one that arrived more than `aging` after it: neither a
+busier level nor a stream of tighter deadlines holds it back for ever.
 
 A request leaves the queue exactly once, by whoever flips `queued` to False:
-`pop_batch` (dispatch), or `discard` (its caller cancelled, its deadline passed).
-Discarded requests stay in their deque as dead entries until skipped at a head;
-`live` counts only the queued ones, and dead entries are compacted away when
-they outnumber the live ones, so memory stays flat under floods of cancellations.
+a pop (dispatch), or `discard` (its caller cancelled, its deadline passed).
+Each level keeps every request in an arrival-order deque; a request that leaves
+out of order stays there as a dead entry until skipped at the head, and dead
+entries are compacted away when they outnumber the live ones, so memory stays
+flat under floods of cancellations. The deadline order is a sorted list of the
+live requests with a deadline, kept exact, so it can also count who is ahead.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import math
 from collections import deque
+from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
 __all__ = ["Request", "RequestQueue"]
@@ -26,6 +39,7 @@ class Request(Generic[T]):
 
     __slots__ = (
         "cost",
+        "deadline",
         "deadline_timer",
         "enqueued_at",
         "future",
@@ -33,6 +47,7 @@ class Request(Generic[T]):
         "passed_over",
         "priority",
         "queued",
+        "seq",
     )
 
     def __init__(
@@ -42,35 +57,63 @@ class Request(Generic[T]):
         priority: int,
         enqueued_at: float,
         cost: int = 1,
+        deadline: float = math.inf,
     ) -> None:
         self.item = item
         self.future = future
         self.priority = priority
         self.enqueued_at = enqueued_at
         self.cost = cost
+        self.deadline = deadline  # loop time; inf: none
+        self.seq = 0  # arrival order, set by the queue
         self.queued = True
         self.passed_over = 0  # times left out of a batch while among the oldest
         self.deadline_timer: asyncio.TimerHandle | None = None
 
 
-class RequestQueue(Generic[T]):
-    """Priority levels of FIFO deques. Higher priority pops first; FIFO within a level."""
+class _Level(Generic[T]):
+    """One priority level: every request in arrival order, the live ones with a
+    deadline also sorted by (deadline, arrival)."""
 
-    __slots__ = ("_dead", "_levels", "_order", "live", "live_cost")
+    __slots__ = ("by_deadline", "fifo", "live")
 
     def __init__(self) -> None:
-        self._levels: dict[int, deque[Request[T]]] = {}
+        self.fifo: deque[Request[T]] = deque()
+        self.by_deadline: list[tuple[float, int, Request[T]]] = []
+        self.live = 0
+
+    def unlist(self, request: Request[T]) -> None:
+        """Remove a request from the deadline order (it has one, and is in it)."""
+        entries = self.by_deadline
+        index = bisect.bisect_left(entries, (request.deadline, request.seq))
+        del entries[index]
+
+
+class RequestQueue(Generic[T]):
+    """Priority levels; within one, earliest deadline first, then FIFO; optional aging."""
+
+    __slots__ = ("_dead", "_levels", "_order", "_seq", "aging", "live", "live_cost")
+
+    def __init__(self, aging: float | None = None) -> None:
+        self._levels: dict[int, _Level[T]] = {}
         self._order: list[int] = []  # negated priorities, ascending: highest priority first
         self._dead = 0
+        self._seq = 0
+        self.aging = aging  # seconds of waiting per level of priority gained; None: off
         self.live = 0
         self.live_cost = 0  # summed cost of the live requests
 
     def push(self, request: Request[T]) -> None:
         level = self._levels.get(request.priority)
         if level is None:
-            level = self._levels[request.priority] = deque()
+            level = self._levels[request.priority] = _Level()
             bisect.insort(self._order, -request.priority)
-        level.append(request)
+        self._seq += 1
+        request.seq = self._seq
+        level.fifo.append(request)
+        if request.deadline != math.inf:
+            bisect.insort(level.by_deadline, (request.deadline, request.seq, request))
+        level.live += 1
         self.live += 1
         self.live_cost += request.cost
 
@@ -78,31 +121,42 @@ class RequestQueue(Generic[T]):
         """Take a still-queued request out (lazily). False if it had already left."""
         if not request.queued:
             return False
-        self._leave(request)
-        self._dead += 1
+        self._take_out(request)
         if self._dead > _COMPACT_MIN_DEAD and self._dead > self.live:
             self._compact()
         return True
 
-    def pop_batch(self, limit: int) -> list[Request[T]]:
-        """Up to `limit` live requests, highest priority first, FIFO within a level.
+    def pop_batch(self, limit: int, now: float = 0.0) -> list[Request[T]]:
+        """Up to `limit` live requests in pop order (see the module docstring).
 
         Requests whose future is already done (cancelled by their caller a moment
         ago) are dropped here rather than sent to the model.
         """
         batch: list[Request[T]] = []
-        for negated in list(self._order):
-            level = self._levels[-negated]
-            while level and len(batch) < limit:
-                request = level.popleft()
+        for priority, oldest_first in self._serving_order(now):
+            level = self._levels[priority]
+            if not oldest_first and level.by_deadline:
+                entries = level.by_deadline
+                taken = entries[: limit - len(batch)]
+                del entries[: len(taken)]
+                for _, _, request in taken:
+                    self._leave(request)
+                    self._dead += 1  # still in the arrival deque: dropped at its head
+                    if not request.future.done():
+                        batch.append(request)
+            fifo = level.fifo
+            while fifo and len(batch) < limit:
+                request = fifo.popleft()
                 if not request.queued:
                     self._dead -= 1
                     continue
+                if request.deadline != math.inf:
+                    level.unlist(request)
                 self._leave(request)
                 if not request.future.done():
                     batch.append(request)
-            if not level:
-                self._drop_level(negated)
+            if not fifo:
+                self._drop_level(-priority)
             if len(batch) >= limit:
                 break
         return batch
@@ -113,28 +167,25 @@ class RequestQueue(Generic[T]):
         budget: int | None,
         window: int,
         *,
+        now: float = 0.0,
         group: bool = True,
         max_passes: int = 3,
     ) -> list[Request[T]]:
         """Up to `limit` requests of similar cost, so a padded batch wastes little.
 
-        Looks at the first `window` live requests in pop order (priority, then
-        age). The first of them always goes, alone if its cost alone exceeds
-        `budget`. Next come requests passed over `max_passes` times, oldest
-        first; then the ones closest in cost to the first (higher priority
-        first), or, with `group=False`, the rest in pop order. With a `budget`,
-        the padded size (members x largest cost) stays within it. Whoever is
-        among the `limit` oldest (the batch FIFO would send) and left out is
+        Looks at the first `window` live requests in pop order. The first of
+        them always goes, alone if its cost alone exceeds `budget`. Next come
+        requests passed over `max_passes` times, oldest first; then the ones
+        closest in cost to the first (higher priority first), or, with
+        `group=False`, the rest in pop order. With a `budget`, the padded size
+        (members x largest cost) stays within it. Whoever is among the `limit`
+        first in pop order (the batch a plain pop would send) and left out is
         passed over once more, so nobody waits more than `max_passes` batches
-        longer than in FIFO order.
+        longer than in that order.
         """
         candidates: list[Request[T]] = []
-        for negated in self._order:
-            for request in self._levels[-negated]:
-                if request.queued and not request.future.done():
-                    candidates.append(request)
-                    if len(candidates) >= window:
-                        break
+        for request in self._in_pop_order(now):
+            candidates.append(request)
             if len(candidates) >= window:
                 break
         if not candidates:
@@ -162,46 +213,103 @@ class RequestQueue(Generic[T]):
                 continue
             admit(request)
         for request in batch:
-            self._leave(request)
-            self._dead += 1  # still in its deque: skipped and dropped at the head
+            self._take_out(request)
         for request in candidates[:limit]:
             if request.queued:
                 request.passed_over += 1
         self._clean_heads()
         return batch
 
-    def _clean_heads(self) -> None:
-        """Drop dead entries from the front of each level, and retire a queued head
-        whose caller already left (its future is done); empty levels go."""
-        for negated in list(self._order):
-            level = self._levels[-negated]
-            while level and (not level[0].queued or level[0].future.done()):
-                head = level.popleft()
-                if head.queued:
-                    self._leave(head)
-                else:
-                    self._dead -= 1
-            if not level:
-                self._drop_level(negated)
+    def count_ahead(self, priority: int, deadline: float) -> int:
+        """How many live requests go before a new one of this priority and deadline
+        (ignoring aging): every one in a higher level, and in its own level those
+        whose deadline is no later."""
+        ahead = 0
+        for negated in self._order:
+            if -negated > priority:
+                ahead += self._levels[-negated].live
+            elif -negated == priority:
+                entries = self._levels[priority].by_deadline
+                ahead += bisect.bisect_right(entries, (deadline, math.inf))
+        return ahead
 
     def oldest_enqueued_at(self) -> float | None:
         """Arrival time of the longest-waiting live request, or None when empty."""
         self._clean_heads()
-        heads = (self._levels[-negated][0].enqueued_at for negated in self._order)
+        heads = (self._levels[-negated].fifo[0].enqueued_at for negated in self._order)
         return min(heads, default=None)
 
     def drain(self) -> list[Request[T]]:
         """Remove and return every live request (used when the event loop is gone)."""
-        batch = self.pop_batch(self.live) if self.live else []
+        batch = [r for level in self._levels.values() for r in level.fifo if r.queued]
+        for request in batch:
+            request.queued = False
         self._levels.clear()
         self._order.clear()
         self._dead = 0
         self.live = 0
         self.live_cost = 0
-        return batch
+        return [r for r in batch if not r.future.done()]
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _serving_order(self, now: float) -> list[tuple[int, bool]]:
+        """Levels to serve, as (priority, oldest first?), most urgent first. With aging,
+        a level ranks by its oldest request's arrival minus `aging` per priority level."""
+        aging = self.aging
+        if aging is None:
+            return [(-negated, False) for negated in self._order]
+        self._clean_heads()
+        ranked = []
+        for negated in self._order:
+            arrived = self._levels[-negated].fifo[0].enqueued_at
+            ranked.append((arrived + negated * aging, negated, now - arrived >= aging))
+        ranked.sort()
+        return [(-negated, aged) for _, negated, aged in ranked]
+
+    def _in_pop_order(self, now: float) -> Iterator[Request[T]]:
+        """Live requests whose caller still waits, in the order a pop would take them."""
+        for priority, oldest_first in self._serving_order(now):
+            level = self._levels[priority]
+            if not oldest_first:
+                for _, _, request in level.by_deadline:
+                    if not request.future.done():
+                        yield request
+            for request in level.fifo:
+                if (
+                    request.queued
+                    and (oldest_first or request.deadline == math.inf)
+                    and not request.future.done()
+                ):
+                    yield request
+
+    def _take_out(self, request: Request[T]) -> None:
+        """A queued request leaves out of arrival order: a dead entry in its deque."""
+        if request.deadline != math.inf:
+            self._levels[request.priority].unlist(request)
+        self._leave(request)
+        self._dead += 1
+
+    def _clean_heads(self) -> None:
+        """Drop dead entries from the front of each level, and retire a queued head
+        whose caller already left (its future is done); empty levels go."""
+        for negated in list(self._order):
+            level = self._levels[-negated]
+            fifo = level.fifo
+            while fifo and (not fifo[0].queued or fifo[0].future.done()):
+                head = fifo.popleft()
+                if head.queued:
+                    if head.deadline != math.inf:
+                        level.unlist(head)
+                    self._leave(head)
+                else:
+                    self._dead -= 1
+            if not fifo:
+                self._drop_level(negated)
 
     def _leave(self, request: Request[T]) -> None:
         request.queued = False
+        self._levels[request.priority].live -= 1
         self.live -= 1
         self.live_cost -= request.cost
 
@@ -210,10 +318,9 @@ class RequestQueue(Generic[T]):
         self._order.remove(negated)
 
     def _compact(self) -> None:
-        for priority, level in list(self._levels.items()):
-            kept = deque(r for r in level if r.queued)
-            if kept:
-                self._levels[priority] = kept
-            else:
-                self._drop_level(-priority)
+        for level in self._levels.values():
+            level.fifo = deque(r for r in level.fifo if r.queued)
+        for negated in list(self._order):
+            if not self._levels[-negated].fifo:
+                self._drop_level(negated)
         self._dead = 0

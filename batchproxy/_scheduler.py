@@ -58,6 +58,7 @@ import math
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from ._cost_model import CostEstimate
 from ._queue import Request, RequestQueue
 
 __all__ = ["Scheduler"]
@@ -83,9 +84,12 @@ class Scheduler(Generic[T]):
         by_cost: bool = False,
         group_by_cost: bool = True,
         max_batch_tokens: int | None = None,
+        adaptive: bool = True,
+        estimate: Callable[[], CostEstimate | None] = lambda: None,
+        aging: float | None = None,
     ) -> None:
         self.loop = loop
-        self.queue: RequestQueue[T] = RequestQueue()
+        self.queue: RequestQueue[T] = RequestQueue(aging)
         self.in_flight = 0
         self._batch_size = batch_size
         self._max_delay = max_delay
@@ -94,6 +98,11 @@ class Scheduler(Generic[T]):
         self._by_cost = by_cost
         self._group = group_by_cost
         self._budget = max_batch_tokens
+        self._adaptive = adaptive
+        self._estimate = estimate
+        self._last_dispatch = -math.inf
+        self._last_duration = 0.0  # predicted model time of the batch last sent
+        self._running_until: list[float] = []  # predicted ends of the batches in flight
         self._decision_scheduled = False
         self._slot_freed = False
         self._draining = False
@@ -124,6 +133,9 @@ class Scheduler(Generic[T]):
         """A batch slot is free again: waiting requests go, one loop iteration later
         (at once while draining, so a batch always runs while requests remain)."""
         self.in_flight -= 1
+        running = self._running_until
+        while len(running) > self.in_flight:  # which one ended is not known: the soonest
+            running.remove(min(running))
         self._slot_freed = True
         if self._draining:
             self._decide()
@@ -175,6 +187,7 @@ class Scheduler(Generic[T]):
             batch = self._take()
             if batch:
                 self.in_flight += 1
+                self._note_dispatch(batch)
                 self._start_batch(batch)
         if not queue.live:
             self.close()  # nothing waits: no timer left armed
@@ -185,11 +198,46 @@ class Scheduler(Generic[T]):
         return queue.live >= self._batch_size or (budget is not None and queue.live_cost >= budget)
 
     def _take(self) -> list[Request[T]]:
+        now = self.loop.time()
         if not self._by_cost:
-            return self.queue.pop_batch(self._batch_size)
+            return self.queue.pop_batch(self._batch_size, now)
         return self.queue.pop_similar(
-            self._batch_size, self._budget, max(4 * self._batch_size, 64), group=self._group
+            self._batch_size,
+            self._budget,
+            max(4 * self._batch_size, 64),
+            now=now,
+            group=self._group,
         )
+
+    def _note_dispatch(self, batch: list[Request[T]]) -> None:
+        """Remember when the batch should end, by the cost model (once it has one)."""
+        estimate = self._estimate()
+        if estimate is None:
+            return
+        units = len(batch) if not self._by_cost else len(batch) * max(r.cost for r in batch)
+        now = self.loop.time()
+        self._last_dispatch = now
+        self._last_duration = estimate.predict(units)
+        self._running_until.append(now + self._last_duration)
+
+    def expected_finish(self, priority: int, deadline: float, cost: int) -> float | None:
+        """When a new request would be answered at the soonest, by the cost model: the
+        batch slot it needs frees, then the model serves everything ahead of it and it
+        in full, unpadded batches spread over every slot. None without a cost model."""
+        estimate = self._estimate()
+        if estimate is None:
+            return None
+        now = self.loop.time()
+        queue = self.queue
+        ahead = queue.count_ahead(priority, deadline)
+        batches = ahead // self._batch_size + 1
+        mean_cost = queue.live_cost / queue.live if queue.live else cost
+        units = ahead + 1 if not self._by_cost else ahead * mean_cost + cost
+        work = (batches * estimate.fixed + units * estimate.per_unit) / self._max_concurrent
+        slot_free = now
+        if self.in_flight >= self._max_concurrent and self._running_until:
+            slot_free = max(now, min(self._running_until))
+        return slot_free + work
 
     def _departure_time(self) -> float | None:
         """When the current partial batch should leave, by the window and the idle rule."""
@@ -199,9 +247,14 @@ class Scheduler(Generic[T]):
         gap = max(self._mean_gap, self._last_gap)
         if gap == math.inf:
             return oldest
+        if not self._adaptive:
+            return oldest + self._max_delay
         last = self._last_arrival
         assert last is not None
-        return min(oldest + self._max_delay - gap, last + _QUIET_FACTOR * gap)
+        window_end = oldest + self._max_delay - gap
+        if self.in_flight and self._last_duration:
+            return min(window_end, self._last_dispatch + self._last_duration / self._max_concurrent)
+        return min(window_end, last + _QUIET_FACTOR * gap)
 
     def _arm_timer(self, when: float) -> None:
         timer = self._timer

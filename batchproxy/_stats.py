@@ -53,7 +53,9 @@ class ProxyStats:
 
     Every accepted request ends as exactly one of `succeeded`, `errors`,
     `timed_out` or `cancelled`, or is still `queued` or in a running batch.
-    `rejected` counts calls refused with `QueueFull` (never accepted).
+    `rejected` counts calls refused with `QueueFull`, `shed` those refused at once
+    with `DeadlineExceeded` because they could not finish in time (`shed_late`);
+    neither was accepted.
     """
 
     name: str
@@ -87,6 +89,8 @@ class ProxyStats:
     cost_model: CostEstimate | None = None
     """The fitted model time per batch, `fixed + per_unit x units` (units: items, or
     padded tokens with a `length`); None until a few batches have run."""
+    shed: int = 0
+    """Calls refused at once because their deadline could not be met (`shed_late`)."""
     padding_waste: float | None = None
     """Padded elements / total elements over all batches, by the proxy's `length`
     (None without one): 0.0 when every batch held items of one length."""
@@ -109,6 +113,9 @@ class Listener:
 
     def request_rejected(self, proxy: str, count: int) -> None:
         """`count` requests were refused with `QueueFull` (never accepted)."""
+
+    def request_shed(self, proxy: str) -> None:
+        """A call was refused at once: it was predicted to miss its deadline."""
 
     def batch_started(self, proxy: str, size: int, queue_waits: Sequence[float]) -> None:
         """A batch of `size` items goes to the model; seconds each waited in the queue."""
@@ -136,6 +143,7 @@ class StatsRecorder:
         self.timed_out = 0
         self.cancelled = 0
         self.rejected = 0
+        self.shed = 0
         self.batches = 0
         self.failed_batches = 0
         self.items = 0
@@ -178,6 +186,7 @@ class StatsRecorder:
             oom_splits=self.oom_splits,
             batch_cap=batch_cap,
             cost_model=cost_model,
+            shed=self.shed,
             padding_waste=self._padding_waste(),
         )
 

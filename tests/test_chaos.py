@@ -21,7 +21,7 @@ from typing import Any
 import looptime
 import pytest
 from _support import Recorder
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from typing_extensions import override
 
@@ -121,6 +121,9 @@ def cases(horizon: float, max_calls: int, delays: list[float]) -> st.SearchStrat
             "max_delay_ms": st.sampled_from([0.0, 1.0, 5.0, 20.0]),
             "max_concurrent_batches": st.integers(1, 3),
             "max_queue_size": st.none() | st.integers(1, 20),
+            "window": st.sampled_from(["adaptive", "fixed"]),
+            "aging_ms": st.none() | st.sampled_from([1.0, 10.0]),
+            "shed_late": st.booleans(),
         }
     )
     return st.builds(
@@ -275,10 +278,17 @@ def check(
     assert stats.in_flight == 0
     assert stats.requests == stats.succeeded + stats.errors + stats.timed_out + stats.cancelled
     refused = sum(
-        o[0] is NEVER_CALLED or isinstance(o[0], (batchproxy.QueueFull, batchproxy.ProxyClosed))
+        o[0] is NEVER_CALLED
+        or isinstance(o[0], (batchproxy.QueueFull, batchproxy.ProxyClosed))
+        or (isinstance(o[0], batchproxy.DeadlineExceeded) and o[0].predicted is not None)
         for o in outcomes.values()
     )
     assert stats.requests + refused == len(calls)
+    event("some calls shed" if stats.shed else "none shed")
+    assert stats.shed == sum(
+        isinstance(o[0], batchproxy.DeadlineExceeded) and o[0].predicted is not None
+        for o in outcomes.values()
+    )
     assert stats.items == len(batch_of)
 
 
