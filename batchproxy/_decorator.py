@@ -14,6 +14,7 @@ from typing import Any, Generic, Literal, Protocol, TypeVar, overload
 from typing_extensions import Self
 
 from ._executor import Executor
+from ._oom import OomPredicate
 from ._proxy import Proxy
 from ._stats import ProxyStats
 
@@ -161,6 +162,12 @@ def batch(
     max_concurrent_batches: int = 1,
     offload: bool | Executor = False,
     name: str | None = None,
+    length: Callable[[Any], int] | None = None,
+    max_batch_tokens: int | None = None,
+    oom_backoff: bool | OomPredicate = False,
+    window: Literal["adaptive", "fixed"] = "adaptive",
+    aging_ms: float | None = None,
+    shed_late: bool = False,
 ) -> _Decorator:
     """Decorate `f(items: list[T]) -> list[U]` (function or method) to be awaited per item.
 
@@ -175,6 +182,12 @@ def batch(
         "timeout": timeout,
         "max_concurrent_batches": max_concurrent_batches,
         "offload": offload,
+        "length": length,
+        "max_batch_tokens": max_batch_tokens,
+        "oom_backoff": oom_backoff,
+        "window": window,
+        "aging_ms": aging_ms,
+        "shed_late": shed_late,
     }
     if name is not None:
         options["name"] = name

@@ -80,6 +80,19 @@ class Proxy(ABC, Generic[In, Out]):
       memory) reruns a batch whose `_inference` ran out of memory (`MemoryError`,
       `torch.cuda.OutOfMemoryError`, ...) in smaller chunks and lowers the batch
       cap for a while. Off by default: an exception then fails the whole batch.
+    - `window`: how long a partial batch waits for company when a slot is free:
+      `"adaptive"` (default) leaves as soon as waiting stops paying, by the
+      arrival rate and the cost model; `"fixed"` waits out `max_delay_ms`. Under
+      both, a request arriving to an idle proxy goes at once.
+    - `aging_ms` (opt-in): starvation guard. Levels are served by their oldest
+      request's arrival minus `aging_ms` per level of priority, and a level whose
+      oldest request has waited `aging_ms` goes oldest first; so no request is
+      overtaken by one Δp levels higher that came more than Δp x `aging_ms`
+      after it. Off: strict priority, then earliest deadline first.
+    - `shed_late` (opt-in): refuse a call with a deadline at once, with
+      `DeadlineExceeded`, when the cost model predicts it cannot be answered in
+      time even at full speed (counted in `stats.shed`), instead of letting it
+      wait to fail.
     """
 
     _group_by_length = True  # TensorProxy(length_aware=False): costs without grouping

@@ -4,16 +4,14 @@ Event-driven, no polling: the scheduler runs only when something happens (an
 arrival, a batch finishing, its one timer firing), decides, and goes back to
 sleep. Once the queue is empty no timer stays armed: an idle proxy costs no CPU.
 
-A batch leaves, with up to `batch_size` requests (highest priority first, FIFO
-within a priority), when a batch slot is free (fewer than
-`max_concurrent_batches` in flight) and one of these holds:
+A batch leaves, with up to `batch_size` requests, when a batch slot is free
+(fewer than `max_concurrent_batches` in flight) and one of these holds:
 
 1. `batch_size` requests are queued (a full batch);
 2. a slot has just freed while requests were waiting for it (they go at once:
    they have already waited for the model, not for company);
 3. the oldest queued request has waited `max_delay_ms`;
-4. waiting is not expected to bring company before that window ends (the
-   idle rule below);
+4. the `adaptive` window finds waiting no longer pays (below);
 5. the proxy is draining for `aclose()`.
 
 Arrivals within one event-loop iteration always coalesce: a decision runs in a
@@ -21,29 +19,46 @@ callback scheduled once per iteration, after every ready caller has queued. A
 freed slot is also filled from such a callback, so callers woken by the batch
 that just ended (and withdrawing requests, say) act before the next one forms.
 
-The idle rule. Only arrivals that find the proxy busy (something queued or
-running) count as evidence that company comes: an arrival to an empty proxy
-goes at once, whatever came before. So a lone request on an idle proxy, and
-each call of a caller that awaits one call after another, never waits. For the
-rest, the expected gap to the next arrival is the larger of the smoothed mean
-gap between such overlapping arrivals (EWMA, weight 0.2) and the most recent
-one. A partial batch leaves at the first moment `t` when either the next
-arrival is not expected before the oldest request's window closes
-(`t + gap >= oldest + max_delay_ms`) or the queue has been quiet for twice the
-expected gap (the stream has paused: the stragglers of a burst go at once).
+The window (rule 3 and 4). Only arrivals that find the proxy busy (something
+queued or running) count as evidence that company comes: an arrival to an empty
+proxy goes at once, whatever came before, under either window policy. So a lone
+request on an idle proxy, and each call of a caller that awaits one call after
+another, never waits. For the rest:
+
+- `fixed`: a partial batch leaves once its oldest request has waited
+  `max_delay_ms` (the classic size-or-delay rule).
+- `adaptive` (the default): it leaves as soon as waiting stops paying, and never
+  later than the fixed rule would. The expected gap to the next arrival is the
+  larger of the smoothed mean gap between overlapping arrivals (EWMA, weight
+  0.2) and the most recent one. It leaves when the next arrival is not expected
+  before the window closes (`t + gap >= oldest + max_delay_ms`). While another
+  batch runs and the cost model has a line, it leaves once `1/slots` of the
+  predicted model time of the batch last sent has passed since it was sent: the
+  batches then run staggered, so a slot frees for the next arrivals every
+  `model time / slots` rather than all at once. With nothing running it leaves
+  once the queue has been quiet for twice the expected gap (the stream paused:
+  the stragglers of a burst go at once).
+
+With one batch slot (the default) the window rarely matters: requests that
+arrive while the model runs wait for the slot and go when it frees (rule 2).
+It decides how partial batches fill free slots when `max_concurrent_batches > 1`.
 
 Length-aware batches (when requests carry a cost, e.g. a sequence length): a
 batch still leaves by the rules above (a full token budget counts as full),
 but its members are picked from the first `max(4 x batch_size, 64)` queued
-requests so that padding is small: the oldest request (highest priority
-first) always goes, with the requests closest to it in cost. A request that is
-among the `batch_size` oldest (the batch FIFO would send) and left out is
+requests so that padding is small: the first request in order (below) always
+goes, with the requests closest to it in cost. A request that is among the
+`batch_size` first (the batch a plain pop would send) and left out is
 passed over; once passed over 3 times it goes in the next batch. So no request
-waits more than 3 batches longer than in FIFO order (with a token budget, a
+waits more than 3 batches longer than in that order (with a token budget, a
 request that does not fit goes in the batch after). Forcing it after a single
-pass would make every other batch a FIFO batch and undo the grouping under
+pass would make every other batch an unsorted one and undo the grouping under
 load. With `max_batch_tokens`, members x largest cost stays within the
 budget, and an item over the budget goes alone.
+
+Order: highest priority first; within a priority, earliest deadline first,
+then requests without a deadline in arrival order; with `aging`, an old
+request climbs levels (see `_queue`).
 
 Failure modes handled here: a cancelled or expired request is never sent (the
 queue drops requests whose future is done); a decision is never lost (each

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 from typing import Any
 
@@ -288,3 +289,8 @@ async def test_priority_is_passed_through(no_leftovers: None) -> None:
     await asyncio.wait_for(asyncio.gather(first, low, high), 10)
     assert seen == [["first"], ["high"], ["low"]]
     await ordered.aclose()
+
+
+def test_batch_takes_every_proxy_option() -> None:
+    proxy_options = set(inspect.signature(batchproxy.Proxy.__init__).parameters) - {"self"}
+    assert proxy_options == set(inspect.signature(batchproxy.batch).parameters)
