@@ -45,12 +45,13 @@ class CostModel:
         self._seen = 0
         self._w = self._wx = self._wy = self._wxx = self._wxy = 0.0
         self._residual = 0.0  # exponentially weighted mean absolute residual
+        self._estimate: CostEstimate | None = None  # the fit as of the last batch
 
     def add(self, units: float, seconds: float) -> None:
         self._seen += 1
         if self._seen <= WARMUP:
             return
-        estimate = self.estimate()
+        estimate = self._estimate
         if estimate is not None and self._residual > 0:
             predicted = estimate.predict(units)
             bound = CLIP * self._residual
@@ -63,8 +64,13 @@ class CostModel:
         self._wy = DECAY * self._wy + seconds
         self._wxx = DECAY * self._wxx + units * units
         self._wxy = DECAY * self._wxy + units * seconds
+        self._estimate = self._fit()
 
     def estimate(self) -> CostEstimate | None:
+        """The current line (refitted once per batch, so cheap to ask per request)."""
+        return self._estimate
+
+    def _fit(self) -> CostEstimate | None:
         if self._w == 0:
             return None
         mean_x, mean_y = self._wx / self._w, self._wy / self._w

@@ -43,14 +43,14 @@ def value(samples: Samples, name: str, proxy: str, **labels: str) -> float | Non
 
 
 def counts(samples: Samples, proxy: str) -> dict[str, float | None]:
-    names = ("requests", "batches", "failed_batches", "errors", "rejected", "timed_out")
+    names = ("requests", "batches", "failed_batches", "errors", "rejected", "shed", "timed_out")
     return {
         name: value(samples, f"batchproxy_{name}_total", proxy) for name in (*names, "cancelled")
     }
 
 
 def zero_counts(**nonzero: float) -> dict[str, float | None]:
-    names = ("requests", "batches", "failed_batches", "errors", "rejected", "timed_out")
+    names = ("requests", "batches", "failed_batches", "errors", "rejected", "shed", "timed_out")
     zeros: dict[str, float | None] = {name: 0.0 for name in (*names, "cancelled")}
     return zeros | nonzero
 
@@ -160,6 +160,22 @@ async def test_rejected_timed_out_and_cancelled(
     assert value(samples, "batchproxy_request_seconds_count", "busy") == 3
     assert value(samples, "batchproxy_request_seconds_sum", "busy") == pytest.approx(1.3)
     await proxy.aclose()
+
+
+@pytest.mark.looptime
+async def test_shed_calls_are_counted(
+    registry: CollectorRegistry, metrics: PrometheusMetrics
+) -> None:
+    async with Recorder(batch_size=1, delay=0.01, shed_late=True, name="late") as proxy:
+        metrics.instrument(proxy)
+        for i in range(8):  # the cost model learns 10 ms per batch
+            await proxy.inference(i)
+        backlog = [asyncio.create_task(proxy.inference(i, priority=1)) for i in range(20)]
+        await asyncio.sleep(0)
+        with pytest.raises(DeadlineExceeded):
+            await proxy.inference("late", timeout=0.05)
+        await asyncio.gather(*backlog)
+    assert counts(scrape(registry), "late") == zero_counts(requests=28.0, batches=28.0, shed=1.0)
 
 
 # -- gauges --------------------------------------------------------------------------------

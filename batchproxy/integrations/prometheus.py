@@ -28,6 +28,7 @@ namespace:
 | `batchproxy_failed_batches_total` | counter | batches that failed as a whole |
 | `batchproxy_errors_total` | counter | calls that ended with an error from the model |
 | `batchproxy_rejected_total` | counter | calls refused with `QueueFull` |
+| `batchproxy_shed_total` | counter | calls refused at once as too late (`shed_late`) |
 | `batchproxy_timed_out_total` | counter | calls whose deadline passed |
 | `batchproxy_cancelled_total` | counter | calls whose caller was cancelled |
 | `batchproxy_queue_wait_seconds` | histogram | per item sent to the model: time queued |
@@ -95,6 +96,7 @@ class _Children:
     failed_batches: Counter
     errors: Counter
     rejected: Counter
+    shed: Counter
     timed_out: Counter
     cancelled: Counter
     queue_wait: Histogram
@@ -148,6 +150,9 @@ class PrometheusMetrics(Listener):
         )
         self._errors = counter("errors", "Calls that ended with an error from the model.")
         self._rejected = counter("rejected", "Calls refused with QueueFull (never accepted).")
+        self._shed = counter(
+            "shed", "Calls refused at once: predicted to miss their deadline (shed_late)."
+        )
         self._timed_out = counter("timed_out", "Calls whose deadline passed.")
         self._cancelled = counter("cancelled", "Calls whose caller was cancelled.")
         self._queue_wait = histogram(
@@ -202,6 +207,7 @@ class PrometheusMetrics(Listener):
                 failed_batches=self._failed_batches.labels(proxy),
                 errors=self._errors.labels(proxy),
                 rejected=self._rejected.labels(proxy),
+                shed=self._shed.labels(proxy),
                 timed_out=self._timed_out.labels(proxy),
                 cancelled=self._cancelled.labels(proxy),
                 queue_wait=self._queue_wait.labels(proxy),
@@ -221,6 +227,10 @@ class PrometheusMetrics(Listener):
     @override
     def request_rejected(self, proxy: str, count: int) -> None:
         self._child(proxy).rejected.inc(count)
+
+    @override
+    def request_shed(self, proxy: str) -> None:
+        self._child(proxy).shed.inc()
 
     @override
     def batch_started(self, proxy: str, size: int, queue_waits: Sequence[float]) -> None:
