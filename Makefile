@@ -6,7 +6,7 @@ BIN     = $(VENV)/bin
 # takes the CPU build on this machine and never resolves a newer torch with CUDA packages
 TORCH   = torch==2.13.0
 
-.PHONY: demo test lint typecheck unit bench bench-tensors bench-suite clean
+.PHONY: demo test lint typecheck unit bench bench-tensors bench-suite bench-scheduling clean
 
 # the real model over HTTP, regular vs batched: the table, benchmarks/results/demo.{json,png}
 demo: $(VENV)/.installed-demo
@@ -33,6 +33,10 @@ bench-tensors: $(VENV)/.installed-dev
 # batchproxy beside the peers that install here (batched), on every workload
 bench-suite: $(VENV)/.installed-dev
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/suite.py
+
+# scheduling policies on a virtual clock, and the scheduler's cost on a real one
+bench-scheduling: $(VENV)/.installed-dev
+	$(BIN)/python benchmarks/scheduling.py
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)

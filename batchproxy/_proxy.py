@@ -646,6 +646,7 @@ class Proxy(ABC, Generic[In, Out]):
             stats.notify("batch_started", size, waits)
         error: BaseException | None = None
         splits = stats.oom_splits
+        released = False  # the slot was handed on before the callers were answered
         try:
             try:
                 results = await self._call_model([r.item for r in requests])
@@ -657,6 +658,7 @@ class Proxy(ABC, Generic[In, Out]):
                 if error is not exc:
                     logger.error("%s._inference raised %r", self.name, exc)
             else:
+                released = _clean(results, size) and scheduler.batch_finished_early()
                 error = self._deliver(requests, results, loop.time())
                 if error is None and stats.oom_splits == splits:  # ran through, in one piece
                     self._cost_model.add(units, loop.time() - started)
@@ -670,7 +672,8 @@ class Proxy(ABC, Generic[In, Out]):
             stats.model_time.append(seconds)
             if stats.listeners:
                 stats.notify("batch_finished", size, seconds, error)
-            scheduler.batch_finished()
+            if not released:
+                scheduler.batch_finished()
 
     async def _call_model(self, items: list[In]) -> Any:
         """Run the model. If it runs out of memory, lower the cap and run the items in
@@ -789,6 +792,15 @@ _current_batch: contextvars.ContextVar[asyncio.Task[Any] | None] = contextvars.C
     "batchproxy_current_batch", default=None
 )
 """The batch task a model call belongs to (propagated to the worker thread)."""
+
+
+def _clean(results: object, size: int) -> bool:
+    """Whether `results` answers every caller with a result (no error for anyone)."""
+    return (
+        isinstance(results, (list, tuple))
+        and len(results) == size
+        and not any(isinstance(r, BaseException) for r in results)
+    )
 
 
 def _cancel_requested() -> bool:

@@ -17,7 +17,10 @@ A batch leaves, with up to `batch_size` requests, when a batch slot is free
 Arrivals within one event-loop iteration always coalesce: a decision runs in a
 callback scheduled once per iteration, after every ready caller has queued. A
 freed slot is also filled from such a callback, so callers woken by the batch
-that just ended (and withdrawing requests, say) act before the next one forms.
+that just ended (and withdrawing requests, say) act before the next one forms;
+except that when the batch answered every caller with a result (so none
+withdraws anything) and a full batch is waiting, that batch starts at once,
+before those callers wake: the model does not sit idle while they run.
 
 The window (rule 3 and 4). Only arrivals that find the proxy busy (something
 queued or running) count as evidence that company comes: an arrival to an empty
@@ -148,14 +151,31 @@ class Scheduler(Generic[T]):
         """A batch slot is free again: waiting requests go, one loop iteration later
         (at once while draining, so a batch always runs while requests remain)."""
         self.in_flight -= 1
-        running = self._running_until
-        while len(running) > self.in_flight:  # which one ended is not known: the soonest
-            running.remove(min(running))
+        self._trim_running()
         self._slot_freed = True
         if self._draining:
             self._decide()
         else:
             self._schedule_decision()
+
+    def batch_finished_early(self) -> bool:
+        """A batch's model returned a result for every caller, who are not answered yet.
+        If a full batch is waiting, free the slot and send it now, so the model starts
+        on it before those callers wake (none of them fails, so none withdraws
+        anything). False, with nothing changed, if no full batch waits."""
+        if self._draining or not self._full():
+            return False
+        self.in_flight -= 1
+        self._trim_running()
+        while self.in_flight < self._max_concurrent and self._full():
+            batch = self._take()
+            if batch:
+                self.in_flight += 1
+                self._note_dispatch(batch)
+                self._start_batch(batch)
+        self._slot_freed = True  # the rest, if a slot is left, go as after any batch
+        self._schedule_decision()
+        return True
 
     def reconfigure(self, batch_size: int, max_delay: float, max_concurrent_batches: int) -> None:
         """New limits from the next decision on (running batches are not touched)."""
@@ -223,6 +243,11 @@ class Scheduler(Generic[T]):
             now=now,
             group=self._group,
         )
+
+    def _trim_running(self) -> None:
+        running = self._running_until
+        while len(running) > self.in_flight:  # which one ended is not known: the soonest
+            running.remove(min(running))
 
     def _note_dispatch(self, batch: list[Request[T]]) -> None:
         """Remember when the batch should end, by the cost model (once it has one)."""

@@ -23,7 +23,6 @@ Targets are printed next to the numbers, not asserted.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import math
@@ -32,10 +31,9 @@ import sys
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-from _report import RESULTS, environment, write_json
+from _report import environment, headline, quick_run_arguments, write_json
 from typing_extensions import override
 
 from batchproxy import Proxy
@@ -276,34 +274,17 @@ async def run(config: Config) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="a fast smoke run (noisy numbers)")
-    parser.add_argument(
-        "--output",
-        type=Path,
-        default=None,
-        help="where to write the JSON results (default: benchmarks/results/overhead.json, "
-        "or overhead-quick.json with --quick)",
-    )
-    args = parser.parse_args(argv)
-    config = QUICK if args.quick else FULL
-    output: Path = args.output or RESULTS / (
-        "overhead-quick.json" if args.quick else "overhead.json"
-    )
-
+    quick, output = quick_run_arguments("overhead", (__doc__ or "").splitlines()[0], argv)
+    config = QUICK if quick else FULL
     env = environment()
-    print(
-        f"batchproxy {env['batchproxy']} overhead, {env['date']}, "
-        f"{env['implementation']} {env['python']}, {env['cpus']} CPUs, {env['platform']}"
-        + (" (--quick: smoke run, numbers are noisy)" if args.quick else "")
-    )
+    print(headline("overhead", env, quick=quick))
     print()
     results = asyncio.run(run(config))
     print(table(results["cpu"], results["idle"], results["busy"]))
 
     document = {
         "environment": env,
-        "quick": args.quick,
+        "quick": quick,
         "config": asdict(config),
         "targets": {
             "added_cpu_us_per_request": TARGET_ADDED_CPU_US,

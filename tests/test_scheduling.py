@@ -4,6 +4,8 @@ rule, slot-freed dispatch, same-tick coalescing, and no timers when idle."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
 from _support import Recorder
@@ -192,3 +194,34 @@ async def test_timer_is_disarmed_as_soon_as_the_queue_empties() -> None:
         assert proxy.stats.queue_depth == 0
         assert scheduler._timer is None
         await asyncio.gather(first, *waiting)
+
+
+async def test_a_waiting_full_batch_starts_before_the_last_batch_callers_wake() -> None:
+    resumed: list[int] = []
+    resumed_at_start: list[int] = []
+
+    class Watching(Recorder):
+        async def _inference(self, items: list[Any]) -> Sequence[Any]:
+            resumed_at_start.append(len(resumed))
+            return await super()._inference(items)
+
+    async def caller(proxy: Recorder, item: int) -> None:
+        await proxy.inference(item)
+        resumed.append(item)
+
+    async with Watching(batch_size=4, delay=0.01) as proxy:
+        await asyncio.gather(*(caller(proxy, i) for i in range(12)))
+        assert proxy.batches == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+        assert resumed_at_start == [0, 0, 4]  # each next batch began before its forerunner's
+        assert proxy.started_at[1] - proxy.started_at[0] == pytest.approx(0.01)
+
+
+async def test_after_a_failed_item_the_next_batch_waits_for_the_woken_callers() -> None:
+    # a caller woken with an error may withdraw queued requests (inference_many does)
+    async with Recorder(
+        lambda items: [ValueError() if i == 0 else i for i in items], batch_size=2, delay=0.01
+    ) as proxy:
+        many = asyncio.create_task(proxy.inference_many([0, 1, 2, 3, 4, 5]))
+        with pytest.raises(ValueError):
+            await many
+        assert proxy.batches == [[0, 1]]
