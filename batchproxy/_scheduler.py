@@ -168,11 +168,7 @@ class Scheduler(Generic[T]):
         self.in_flight -= 1
         self._trim_running()
         while self.in_flight < self._max_concurrent and self._full():
-            batch = self._take()
-            if batch:
-                self.in_flight += 1
-                self._note_dispatch(batch)
-                self._start_batch(batch)
+            self._send()
         self._slot_freed = True  # the rest, if a slot is left, go as after any batch
         self._schedule_decision()
         return True
@@ -219,13 +215,16 @@ class Scheduler(Generic[T]):
                 if when > self.loop.time() + _TIME_TOLERANCE:
                     self._arm_timer(when)
                     return
-            batch = self._take()
-            if batch:
-                self.in_flight += 1
-                self._note_dispatch(batch)
-                self._start_batch(batch)
+            self._send()
         if not queue.live:
             self.close()  # nothing waits: no timer left armed
+
+    def _send(self) -> None:
+        batch = self._take()
+        if batch:  # empty when every queued request turned out to be dead
+            self.in_flight += 1
+            self._note_dispatch(batch)
+            self._start_batch(batch)
 
     def _full(self) -> bool:
         queue = self.queue
