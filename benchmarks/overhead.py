@@ -36,7 +36,7 @@ from typing import Any
 from _report import environment, headline, quick_run_arguments, write_json
 from typing_extensions import override
 
-from batchproxy import Proxy
+from batchproxy import Percentiles, Proxy
 
 CALLERS = 1_000
 BATCH_SIZE = 64
@@ -47,20 +47,20 @@ TARGET_ADDED_CPU_US = 4.0
 TARGET_IDLE_P50_MS = 0.1
 
 
-class Identity(Proxy[int, int]):
+class Identity(Proxy[Any, Any]):
     """The cheapest possible model: every item is its own result."""
 
     @override
-    async def _inference(self, items: list[int]) -> list[int]:
+    async def _inference(self, items: list[Any]) -> list[Any]:
         return items
 
 
-async def identity(items: list[int]) -> list[int]:
+async def identity(items: list[Any]) -> list[Any]:
     """The same model, called directly: the no-batching baseline."""
     return items
 
 
-async def direct(item: int) -> int:
+async def direct(item: Any) -> Any:
     return (await identity([item]))[0]
 
 
@@ -115,21 +115,16 @@ class LatencyResult:
     added_p99_us: float
 
 
-def percentile(samples: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile, `q` in [0, 1]."""
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
 # -- 1. CPU per request under load ------------------------------------------------------
 
 
 async def cpu_per_request(
-    call: Callable[[int], Coroutine[Any, Any, int]], rounds: int
-) -> tuple[float, list[int]]:
-    """CPU microseconds per request over `rounds` rounds of CALLERS concurrent calls."""
+    call: Callable[[int], Coroutine[Any, Any, Any]], rounds: int
+) -> tuple[float, list[Any]]:
+    """CPU microseconds per request over `rounds` rounds of CALLERS concurrent calls
+    (`call(i)` for i in 0..CALLERS-1); also the last round's results."""
     gc.collect()
-    results: list[int] = []
+    results: list[Any] = []
     started = time.process_time()
     for _ in range(rounds):
         results = await asyncio.gather(*(call(i) for i in range(CALLERS)))
@@ -203,12 +198,12 @@ async def measure_latency(calls: int, warmup: int, gap: float) -> LatencyResult:
     return LatencyResult(
         calls=calls,
         gap_ms=gap * 1e3,
-        proxy_p50_us=percentile(proxied, 0.50),
-        proxy_p99_us=percentile(proxied, 0.99),
-        baseline_p50_us=percentile(baseline, 0.50),
-        baseline_p99_us=percentile(baseline, 0.99),
-        added_p50_us=percentile(added, 0.50),
-        added_p99_us=percentile(added, 0.99),
+        proxy_p50_us=Percentiles.of(proxied).p50,
+        proxy_p99_us=Percentiles.of(proxied).p99,
+        baseline_p50_us=Percentiles.of(baseline).p50,
+        baseline_p99_us=Percentiles.of(baseline).p99,
+        added_p50_us=Percentiles.of(added).p50,
+        added_p99_us=Percentiles.of(added).p99,
     )
 
 

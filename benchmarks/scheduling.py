@@ -42,8 +42,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
-import math
 import statistics
 import sys
 import time
@@ -53,9 +51,10 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from _report import environment, headline, quick_run_arguments, write_json
+from overhead import CALLERS, Identity, cpu_per_request, direct, identity
 from typing_extensions import Self, override
 
-from batchproxy import Listener, Proxy, simulation
+from batchproxy import Batched, Listener, Percentiles, batch, simulation
 
 # -- workloads and targets -------------------------------------------------------------
 
@@ -75,7 +74,6 @@ TIE = 0.001  # throughputs within 0.1 % of the best count as equal
 CLOSED_CALLERS = 150
 CLOSED_BATCH = 64
 
-CALLERS = 1_000
 CPU_BATCH = 64
 IDLE_DELAY_MS = 5.0
 IDLE_GAP_S = 0.020
@@ -120,44 +118,9 @@ QUICK = Config(
 )
 
 
-def percentile(samples: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile, `q` in [0, 1]."""
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
 # -- models and batchers ---------------------------------------------------------------
 
 BatchModel = Callable[[list[Any]], Awaitable[list[Any]]]
-
-
-class Simulated(Proxy[int, int]):
-    """A proxy whose model is `simulation.simulated_model` (a sleep of `cost(n)`)."""
-
-    def __init__(self, model: BatchModel, **options: Any) -> None:
-        super().__init__(**options)
-        self._simulated = model
-
-    @override
-    async def _inference(self, items: list[int]) -> list[int]:
-        return await self._simulated(items)
-
-
-class Identity(Proxy[Any, Any]):
-    """The cheapest possible model: every item is its own result."""
-
-    @override
-    async def _inference(self, items: list[Any]) -> list[Any]:
-        return items
-
-
-async def identity(items: list[Any]) -> list[Any]:
-    """The same model, called directly."""
-    return items
-
-
-async def direct(item: Any) -> Any:
-    return (await identity([item]))[0]
 
 
 class MinimalBatcher:
@@ -303,15 +266,17 @@ class LoadResult:
 def simulate_open(setup: Setup, policy: Policy, arrivals: list[float]) -> PolicyResult:
     async def main() -> tuple[simulation.Trace, float]:
         model = simulation.simulated_model(cost, serial=setup.serial)
-        async with Simulated(
-            model,
+        batched: Batched[Any, Any] = batch(
             batch_size=SWEEP_BATCH,
             max_concurrent_batches=setup.slots,
             window=policy.window,
             max_delay_ms=policy.max_delay_ms,
-        ) as proxy:
-            trace = await simulation.open_loop(proxy.inference, arrivals)
-            return trace, proxy.stats.mean_batch_size
+        )(model)
+        try:
+            trace = await simulation.open_loop(batched, arrivals)
+            return trace, batched.stats.mean_batch_size
+        finally:
+            await batched.aclose()
 
     trace, mean_batch = simulation.run(main())
     offered = len(arrivals) / (arrivals[-1] - arrivals[0])
@@ -390,9 +355,12 @@ async def closed_loop(seconds: float, clock: str) -> ClosedResult:
         finally:
             busy += loop.time() - started
 
-    async with Simulated(timed, batch_size=CLOSED_BATCH) as proxy:
-        trace = await simulation.closed_loop(proxy.inference, CLOSED_CALLERS, seconds)
-        mean_batch = proxy.stats.mean_batch_size
+    batched = batch(batch_size=CLOSED_BATCH)(timed)
+    try:
+        trace = await simulation.closed_loop(batched, CLOSED_CALLERS, seconds)
+        mean_batch = batched.stats.mean_batch_size
+    finally:
+        await batched.aclose()
     ideal = CLOSED_BATCH / cost(CLOSED_BATCH)
     return ClosedResult(
         clock=clock,
@@ -426,17 +394,6 @@ class CpuResult:
     us: float  # median over repetitions, CPU microseconds per request
     reps_us: list[float]
     mean_batch_size: float | None
-
-
-async def cpu_per_request(call: Call, rounds: int) -> tuple[float, list[Any]]:
-    """CPU microseconds per request over `rounds` rounds of CALLERS concurrent calls."""
-    gc.collect()
-    results: list[Any] = []
-    started = time.process_time()
-    for _ in range(rounds):
-        results = await asyncio.gather(*(call(i) for i in range(CALLERS)))
-    elapsed = time.process_time() - started
-    return elapsed / (rounds * CALLERS) * 1e6, results
 
 
 WORDS = ["x" * (1 + i % 32) for i in range(CALLERS)]  # lengths 1..32 for length=len
@@ -544,9 +501,9 @@ async def measure_idle(config: Config) -> list[IdleResult]:
             IdleResult(
                 side=side,
                 samples=len(pairs),
-                added_p50_ms=percentile(added, 0.50),
-                added_p99_ms=percentile(added, 0.99),
-                direct_p50_ms=percentile([alone * 1e3 for _, alone in pairs], 0.50),
+                added_p50_ms=Percentiles.of(added).p50,
+                added_p99_ms=Percentiles.of(added).p99,
+                direct_p50_ms=Percentiles.of([alone * 1e3 for _, alone in pairs]).p50,
             )
         )
     return results
