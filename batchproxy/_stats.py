@@ -39,12 +39,19 @@ class Percentiles:
         if not samples:
             return cls(0, 0.0, 0.0, 0.0, 0.0)
         ordered = sorted(samples)
-        last = len(ordered) - 1
+        return cls(
+            len(ordered),
+            nearest_rank(ordered, 0.50),
+            nearest_rank(ordered, 0.90),
+            nearest_rank(ordered, 0.99),
+            ordered[-1],
+        )
 
-        def rank(q: float) -> float:  # nearest rank
-            return ordered[min(last, max(0, math.ceil(q * len(ordered)) - 1))]
 
-        return cls(len(ordered), rank(0.50), rank(0.90), rank(0.99), ordered[-1])
+def nearest_rank(ordered: Sequence[float], quantile: float) -> float:
+    """The nearest-rank `quantile` (in [0, 1]) of sorted, non-empty `ordered`."""
+    rank = min(len(ordered) - 1, max(0, math.ceil(quantile * len(ordered)) - 1))
+    return ordered[rank]
 
 
 @dataclass(frozen=True)

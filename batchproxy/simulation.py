@@ -31,6 +31,8 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ._stats import nearest_rank
+
 __all__ = [
     "Trace",
     "VirtualClockLoop",
@@ -190,11 +192,7 @@ class Trace:
 
     def latency(self, quantile: float) -> float:
         """Nearest-rank latency percentile over the successful calls (0.0 when none)."""
-        ordered = sorted(self.latencies)
-        if not ordered:
-            return 0.0
-        rank = min(len(ordered) - 1, max(0, math.ceil(quantile * len(ordered)) - 1))
-        return ordered[rank]
+        return nearest_rank(sorted(self.latencies), quantile) if self.latencies else 0.0
 
 
 class _Tally:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import statistics
 import sys
 import time
@@ -50,6 +49,7 @@ from sample_text import MAX_WORDS, MIN_WORDS, make_sentences  # sets HF_HUB_OFFL
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from typing_extensions import override
 
+from batchproxy import Percentiles
 from batchproxy.tensors import Collated
 
 BATCH_SIZE = 32
@@ -129,12 +129,6 @@ class Run:
 class Side:
     variant: Variant
     runs: list[Run] = field(default_factory=list)
-
-
-def percentile(samples: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile, `q` in [0, 1]."""
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def padding_waste(batches: Sequence[BatchRecord]) -> float:
@@ -238,8 +232,8 @@ def summary(side: Side) -> dict[str, Any]:
         "padded_tokens_per_run": sum(b.padded_tokens for b in batches) / len(runs),
         "real_tokens_per_run": sum(b.real_tokens for b in batches) / len(runs),
         "model_seconds_per_run": sum(b.model_seconds for b in batches) / len(runs),
-        "latency_p50_ms": percentile(latencies, 0.50),
-        "latency_p99_ms": percentile(latencies, 0.99),
+        "latency_p50_ms": Percentiles.of(latencies).p50,
+        "latency_p99_ms": Percentiles.of(latencies).p99,
         "max_abs_diff": max(run.max_abs_diff for run in runs),
     }
 

@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import contextlib
 import importlib.metadata
-import math
 import os
 import re
 import signal
@@ -44,6 +43,8 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 import httpx
+
+from batchproxy import Percentiles
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -80,12 +81,6 @@ def versions(*packages: str) -> dict[str, str | None]:
         except importlib.metadata.PackageNotFoundError:
             found[package] = None
     return found
-
-
-def percentile(samples: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile, `q` in [0, 1]."""
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 # --------------------------------------------------------------------------- the server
@@ -325,8 +320,8 @@ async def measure(
         requests=len(sentences),
         wall_seconds=wall,
         throughput=len(sentences) / wall,
-        latency_p50_ms=1000 * percentile(latencies, 0.50),
-        latency_p99_ms=1000 * percentile(latencies, 0.99),
+        latency_p50_ms=1000 * Percentiles.of(latencies).p50,
+        latency_p99_ms=1000 * Percentiles.of(latencies).p99,
         mean_batch_size=batch_mean,
     )
 
