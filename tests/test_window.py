@@ -4,12 +4,13 @@ scheduling benchmark makes, as deterministic simulations."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 from _support import Recorder
 
-from batchproxy import Proxy, simulation
+from batchproxy import Batched, batch, simulation
 
 
 def cost(n: int) -> float:
@@ -17,13 +18,22 @@ def cost(n: int) -> float:
     return 0.010 + 0.0002 * n
 
 
-class Simulated(Proxy[Any, Any]):
-    def __init__(self, *, serial: bool = True, **options: Any) -> None:
-        super().__init__(**options)
-        self._model = simulation.simulated_model(cost, serial=serial)
+def simulate(
+    drive: Callable[[Batched[Any, Any]], Awaitable[simulation.Trace]],
+    *,
+    serial: bool = True,
+    **options: Any,
+) -> simulation.Trace:
+    """`drive` traffic through the simulated accelerator batched with `options`."""
 
-    async def _inference(self, items: list[Any]) -> list[Any]:
-        return await self._model(items)
+    async def main() -> simulation.Trace:
+        model: Batched[Any, Any] = batch(**options)(simulation.simulated_model(cost, serial=serial))
+        try:
+            return await drive(model)
+        finally:
+            await model.aclose()
+
+    return simulation.run(main())
 
 
 async def departures(window: str, arrivals: list[float], **options: Any) -> list[float]:
@@ -77,14 +87,14 @@ async def test_adaptive_window_staggers_batches_by_the_cost_model() -> None:
 
 def sweep(slots: int, serial: bool, load: float, **options: Any) -> simulation.Trace:
     capacity = 32 / cost(32) * (1 if serial else slots)
-
-    async def main() -> simulation.Trace:
-        proxy = Simulated(batch_size=32, max_concurrent_batches=slots, serial=serial, **options)
-        async with proxy:
-            arrivals = simulation.poisson(load * capacity, duration=5.0, seed=1)
-            return await simulation.open_loop(proxy.inference, arrivals)
-
-    return simulation.run(main())
+    arrivals = simulation.poisson(load * capacity, duration=5.0, seed=1)
+    return simulate(
+        lambda model: simulation.open_loop(model, arrivals),
+        serial=serial,
+        batch_size=32,
+        max_concurrent_batches=slots,
+        **options,
+    )
 
 
 @pytest.mark.parametrize("load", [0.3, 0.6, 0.9])
@@ -107,9 +117,7 @@ def test_adaptive_is_within_a_percent_of_the_best_fixed_delay_on_two_replicas(
 
 
 def test_closed_loop_keeps_the_model_busy() -> None:
-    async def main() -> simulation.Trace:
-        async with Simulated(batch_size=64) as proxy:
-            return await simulation.closed_loop(proxy.inference, callers=150, duration=5.0)
-
-    trace = simulation.run(main())
+    trace = simulate(
+        lambda model: simulation.closed_loop(model, callers=150, duration=5.0), batch_size=64
+    )
     assert trace.throughput >= 0.97 * 64 / cost(64)
