@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import os
+import subprocess
 import sys
 import threading
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
@@ -179,6 +181,22 @@ def loop_errors() -> Iterator[list[dict[str, Any]]]:
 
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def run_script(
+    name: str, *args: str, timeout: float = 120, env: Mapping[str, str] | None = None
+) -> str:
+    """Run `examples/<name>.py` in a fresh interpreter; assert it succeeded; its stdout."""
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / f"{name}.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env=None if env is None else {**os.environ, **env},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
 
 
 def load_example(name: str) -> ModuleType:

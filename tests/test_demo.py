@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _support import run_script
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 NEEDS = ("fastapi", "uvicorn", "httpx", "matplotlib", "transformers", "prometheus_client")
 
 missing = [
@@ -28,21 +25,20 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.mark.timeout(240)
 def test_quick_demo_prints_the_table_and_writes_the_plot(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, str(EXAMPLES / "demo.py"), "--quick", "--output-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
+    out = run_script(
+        "demo",
+        "--quick",
+        "--output-dir",
+        str(tmp_path),
         timeout=220,
-        check=False,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+        env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
     )
-    assert done.returncode == 0, done.stdout + done.stderr
-    rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("| ")]
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| ")]
     assert "speedup" in rows[0][-2]
     seen = {(cells[1].strip(), cells[2].strip()) for cells in rows[1:]}
     levels = ("1", "5", "100", "150")
     assert seen == {(level, mode) for level in levels for mode in ("regular", "batched")}
-    assert "target at concurrency 150" in done.stdout
+    assert "target at concurrency 150" in out
 
     png = tmp_path / "demo.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

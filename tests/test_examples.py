@@ -3,30 +3,21 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
-from _support import EXAMPLES, load_example
+from _support import load_example, run_script
 
 
 def test_quickstart_runs_as_a_script() -> None:
-    done = subprocess.run(
-        [sys.executable, str(EXAMPLES / "quickstart.py")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    requests = re.search(r"^requests:\s+(\d+)$", done.stdout, re.MULTILINE)
-    batches = re.search(r"^model calls:\s+(\d+) batches$", done.stdout, re.MULTILINE)
-    assert requests is not None, done.stdout
-    assert batches is not None, done.stdout
+    out = run_script("quickstart", timeout=60)
+    requests = re.search(r"^requests:\s+(\d+)$", out, re.MULTILINE)
+    batches = re.search(r"^model calls:\s+(\d+) batches$", out, re.MULTILINE)
+    assert requests is not None, out
+    assert batches is not None, out
     assert int(requests.group(1)) == 200
     assert 1 <= int(batches.group(1)) < 200
-    assert "batch sizes:" in done.stdout
-    assert "p99" in done.stdout
+    assert "batch sizes:" in out
+    assert "p99" in out
 
 
 async def test_quickstart_main(capsys: pytest.CaptureFixture[str]) -> None:

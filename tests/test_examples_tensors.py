@@ -4,24 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import subprocess
-import sys
 
 import pytest
-from _support import EXAMPLES, load_example
+from _support import load_example, run_script
 
 
 def test_tensors_example_runs_as_a_script() -> None:
-    done = subprocess.run(
-        [sys.executable, str(EXAMPLES / "tensors.py")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "every caller got its own un-padded output" in done.stdout
-    assert "padding waste:" in done.stdout
+    out = run_script("tensors", timeout=60)
+    assert "every caller got its own un-padded output" in out
+    assert "padding waste:" in out
 
 
 def test_minilm_batched_embedding_equals_the_single_one() -> None:

@@ -5,13 +5,11 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import re
-import subprocess
-import sys
 from types import ModuleType
 from typing import Any
 
 import pytest
-from _support import EXAMPLES, load_example
+from _support import load_example, run_script
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -29,18 +27,6 @@ def pipeline() -> ModuleType:
 @pytest.fixture(scope="module")
 def bert_classifier() -> ModuleType:
     return load_example("bert_classifier")
-
-
-def run_script(name: str, *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, str(EXAMPLES / f"{name}.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
 
 
 def test_pipeline_scores_equal_the_unbatched_ones(
