@@ -618,7 +618,7 @@ class Proxy(ABC, Generic[In, Out]):
 
     # -- batches -------------------------------------------------------------------------
 
-    def _start_batch(self, requests: list[Request[In]]) -> None:
+    def _start_batch(self, requests: list[Request[In]] | None) -> None:
         assert self._loop is not None
         # a batch serves many callers: it starts from an empty contextvars context
         # rather than from whichever caller's context triggered the dispatch
@@ -626,10 +626,14 @@ class Proxy(ABC, Generic[In, Out]):
         self._batch_tasks.add(task)
         task.add_done_callback(self._batch_tasks.discard)
 
-    async def _run_batch(self, requests: list[Request[In]]) -> None:
+    async def _run_batch(self, requests: list[Request[In]] | None) -> None:
         loop, scheduler, stats = self._loop, self._scheduler, self._stats
         assert loop is not None
         assert scheduler is not None
+        if requests is None:  # started by an arrival to an idle proxy: take the batch now
+            requests = scheduler.take_reserved()
+            if not requests:
+                return
         _current_batch.set(asyncio.current_task())  # seen by the model, on any executor
         size = len(requests)
         started = loop.time()

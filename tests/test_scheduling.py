@@ -34,6 +34,30 @@ async def test_lone_request_on_idle_proxy_goes_at_once() -> None:
         assert proxy.started_at == [start]
 
 
+async def test_idle_arrival_reaches_the_model_one_loop_iteration_after_it_queues() -> None:
+    async with Recorder(batch_size=64, max_delay_ms=50, delay=0.01) as proxy:
+        caller = asyncio.create_task(proxy.inference("x"))
+        await asyncio.sleep(0)  # the caller queues its request
+        assert proxy.batches == []
+        await asyncio.sleep(0)  # the very next iteration, the model has it
+        assert proxy.batches == [["x"]]
+        assert await caller == ("out", "x")
+
+
+async def test_idle_arrival_cancelled_before_its_batch_forms_frees_the_slot() -> None:
+    async with Recorder(batch_size=64, max_delay_ms=50) as proxy:
+        caller = asyncio.create_task(proxy.inference("gone"))
+        await asyncio.sleep(0)  # queued; its batch task has not run yet
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        assert proxy.batches == []
+        assert proxy.stats.in_flight == 0
+        assert proxy.stats.cancelled == 1
+        assert await proxy.inference("next") == ("out", "next")
+        assert proxy.batches == [["next"]]
+
+
 async def test_request_after_quiet_spell_goes_at_once_even_after_a_burst() -> None:
     loop = asyncio.get_running_loop()
     async with Recorder(batch_size=64, max_delay_ms=50) as proxy:
