@@ -33,9 +33,11 @@ smoke run. Prints Markdown tables and writes the numbers as JSON to
    `priority=i % 3` on every call, `aging_ms=50`, `shed_late=True`, `length=len`
    with `max_batch_tokens`, a listener).
 4. A lone request on an idle proxy (real clock, `max_delay_ms=5`): one call after
-   each quiet spell of 20 ms, timed with `time.perf_counter()` next to a direct
-   await of the model; the added latency, and the same for the minimal batcher
-   (which, like most hand-written batchers, waits out its window).
+   each quiet spell (1, 5 and 20 ms; the target is judged at 20 ms), timed with
+   `time.perf_counter()` next to a direct await of the model; the added latency,
+   and the same for the minimal batcher (which, like most hand-written batchers,
+   waits out its window) and for the minimal batcher with no window at all: the
+   floor for any batcher that hands a request to another task on this machine.
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ CLOSED_BATCH = 64
 
 CPU_BATCH = 64
 IDLE_DELAY_MS = 5.0
-IDLE_GAP_S = 0.020
+IDLE_GAP_S = 0.020  # the quiet spell the target is judged at
+IDLE_QUIET_S = (0.001, 0.005, IDLE_GAP_S)
 
 TARGET_THROUGHPUT_VS_BEST = 0.98
 TARGET_CLOSED_SHARE = 0.97
@@ -454,6 +457,7 @@ async def measure_cpu(config: Config) -> list[CpuResult]:
 @dataclass(frozen=True)
 class IdleResult:
     side: str
+    quiet_ms: float
     samples: int
     added_p50_ms: float
     added_p99_ms: float
@@ -482,30 +486,34 @@ async def measure_idle(config: Config) -> list[IdleResult]:
     async with (
         Identity(batch_size=CPU_BATCH, max_delay_ms=IDLE_DELAY_MS) as proxy,
         MinimalBatcher(identity, CPU_BATCH, IDLE_DELAY_MS) as minimal,
+        MinimalBatcher(identity, CPU_BATCH, 0.0) as floor,
     ):
         sides: dict[str, Call] = {
             "batchproxy": proxy.inference,
             "minimal batcher": minimal.inference,
+            "minimal batcher, no window (floor)": floor.inference,
         }
-        times: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
-        for i in range(config.idle_warmup + config.idle_samples):
-            for side, call in sides.items():
-                await asyncio.sleep(IDLE_GAP_S)
-                pair = await paired(call, i, first=i % 2 == 0)
-                if i >= config.idle_warmup:
-                    times[side].append(pair)
-    results = []
-    for side, pairs in times.items():
-        added = [(batched - alone) * 1e3 for batched, alone in pairs]
-        results.append(
-            IdleResult(
-                side=side,
-                samples=len(pairs),
-                added_p50_ms=Percentiles.of(added).p50,
-                added_p99_ms=Percentiles.of(added).p99,
-                direct_p50_ms=Percentiles.of([alone * 1e3 for _, alone in pairs]).p50,
-            )
-        )
+        results = []
+        for quiet in IDLE_QUIET_S:
+            times: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
+            for i in range(config.idle_warmup + config.idle_samples):
+                for side, call in sides.items():
+                    await asyncio.sleep(quiet)
+                    pair = await paired(call, i, first=i % 2 == 0)
+                    if i >= config.idle_warmup:
+                        times[side].append(pair)
+            for side, pairs in times.items():
+                added = Percentiles.of([(batched - alone) * 1e3 for batched, alone in pairs])
+                results.append(
+                    IdleResult(
+                        side=side,
+                        quiet_ms=quiet * 1e3,
+                        samples=len(pairs),
+                        added_p50_ms=added.p50,
+                        added_p99_ms=added.p99,
+                        direct_p50_ms=Percentiles.of([alone * 1e3 for _, alone in pairs]).p50,
+                    )
+                )
     return results
 
 
@@ -632,16 +640,16 @@ def cpu_table(results: list[CpuResult]) -> str:
 
 def idle_table(results: list[IdleResult]) -> str:
     lines = [
-        "| side | samples | added p50 | added p99 | direct await p50 |",
-        "|---|---|---|---|---|",
+        "| quiet | side | samples | added p50 | added p99 | direct await p50 |",
+        "|---|---|---|---|---|---|",
     ]
     for r in results:
         target = ""
-        if r.side == "batchproxy":
+        if r.side == "batchproxy" and r.quiet_ms == IDLE_GAP_S * 1e3:
             met = r.added_p50_ms <= TARGET_IDLE_P50_MS
             target = f" (≤ {TARGET_IDLE_P50_MS:g} ms: {verdict(met)})"
         lines.append(
-            f"| {r.side} | {r.samples} | {r.added_p50_ms:.3f} ms{target} "
+            f"| {r.quiet_ms:g} ms | {r.side} | {r.samples} | {r.added_p50_ms:.3f} ms{target} "
             f"| {r.added_p99_ms:.3f} ms | {r.direct_p50_ms:.4f} ms |"
         )
     return "\n".join(lines)
@@ -665,7 +673,7 @@ def report(results: dict[str, Any], config: Config) -> str:
             f"of {config.cpu_rounds * CALLERS:,} requests",
             cpu_table(results["cpu"]),
             f"### 4. Lone request on an idle batcher: max_delay_ms={IDLE_DELAY_MS:g}, "
-            f"{IDLE_GAP_S * 1e3:g} ms of quiet before each",
+            f"a quiet spell before each (target judged at {IDLE_GAP_S * 1e3:g} ms)",
             idle_table(results["idle"]),
         ]
     )
