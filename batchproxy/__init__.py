@@ -14,8 +14,9 @@ from ._errors import (
     InferenceError,
     ProxyClosed,
     QueueFull,
+    WorkerDied,
 )
-from ._executor import Executor
+from ._executor import Executor, ModelFactory
 from ._proxy import Proxy
 from ._stats import Listener, Percentiles, ProxyStats
 from ._tensor_proxy import TensorProxy
@@ -32,12 +33,14 @@ __all__ = [
     "Executor",
     "InferenceError",
     "Listener",
+    "ModelFactory",
     "Percentiles",
     "Proxy",
     "ProxyClosed",
     "ProxyStats",
     "QueueFull",
     "TensorProxy",
+    "WorkerDied",
     "WorkerThread",
     "__version__",
     "batch",

@@ -159,7 +159,7 @@ def batch(
     max_delay_ms: float = 5.0,
     max_queue_size: int | None = None,
     timeout: float | None = None,
-    max_concurrent_batches: int = 1,
+    max_concurrent_batches: int | None = None,
     offload: bool | Executor = False,
     name: str | None = None,
     length: Callable[[Any], int] | None = None,

@@ -9,6 +9,7 @@ __all__ = [
     "InferenceError",
     "ProxyClosed",
     "QueueFull",
+    "WorkerDied",
 ]
 
 
@@ -89,3 +90,22 @@ class InferenceError(BatchProxyError):
         super().__init__(f"{proxy}._inference raised {type(cause).__name__}: {cause!r}")
         self.proxy = proxy
         self.__cause__ = cause
+
+
+class WorkerDied(BatchProxyError, RuntimeError):
+    """A worker process or actor died while it held a batch.
+
+    The callers of exactly that batch get this error (unless the executor was told
+    to retry such a batch once on another worker); the executor replaces the worker
+    and later batches are served.
+    """
+
+    def __init__(self, executor: str, worker: str, items: int, detail: str) -> None:
+        super().__init__(
+            f"{executor}: worker {worker} died while running a batch of {items} items "
+            f"({detail}); it is being replaced"
+        )
+        self.executor = executor
+        self.worker = worker
+        self.items = items
+        self.detail = detail

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import inspect
 import logging
 import threading
 import weakref
-from abc import ABC, abstractmethod
+from abc import ABC
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence, Set
 from types import EllipsisType
 from typing import Any, Generic, Literal, TypeVar, overload
@@ -66,10 +67,14 @@ class Proxy(ABC, Generic[In, Out]):
     - `max_queue_size`: refuse calls with `QueueFull` beyond this many waiting
       requests (default: unbounded).
     - `timeout`: default deadline in seconds for every call (default: none).
-    - `max_concurrent_batches`: how many batches may run at once.
-    - `offload`: `True` runs `_inference` on a private worker thread, a
-      `WorkerThread` shares one between proxies; a plain `def _inference` always
-      runs on a worker thread, never on the event loop.
+    - `max_concurrent_batches`: how many batches may run at once (default: the
+      executor's capacity, 1 for a thread, n for n worker processes or actors).
+    - `offload`: where batches run. `True` runs `_inference` on a private worker
+      thread, a `WorkerThread` shares one between proxies; a plain `def
+      _inference` always runs on a worker thread, never on the event loop. An
+      executor that hosts a model of its own (`ProcessWorkers`, `RayActors`,
+      `WorkerThread(model=...)`) replaces `_inference`: use `Proxy(offload=...)`
+      directly, without a subclass.
     - `name`: how stats, errors and logs name this proxy (default: class name).
     - `length`: a per-item cost (e.g. sequence length). When given, batches are
       formed from requests of similar cost (little padding), `max_batch_tokens`
@@ -109,7 +114,7 @@ class Proxy(ABC, Generic[In, Out]):
         max_delay_ms: float = 5.0,
         max_queue_size: int | None = None,
         timeout: float | None = None,
-        max_concurrent_batches: int = 1,
+        max_concurrent_batches: int | None = None,
         offload: bool | Executor = False,
         name: str | None = None,
         length: Callable[[In], int] | None = None,
@@ -123,7 +128,9 @@ class Proxy(ABC, Generic[In, Out]):
         self._max_delay = _validate.duration("max_delay_ms", max_delay_ms, allow_zero=True) / 1e3
         self._max_queue_size = _validate.optional_count("max_queue_size", max_queue_size)
         self._timeout = _validate.timeout("timeout", timeout)
-        self._max_concurrent = _validate.count("max_concurrent_batches", max_concurrent_batches)
+        self._follow_capacity = max_concurrent_batches is None  # the executor's, as it changes
+        if max_concurrent_batches is not None:
+            self._max_concurrent = _validate.count("max_concurrent_batches", max_concurrent_batches)
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a str or None, got {type(name).__name__} {name!r}")
         if name == "":
@@ -157,8 +164,12 @@ class Proxy(ABC, Generic[In, Out]):
         self._cap = BatchCap(self._batch_size)
         self._cost_model = CostModel("item" if length is None else "token")
 
-        self._model = self._model_function()
         self._executor, self._owns_executor = self._choose_executor(offload)
+        self._model = self._model_function()
+        if self._follow_capacity:
+            self._max_concurrent = self._executor.capacity
+        self._capacity_watcher = _capacity_watcher(self)  # weak: the executor may outlive us
+        self._executor.watch_capacity(self._capacity_watcher)
         if isinstance(self._executor, WorkerThread) and self._owns_executor:
             # a proxy dropped without aclose() still stops its thread
             weakref.finalize(self, self._executor.close).atexit = False
@@ -172,30 +183,49 @@ class Proxy(ABC, Generic[In, Out]):
         self._closed = False
         self._initialized = True
 
-    @abstractmethod
     def _inference(
         self, items: list[In], /
     ) -> Awaitable[Sequence[Out | BaseException]] | Sequence[Out | BaseException]:
         """Run the model on one batch; return one result per item, in order.
 
-        May be `async def` or plain `def` (a plain `def` runs on a worker thread).
-        Put an `Exception` instance in slot i to fail caller i alone; raise to fail
-        the whole batch.
+        Implement it in a subclass (unless `offload` hosts the model). May be
+        `async def` or plain `def` (a plain `def` runs on a worker thread). Put an
+        `Exception` instance in slot i to fail caller i alone; raise to fail the
+        whole batch.
         """
+        raise NotImplementedError  # __init__ refuses a proxy without a model
+
+    def _has_own_model(self) -> bool:
+        cls = type(self)
+        return (
+            cls._inference is not Proxy._inference
+            or cls._model_function is not Proxy._model_function
+        )
 
     def _model_function(self) -> Callable[[list[In]], Any]:
         """What a batch calls; `_inference` unless a subclass supplies another callable."""
         return self._inference
 
     def _choose_executor(self, offload: object) -> tuple[Executor, bool]:
+        own_model = self._has_own_model()
         if isinstance(offload, Executor):
+            if offload.hosts_model and own_model:
+                raise TypeError(
+                    f"{type(self).__name__} implements _inference, but offload={offload!r} "
+                    f"runs a model of its own: use Proxy(offload=...) without a subclass, "
+                    f"or an executor that runs _inference (a WorkerThread)"
+                )
+            if not offload.hosts_model and not own_model:
+                raise TypeError(_no_model(type(self).__name__))
             return offload, False
         if not isinstance(offload, bool):
             raise TypeError(
-                f"offload must be a bool or a WorkerThread, "
+                f"offload must be a bool or an Executor (WorkerThread, ProcessWorkers, ...), "
                 f"got {type(offload).__name__} {offload!r}"
             )
-        if offload or not inspect.iscoroutinefunction(self._model):
+        if not own_model:
+            raise TypeError(_no_model(type(self).__name__))
+        if offload or not inspect.iscoroutinefunction(self._model_function()):
             return WorkerThread(name=f"batchproxy-{self.name}"), True
         return LoopExecutor(), False
 
@@ -243,6 +273,7 @@ class Proxy(ABC, Generic[In, Out]):
                 await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._drain(), loop))
             else:  # its loop is paused: what is queued cannot run; what runs ends there
                 self._refuse_queued(loop, scheduler)
+        self._executor.unwatch_capacity(self._capacity_watcher)
         if self._owns_executor:
             await self._executor.aclose()
 
@@ -339,7 +370,7 @@ class Proxy(ABC, Generic[In, Out]):
         *,
         batch_size: int | EllipsisType = ...,
         max_delay_ms: float | EllipsisType = ...,
-        max_concurrent_batches: int | EllipsisType = ...,
+        max_concurrent_batches: int | EllipsisType | None = ...,
         max_queue_size: int | EllipsisType | None = ...,
     ) -> None:
         """Change limits while the proxy runs; `...` (the default) keeps a value.
@@ -349,6 +380,7 @@ class Proxy(ABC, Generic[In, Out]):
         reaches the proxy's loop through `call_soon_threadsafe`. It applies from
         the next batch on; running batches and queued requests are left as they
         are (a lower `max_queue_size` refuses new calls until the queue is below it).
+        `max_concurrent_batches=None` follows the executor's capacity again.
         """
         self._require_init()
         size = self._batch_size if batch_size is ... else _validate.count("batch_size", batch_size)
@@ -357,27 +389,42 @@ class Proxy(ABC, Generic[In, Out]):
             if max_delay_ms is ...
             else _validate.duration("max_delay_ms", max_delay_ms, allow_zero=True) / 1e3
         )
-        slots = (
-            self._max_concurrent
-            if max_concurrent_batches is ...
-            else _validate.count("max_concurrent_batches", max_concurrent_batches)
-        )
+        follow = self._follow_capacity if max_concurrent_batches is ... else None
+        if max_concurrent_batches is ...:
+            slots = self._max_concurrent
+        elif max_concurrent_batches is None:
+            follow, slots = True, self._executor.capacity
+        else:
+            follow = False
+            slots = _validate.count("max_concurrent_batches", max_concurrent_batches)
         room = (
             self._max_queue_size
             if max_queue_size is ...
             else _validate.optional_count("max_queue_size", max_queue_size)
         )
         self._batch_size, self._max_delay, self._max_concurrent = size, delay, slots
+        self._follow_capacity = bool(follow)
         self._max_queue_size = room
         self._cap.set_limit(size)
-        size = self._cap.cap
+        self._apply_limits()
+
+    def _capacity_changed(self, capacity: int) -> None:
+        """The executor was resized (maybe from another thread): follow it, if we do."""
+        if self._follow_capacity and not self._closed:
+            self._max_concurrent = capacity
+            self._apply_limits()
+
+    def _apply_limits(self) -> None:
+        """Hand the current limits to the scheduler, on its loop, from any thread."""
         loop, scheduler = self._loop, self._scheduler
         if loop is None or scheduler is None or loop.is_closed():
             return  # the next event loop's scheduler starts with these values
+        limits = (self._cap.cap, self._max_delay, self._max_concurrent)
         if threading.get_ident() == self._loop_thread:
-            scheduler.reconfigure(size, delay, slots)
+            scheduler.reconfigure(*limits)
         else:
-            loop.call_soon_threadsafe(scheduler.reconfigure, size, delay, slots)
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(scheduler.reconfigure, *limits)
 
     # -- calls ---------------------------------------------------------------------------
 
@@ -796,6 +843,25 @@ _current_batch: contextvars.ContextVar[asyncio.Task[Any] | None] = contextvars.C
     "batchproxy_current_batch", default=None
 )
 """The batch task a model call belongs to (propagated to the worker thread)."""
+
+
+def _no_model(cls: str) -> str:
+    return (
+        f"{cls} has no model: subclass Proxy and implement _inference, or pass offload= an "
+        f"executor that hosts one (ProcessWorkers, RayActors, WorkerThread(model=...))"
+    )
+
+
+def _capacity_watcher(proxy: Proxy[Any, Any]) -> Callable[[int], None]:
+    """A capacity callback that does not keep `proxy` alive."""
+    ref = weakref.ref(proxy)
+
+    def changed(capacity: int) -> None:
+        target = ref()
+        if target is not None:
+            target._capacity_changed(capacity)
+
+    return changed
 
 
 def _clean(results: object, size: int) -> bool:

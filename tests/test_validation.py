@@ -59,7 +59,6 @@ CONSTRUCTOR_CASES: list[tuple[str, object, type[Exception]]] = [
     ("max_concurrent_batches", 0, ValueError),
     ("max_concurrent_batches", -2, ValueError),
     ("max_concurrent_batches", 1.0, TypeError),
-    ("max_concurrent_batches", None, TypeError),
     ("max_concurrent_batches", False, TypeError),
     ("max_concurrent_batches", INF, TypeError),
     # offload: a bool or a WorkerThread
@@ -196,13 +195,15 @@ def test_subclass_without_inference_cannot_be_instantiated():
     class NoModel(batchproxy.Proxy[int, int]):
         pass
 
-    with pytest.raises(TypeError, match="_inference"):
-        NoModel()  # type: ignore[abstract]
+    with pytest.raises(TypeError, match="NoModel has no model: .* implement _inference"):
+        NoModel()
+    with pytest.raises(TypeError, match="has no model"):
+        NoModel(offload=batchproxy.WorkerThread())
 
 
-def test_proxy_itself_cannot_be_instantiated():
-    with pytest.raises(TypeError, match="abstract"):
-        batchproxy.Proxy()  # type: ignore[abstract]
+def test_proxy_itself_needs_an_executor_that_hosts_a_model():
+    with pytest.raises(TypeError, match="Proxy has no model: .*ProcessWorkers"):
+        batchproxy.Proxy()
 
 
 class Forgetful(batchproxy.Proxy[int, int]):
