@@ -17,6 +17,7 @@ from ._errors import (
     WorkerDied,
 )
 from ._executor import Executor, ModelFactory
+from ._process_workers import ProcessWorkers
 from ._proxy import Proxy
 from ._stats import Listener, Percentiles, ProxyStats
 from ._tensor_proxy import TensorProxy
@@ -35,6 +36,7 @@ __all__ = [
     "Listener",
     "ModelFactory",
     "Percentiles",
+    "ProcessWorkers",
     "Proxy",
     "ProxyClosed",
     "ProxyStats",

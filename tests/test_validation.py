@@ -195,14 +195,14 @@ def test_subclass_without_inference_cannot_be_instantiated():
     class NoModel(batchproxy.Proxy[int, int]):
         pass
 
-    with pytest.raises(TypeError, match="NoModel has no model: .* implement _inference"):
+    with pytest.raises(TypeError, match=r"NoModel has no model: .* implement _inference"):
         NoModel()
     with pytest.raises(TypeError, match="has no model"):
         NoModel(offload=batchproxy.WorkerThread())
 
 
 def test_proxy_itself_needs_an_executor_that_hosts_a_model():
-    with pytest.raises(TypeError, match="Proxy has no model: .*ProcessWorkers"):
+    with pytest.raises(TypeError, match=r"Proxy has no model: .*ProcessWorkers"):
         batchproxy.Proxy()
 
 

@@ -1,0 +1,82 @@
+"""The body of a worker process: build the model once, then run batches until told
+to stop or until the proxy's process is gone.
+
+Replies: ``("ready", pid)`` after the factory ran, ``("failed", exc, traceback)``
+if it raised; then per batch ``("ok", results)`` or ``("raised", exc, traceback)``.
+A stop message (None) or a closed pipe ends the loop. SIGINT is ignored: a
+Ctrl-C in the terminal reaches the whole process group, and shutting the
+workers down is the parent's job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import os
+import pickle
+import signal
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+from . import _ipc
+from ._executor import ModelFactory
+
+__all__ = ["serve"]
+
+
+def serve(conn: Connection, factory: ModelFactory) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        model = factory()
+    except BaseException as exc:
+        _reply(conn, ("failed", *_portable(exc)))
+        return
+    _reply(conn, ("ready", os.getpid()))
+    loop: asyncio.AbstractEventLoop | None = None
+    try:
+        while True:
+            try:
+                items = _ipc.decode(_ipc.receive(conn))
+            except (EOFError, OSError):
+                return  # the proxy's process is gone
+            if items is None:
+                return
+            try:
+                results = model(items)
+                if inspect.isawaitable(results):
+                    loop = loop or asyncio.new_event_loop()
+                    results = loop.run_until_complete(_awaited(results))
+                reply: tuple[Any, ...] = ("ok", results)
+            except BaseException as exc:
+                reply = ("raised", *_portable(exc))
+            _reply(conn, reply)
+    finally:
+        if loop is not None:
+            loop.close()
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def _reply(conn: Connection, message: tuple[Any, ...]) -> None:
+    try:
+        frames = _ipc.encode(message)
+    except Exception as exc:  # results (or an exception) that cannot be pickled
+        error = TypeError(f"the worker's reply could not be pickled: {exc!r}")
+        frames = _ipc.encode(("raised", *_portable(error)))
+    with contextlib.suppress(OSError):  # the proxy's process is gone; nobody waits
+        _ipc.send(conn, frames)
+
+
+def _portable(exc: BaseException) -> tuple[BaseException, str]:
+    """The exception, or a RuntimeError standing in for one that cannot be pickled,
+    with its traceback as text (tracebacks do not cross processes)."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}"), text
+    return exc, text

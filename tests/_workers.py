@@ -1,0 +1,74 @@
+"""Model factories for worker-process and actor tests: module-level, so picklable."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+
+def tagging() -> Callable[[list[Any]], list[Any]]:
+    """Each item comes back as (worker pid, item); "bad" fails alone, "boom" fails the
+    batch; ("sleep", s) sleeps s seconds first."""
+    pid = os.getpid()
+
+    def model(items: list[Any]) -> list[Any]:
+        if "boom" in items:
+            raise KeyError("boom in the batch")
+        for item in items:
+            if isinstance(item, tuple) and item[0] == "sleep":
+                time.sleep(item[1])
+        return [
+            ValueError(f"bad item {item!r}") if item == "bad" else (pid, item) for item in items
+        ]
+
+    return model
+
+
+def doubling() -> Callable[[list[Any]], list[Any]]:
+    """Arrays (or tensors) in, each doubled, plus whether it arrived writable."""
+
+    def model(items: list[Any]) -> list[Any]:
+        return [(item * 2, bool(np.asarray(item).flags.writeable)) for item in items]
+
+    return model
+
+
+def asynchronous() -> Callable[[list[Any]], Any]:
+    async def model(items: list[Any]) -> list[Any]:
+        return [item + 1 for item in items]
+
+    return model
+
+
+def failing() -> Callable[[list[Any]], list[Any]]:
+    raise RuntimeError("no weights here")
+
+
+def exiting() -> Callable[[list[Any]], list[Any]]:
+    os._exit(3)
+
+
+def unpicklable_results() -> Callable[[list[Any]], list[Any]]:
+    def model(items: list[Any]) -> list[Any]:
+        return [lambda item=item: item for item in items]
+
+    return model
+
+
+def gil_bound(work: int = 20_000) -> Callable[[list[Any]], list[Any]]:
+    """Pure-Python work per item, holding the GIL: what threads cannot parallelise."""
+
+    def model(items: list[Any]) -> list[Any]:
+        results = []
+        for item in items:
+            total = 0
+            for i in range(work):
+                total += (i * item) % 7
+            results.append(total)
+        return results
+
+    return model

@@ -1,0 +1,307 @@
+"""ProcessWorkers: batches in worker processes; crashes, failures, shutdown, IPC."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import _workers
+import numpy as np
+import pytest
+
+import batchproxy
+from batchproxy import ProcessWorkers, Proxy, WorkerDied, _ipc
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def tagging() -> Iterator[ProcessWorkers]:
+    """Two workers running `_workers.tagging`, shared by the tests that do not break them."""
+    workers = ProcessWorkers(_workers.tagging, 2)
+    yield workers
+    workers.close()
+
+
+def gone(pid: int) -> bool:
+    """No such process, not even a zombie."""
+    return not Path(f"/proc/{pid}").exists()
+
+
+async def busy_worker_pid(workers: ProcessWorkers) -> int:
+    """The pid of the worker holding a batch, once it has one."""
+    for _ in range(500):
+        for worker in workers._workers:
+            if worker.load and worker.pid is not None:
+                return worker.pid
+        await asyncio.sleep(0.01)
+    raise AssertionError("no worker took the batch")
+
+
+async def test_every_caller_gets_its_own_result_from_both_workers(tagging) -> None:
+    async with Proxy(offload=tagging, batch_size=8) as proxy:
+        results = await asyncio.gather(*(proxy.inference(i) for i in range(200)))
+    assert [item for _, item in results] == list(range(200))
+    assert {pid for pid, _ in results} == set(tagging.pids)
+    assert os.getpid() not in tagging.pids
+
+
+async def test_the_proxy_keeps_as_many_batches_in_flight_as_there_are_workers(tagging) -> None:
+    async with Proxy(offload=tagging, batch_size=1) as proxy:
+        assert tagging.capacity == 2
+        calls = [asyncio.create_task(proxy.inference(("sleep", 0.3))) for _ in range(4)]
+        peak = 0
+        while not all(call.done() for call in calls):
+            peak = max(peak, proxy.stats.in_flight)
+            await asyncio.sleep(0.01)
+        assert peak == 2
+        assert len({pid for pid, _ in await asyncio.gather(*calls)}) == 2
+
+
+async def test_model_errors_reach_exactly_their_callers(tagging) -> None:
+    async with Proxy(offload=tagging, batch_size=8, max_delay_ms=50) as proxy:
+        results = await asyncio.gather(
+            proxy.inference("bad"), proxy.inference("good"), return_exceptions=True
+        )
+        assert isinstance(results[0], ValueError)
+        assert results[1][1] == "good"
+        batch = await asyncio.gather(
+            proxy.inference("boom"), proxy.inference("x"), return_exceptions=True
+        )
+        assert all(isinstance(r, KeyError) for r in batch)
+        assert "In the worker process" in str(batch[0].__cause__)
+        assert "boom in the batch" in str(batch[0].__cause__)
+        assert (await proxy.inference("after"))[1] == "after"
+
+
+async def test_a_batch_that_cannot_be_pickled_fails_alone(tagging) -> None:
+    async with Proxy(offload=tagging, batch_size=1) as proxy:
+        with pytest.raises(TypeError, match="could not be pickled"):
+            await proxy.inference(lambda: None)
+        assert (await proxy.inference("next"))[1] == "next"
+
+
+async def test_results_that_cannot_be_pickled_fail_their_batch() -> None:
+    async with (
+        ProcessWorkers(_workers.unpicklable_results, 1) as workers,
+        Proxy(offload=workers) as proxy,
+    ):
+        with pytest.raises(TypeError, match="reply could not be pickled"):
+            await proxy.inference(1)
+        with pytest.raises(TypeError, match="reply could not be pickled"):
+            await proxy.inference(2)  # the worker is still there
+
+
+async def test_an_async_model_runs_in_the_worker() -> None:
+    async with ProcessWorkers(_workers.asynchronous, 1) as workers, Proxy(offload=workers) as p:
+        assert await asyncio.gather(*(p.inference(i) for i in range(10))) == list(range(1, 11))
+
+
+# -- crashes -----------------------------------------------------------------------------
+
+
+async def test_a_killed_worker_fails_exactly_its_batch_and_is_replaced() -> None:
+    async with (
+        ProcessWorkers(_workers.tagging, 2) as workers,
+        Proxy(offload=workers, batch_size=4, max_delay_ms=20) as proxy,
+    ):
+        doomed = [asyncio.create_task(proxy.inference(("sleep", 5))) for _ in range(3)]
+        pid = await busy_worker_pid(workers)
+        others = [asyncio.create_task(proxy.inference(i)) for i in range(20)]
+        os.kill(pid, signal.SIGKILL)
+        for call in doomed:
+            with pytest.raises(WorkerDied, match=r"pid \d+\) died .*batch of 3 items.*SIGKILL"):
+                await call
+        assert [item for _, item in await asyncio.gather(*others)] == list(range(20))
+        assert gone(pid)
+        for _ in range(1000):  # the replacement starts
+            if None not in workers.pids:
+                break
+            await asyncio.sleep(0.01)
+        assert pid not in workers.pids
+        assert None not in workers.pids
+        async with Proxy(offload=workers, batch_size=1) as one_by_one:
+            calls = (one_by_one.inference(("sleep", 0.05)) for _ in range(4))
+            results = await asyncio.gather(*calls)
+        assert {p for p, _ in results} == set(workers.pids)  # both serve
+        assert proxy.stats.errors == 3
+
+
+async def test_with_retry_a_killed_workers_batch_is_rerun_on_another() -> None:
+    async with (
+        ProcessWorkers(_workers.tagging, 2, retry_on_crash=True) as workers,
+        Proxy(offload=workers, batch_size=4) as proxy,
+    ):
+        call = asyncio.create_task(proxy.inference(("sleep", 1.0)))
+        pid = await busy_worker_pid(workers)
+        os.kill(pid, signal.SIGKILL)
+        served_by, item = await call
+        assert item == ("sleep", 1.0)
+        assert served_by != pid
+        assert proxy.stats.errors == 0
+
+
+async def test_with_retry_a_batch_that_kills_every_worker_fails_on_the_second_crash() -> None:
+    async with (
+        ProcessWorkers(_workers.tagging, 1, retry_on_crash=True) as workers,
+        Proxy(offload=workers) as proxy,
+    ):
+        call = asyncio.create_task(proxy.inference(("sleep", 5)))
+        os.kill(await busy_worker_pid(workers), signal.SIGKILL)
+        await asyncio.sleep(0.5)  # restarted, and rerunning it
+        os.kill(await busy_worker_pid(workers), signal.SIGKILL)
+        with pytest.raises(WorkerDied):
+            await call
+        assert (await proxy.inference("after"))[1] == "after"
+
+
+# -- factories that fail -----------------------------------------------------------------
+
+
+async def test_a_failing_factory_is_reported_by_start_and_fails_calls_at_once() -> None:
+    workers = ProcessWorkers(_workers.failing, 2)
+    with pytest.raises(RuntimeError, match="factory raised in worker") as raised:
+        await workers.start()
+    assert "no weights here" in str(raised.value.__cause__)
+    async with Proxy(offload=workers) as proxy:
+        with pytest.raises(RuntimeError, match="factory raised"):
+            await proxy.inference(1)
+    await workers.aclose()
+
+
+async def test_a_factory_that_kills_its_process_is_reported() -> None:
+    workers = ProcessWorkers(_workers.exiting, 1)
+    with pytest.raises(RuntimeError, match=r"died while building its model \(exit code 3\)"):
+        await workers.start()
+    await workers.aclose()
+
+
+# -- shutdown ----------------------------------------------------------------------------
+
+
+async def test_aclose_finishes_handed_over_batches_then_leaves_no_process() -> None:
+    workers = ProcessWorkers(_workers.tagging, 2)
+    await workers.start()
+    pids = list(workers.pids)
+    async with Proxy(offload=workers, batch_size=1) as proxy:
+        calls = [asyncio.create_task(proxy.inference(("sleep", 0.2))) for _ in range(2)]
+        await busy_worker_pid(workers)
+        await workers.aclose()
+        assert [item for _, item in await asyncio.gather(*calls)] == [("sleep", 0.2)] * 2
+        with pytest.raises(RuntimeError, match="closed"):
+            await proxy.inference(1)
+    await workers.aclose()  # idempotent
+    assert all(gone(pid) for pid in pids if pid is not None)
+    assert workers.pids == [None, None]
+
+
+def test_workers_left_open_are_stopped_at_interpreter_exit(tmp_path: Path) -> None:
+    script = tmp_path / "left_open.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import asyncio, sys
+            sys.path.insert(0, {str(Path(__file__).parent)!r})
+            import _workers
+            from batchproxy import ProcessWorkers, Proxy
+
+            async def main():
+                workers = ProcessWorkers(_workers.tagging, 2)
+                proxy = Proxy(offload=workers)
+                await proxy.inference(1)
+                print(*workers.pids)
+
+            if __name__ == "__main__":
+                asyncio.run(main())  # neither is closed
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=True
+    )
+    pids = [int(pid) for pid in done.stdout.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 5
+    while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(gone(pid) for pid in pids)
+
+
+# -- payloads ----------------------------------------------------------------------------
+
+
+def test_arrays_cross_out_of_band_and_arrive_writable() -> None:
+    array = np.arange(1_000_000, dtype=np.float32)
+    frames = _ipc.encode([array, {"a": array[::2]}])
+    assert len(frames) == 3  # header, pickle, one buffer: the contiguous array
+    assert len(frames[1]) < array.nbytes // 2 + 1_000  # only the strided half is in band
+    assert frames[2].nbytes == array.nbytes
+    back = _ipc.decode([frames[0], bytes(frames[1]), bytearray(frames[2])])
+    np.testing.assert_array_equal(back[0], array)
+    assert back[0].flags.writeable
+
+
+def test_cpu_tensors_cross_out_of_band() -> None:
+    torch = pytest.importorskip("torch")
+    tensor = torch.arange(100_000, dtype=torch.float32)
+    frames = _ipc.encode([tensor])
+    assert len(frames) == 3
+    assert len(frames[1]) < 1_000
+    back = _ipc.decode([frames[0], bytes(frames[1]), bytearray(frames[2])])
+    assert isinstance(back[0], torch.Tensor)
+    assert torch.equal(back[0], tensor)
+    bf16 = torch.ones(4, dtype=torch.bfloat16)  # no NumPy dtype: pickled as torch does
+    assert torch.equal(_ipc.decode(_ipc.encode(bf16)), bf16)
+
+
+async def test_arrays_round_trip_through_a_worker() -> None:
+    async with ProcessWorkers(_workers.doubling, 1) as workers, Proxy(offload=workers) as proxy:
+        arrays = [np.full((256, 256), i, dtype=np.float64) for i in range(8)]
+        results = await asyncio.gather(*(proxy.inference(a) for a in arrays))
+    for i, (doubled, writable) in enumerate(results):
+        np.testing.assert_array_equal(doubled, np.full((256, 256), 2 * i))
+        assert writable
+        assert doubled.flags.writeable
+
+
+# -- arguments ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "match"),
+    [
+        (("model",), {}, TypeError, "factory must be callable"),
+        ((lambda: None,), {}, TypeError, "factory must be picklable"),
+        ((_workers.tagging, 0), {}, ValueError, "n must be >= 1"),
+        ((_workers.tagging, 1.5), {}, TypeError, "n must be an int"),
+        ((_workers.tagging,), {"retry_on_crash": "yes"}, TypeError, "retry_on_crash"),
+        ((_workers.tagging,), {"stop_timeout": -1}, ValueError, "stop_timeout"),
+    ],
+)
+def test_bad_arguments_are_refused(args, kwargs, error, match) -> None:
+    with pytest.raises(error, match=match):
+        ProcessWorkers(*args, **kwargs)
+
+
+def test_a_proxy_with_its_own_inference_cannot_use_a_hosted_model(tagging) -> None:
+    class Own(Proxy[int, int]):
+        def _inference(self, items: list[int]) -> list[int]:
+            return items
+
+    with pytest.raises(TypeError, match="implements _inference, but offload="):
+        Own(offload=tagging)
+
+
+def test_repr_and_public_export() -> None:
+    workers = ProcessWorkers(_workers.tagging, 3, name="gil-bound")
+    assert repr(workers) == "<ProcessWorkers 'gil-bound' n=3 idle>"
+    assert batchproxy.ProcessWorkers is ProcessWorkers
+    workers.close()
+    assert "closed" in repr(workers)
