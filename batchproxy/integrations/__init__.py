@@ -4,4 +4,6 @@ Nothing here is imported by ``import batchproxy``; import the module you need:
 
 - `batchproxy.integrations.prometheus`: Prometheus metrics for proxies
   (``pip install batchproxy[prometheus]``).
+- `batchproxy.integrations.ray`: `RayActors`, an executor that runs batches on
+  Ray actors, on one machine or a cluster (``pip install batchproxy[ray]``).
 """
