@@ -6,6 +6,11 @@ and `async def` models (awaited on that loop, so they overlap where they await)
 alike. Several proxies may share one `WorkerThread` to put several models on one
 device, where plain `def` models then never run at the same time.
 
+With `model=factory` it hosts a model of its own instead: `factory()` runs on
+the thread before the first batch (again on the next batch if it raised), and
+every batch calls what it returned; a proxy then needs no `_inference`
+(`Proxy(offload=WorkerThread(model=load))`), like on `ProcessWorkers`.
+
 Nothing is lost at shutdown: a batch submitted to a closing thread, or still
 running when it stops, fails with a `RuntimeError` in its caller instead of
 hanging. The thread is a daemon and is started lazily on first use. A model
@@ -25,7 +30,7 @@ from typing import Any
 
 from typing_extensions import Self
 
-from ._executor import Executor, ModelFn
+from ._executor import Executor, ModelFactory, ModelFn
 
 __all__ = ["WorkerThread"]
 
@@ -80,10 +85,17 @@ class WorkerThread(Executor):
     its own `aclose()`.
     """
 
-    def __init__(self, name: str = "batchproxy-worker") -> None:
+    def __init__(
+        self, name: str = "batchproxy-worker", *, model: ModelFactory | None = None
+    ) -> None:
         if not isinstance(name, str):
             raise TypeError(f"WorkerThread name must be a str, got {name!r}")
+        if model is not None and not callable(model):
+            raise TypeError(f"model must be a callable that builds the model, got {model!r}")
         self.name = name
+        self.hosts_model = model is not None
+        self._factory = model
+        self._hosted: ModelFn | None = None  # built by the factory, on the thread
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -207,7 +219,12 @@ class WorkerThread(Executor):
         if job.future.cancelled():  # its batch was abandoned before it started
             return
         try:
-            outcome = job.context.run(job.fn, job.items)
+            fn = job.fn
+            if self._factory is not None:
+                if self._hosted is None:
+                    self._hosted = job.context.run(self._factory)
+                fn = self._hosted
+            outcome = job.context.run(fn, job.items)
             if inspect.isawaitable(outcome):
                 assert self._loop is not None  # the task copies the job's context:
                 task = job.context.run(self._loop.create_task, self._finish(job, outcome))

@@ -258,3 +258,109 @@ async def test_worker_thread_survives_a_model_error(no_leftovers: None) -> None:
 def test_bad_offload_value_is_refused() -> None:
     with pytest.raises(TypeError, match="offload"):
         Recorder(offload="gpu")
+
+
+# -- a model hosted by the executor; capacity ------------------------------------------
+
+
+class Counting:
+    """A model factory that counts its calls and where they ran; fails the first
+    `failures` times."""
+
+    def __init__(self, failures: int = 0) -> None:
+        self.built_on: list[str] = []
+        self.failures = failures
+
+    def __call__(self) -> Any:
+        self.built_on.append(threading.current_thread().name)
+        if len(self.built_on) <= self.failures:
+            raise OSError("weights not there yet")
+        return lambda items: [(threading.current_thread().name, item) for item in items]
+
+
+async def test_worker_thread_hosts_a_model_built_once_on_its_thread(no_leftovers: None) -> None:
+    factory = Counting()
+    async with (
+        WorkerThread("host", model=factory) as worker,
+        batchproxy.Proxy[int, Any](offload=worker, batch_size=4) as proxy,
+    ):
+        results = await asyncio.gather(*(proxy.inference(i) for i in range(10)))
+    assert results == [("host", i) for i in range(10)]
+    assert factory.built_on == ["host"]
+
+
+async def test_a_failing_hosted_factory_fails_the_batch_and_is_retried(no_leftovers: None) -> None:
+    factory = Counting(failures=1)
+    async with (
+        WorkerThread("host", model=factory) as worker,
+        batchproxy.Proxy[int, Any](offload=worker) as proxy,
+    ):
+        with pytest.raises(OSError, match="weights not there yet"):
+            await proxy.inference(1)
+        assert await proxy.inference(2) == ("host", 2)
+    assert factory.built_on == ["host", "host"]
+
+
+def test_hosted_model_and_own_inference_do_not_mix() -> None:
+    with pytest.raises(TypeError, match="implements _inference, but offload="):
+        ThreadRecorder(offload=WorkerThread(model=Counting()))
+    with pytest.raises(TypeError, match="model must be a callable"):
+        WorkerThread(model="weights.bin")  # type: ignore[arg-type]
+
+
+class Resizable(batchproxy.Executor):
+    """An executor whose capacity the test sets; runs batches on the loop."""
+
+    def __init__(self, capacity: int) -> None:
+        self.slots = capacity
+
+    @property
+    def capacity(self) -> int:
+        return self.slots
+
+    def resize(self, capacity: int) -> None:
+        self.slots = capacity
+        self._capacity_changed()
+
+    async def run(self, fn: Any, items: list[Any]) -> Any:
+        return await fn(items)
+
+
+async def peak_in_flight(proxy: Recorder, calls: int) -> int:
+    tasks = [asyncio.create_task(proxy.inference(i)) for i in range(calls)]
+    peak = 0
+    while not all(task.done() for task in tasks):
+        peak = max(peak, proxy.stats.in_flight)
+        await asyncio.sleep(0.005)
+    await asyncio.gather(*tasks)
+    return peak
+
+
+async def test_concurrency_follows_the_executor_capacity_unless_set() -> None:
+    executor = Resizable(3)
+    async with Recorder(offload=executor, batch_size=1, delay=0.05) as proxy:
+        assert await peak_in_flight(proxy, 6) == 3
+        executor.resize(1)
+        assert await peak_in_flight(proxy, 4) == 1
+        proxy.configure(max_concurrent_batches=2)  # pinned: no longer follows
+        executor.resize(4)
+        assert await peak_in_flight(proxy, 6) == 2
+        proxy.configure(max_concurrent_batches=None)  # follows again
+        assert await peak_in_flight(proxy, 8) == 4
+    async with Recorder(offload=executor, batch_size=1, delay=0.05, max_concurrent_batches=1) as p:
+        assert await peak_in_flight(p, 4) == 1
+
+
+async def test_resize_from_another_thread_reaches_the_proxy() -> None:
+    executor = Resizable(1)
+    async with Recorder(offload=executor, batch_size=1, delay=0.05) as proxy:
+        await asyncio.to_thread(executor.resize, 2)
+        await asyncio.sleep(0)  # the change arrives through call_soon_threadsafe
+        assert await peak_in_flight(proxy, 4) == 2
+
+
+def test_a_dropped_proxy_stops_following_its_executor() -> None:
+    executor = Resizable(2)
+    proxy = Recorder(offload=executor)
+    del proxy
+    executor.resize(3)  # the watcher holds the proxy weakly: nothing to call, no error
