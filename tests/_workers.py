@@ -57,18 +57,3 @@ def unpicklable_results() -> Callable[[list[Any]], list[Any]]:
         return [lambda item=item: item for item in items]
 
     return model
-
-
-def gil_bound(work: int = 20_000) -> Callable[[list[Any]], list[Any]]:
-    """Pure-Python work per item, holding the GIL: what threads cannot parallelise."""
-
-    def model(items: list[Any]) -> list[Any]:
-        results = []
-        for item in items:
-            total = 0
-            for i in range(work):
-                total += (i * item) % 7
-            results.append(total)
-        return results
-
-    return model
