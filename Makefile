@@ -6,7 +6,7 @@ BIN     = $(VENV)/bin
 # takes the CPU build on this machine and never resolves a newer torch with CUDA packages
 TORCH   = torch==2.13.0
 
-.PHONY: demo test lint typecheck unit bench bench-tensors bench-suite bench-scheduling clean
+.PHONY: demo test lint typecheck unit bench bench-tensors bench-suite bench-scheduling bench-scaleout clean
 
 # the real model over HTTP, regular vs batched: the table, benchmarks/results/demo.{json,png}
 demo: $(VENV)/.installed-demo
@@ -37,6 +37,10 @@ bench-suite: $(VENV)/.installed-dev
 # scheduling policies on a virtual clock, and the scheduler's cost on a real one
 bench-scheduling: $(VENV)/.installed-dev
 	$(BIN)/python benchmarks/scheduling.py
+
+# a GIL-bound model on one thread, two worker processes and two Ray actors; dispatch cost
+bench-scaleout: $(VENV)/.installed-dev
+	$(BIN)/python benchmarks/scaleout.py
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
