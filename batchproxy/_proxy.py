@@ -408,7 +408,7 @@ class Proxy(ABC, Generic[In, Out]):
         self._cap.set_limit(size)
         self._apply_limits()
 
-    def _capacity_changed(self, capacity: int) -> None:
+    def _on_capacity(self, capacity: int) -> None:
         """The executor was resized (maybe from another thread): follow it, if we do."""
         if self._follow_capacity and not self._closed:
             self._max_concurrent = capacity
@@ -859,7 +859,7 @@ def _capacity_watcher(proxy: Proxy[Any, Any]) -> Callable[[int], None]:
     def changed(capacity: int) -> None:
         target = ref()
         if target is not None:
-            target._capacity_changed(capacity)
+            target._on_capacity(capacity)
 
     return changed
 
