@@ -214,6 +214,7 @@ def test_workers_left_open_are_stopped_at_interpreter_exit(tmp_path: Path) -> No
 
             async def main():
                 workers = ProcessWorkers(_workers.tagging, 2)
+                await workers.start()  # every worker up, so each has a pid
                 proxy = Proxy(offload=workers)
                 await proxy.inference(1)
                 print(*workers.pids)
