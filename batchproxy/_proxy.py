@@ -128,9 +128,11 @@ class Proxy(ABC, Generic[In, Out]):
         self._max_delay = _validate.duration("max_delay_ms", max_delay_ms, allow_zero=True) / 1e3
         self._max_queue_size = _validate.optional_count("max_queue_size", max_queue_size)
         self._timeout = _validate.timeout("timeout", timeout)
-        self._follow_capacity = max_concurrent_batches is None  # the executor's, as it changes
-        if max_concurrent_batches is not None:
-            self._max_concurrent = _validate.count("max_concurrent_batches", max_concurrent_batches)
+        concurrent = (
+            None
+            if max_concurrent_batches is None  # the executor's capacity, as it changes
+            else _validate.count("max_concurrent_batches", max_concurrent_batches)
+        )
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a str or None, got {type(name).__name__} {name!r}")
         if name == "":
@@ -164,10 +166,10 @@ class Proxy(ABC, Generic[In, Out]):
         self._cap = BatchCap(self._batch_size)
         self._cost_model = CostModel("item" if length is None else "token")
 
-        self._executor, self._owns_executor = self._choose_executor(offload)
         self._model = self._model_function()
-        if self._follow_capacity:
-            self._max_concurrent = self._executor.capacity
+        self._executor, self._owns_executor = self._choose_executor(offload)
+        self._follow_capacity = concurrent is None
+        self._max_concurrent = self._executor.capacity if concurrent is None else concurrent
         self._capacity_watcher = _capacity_watcher(self)  # weak: the executor may outlive us
         self._executor.watch_capacity(self._capacity_watcher)
         if isinstance(self._executor, WorkerThread) and self._owns_executor:
@@ -225,7 +227,7 @@ class Proxy(ABC, Generic[In, Out]):
             )
         if not own_model:
             raise TypeError(_no_model(type(self).__name__))
-        if offload or not inspect.iscoroutinefunction(self._model_function()):
+        if offload or not inspect.iscoroutinefunction(self._model):
             return WorkerThread(name=f"batchproxy-{self.name}"), True
         return LoopExecutor(), False
 
@@ -389,9 +391,8 @@ class Proxy(ABC, Generic[In, Out]):
             if max_delay_ms is ...
             else _validate.duration("max_delay_ms", max_delay_ms, allow_zero=True) / 1e3
         )
-        follow = self._follow_capacity if max_concurrent_batches is ... else None
         if max_concurrent_batches is ...:
-            slots = self._max_concurrent
+            follow, slots = self._follow_capacity, self._max_concurrent
         elif max_concurrent_batches is None:
             follow, slots = True, self._executor.capacity
         else:
@@ -403,7 +404,7 @@ class Proxy(ABC, Generic[In, Out]):
             else _validate.optional_count("max_queue_size", max_queue_size)
         )
         self._batch_size, self._max_delay, self._max_concurrent = size, delay, slots
-        self._follow_capacity = bool(follow)
+        self._follow_capacity = follow
         self._max_queue_size = room
         self._cap.set_limit(size)
         self._apply_limits()
