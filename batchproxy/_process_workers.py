@@ -48,7 +48,7 @@ from . import _ipc, _validate
 from ._errors import WorkerDied
 from ._executor import Executor, ModelFactory, ModelFn
 from ._worker_process import serve
-from ._worker_thread import _Raised, _resolve
+from ._worker_thread import _answer, _Raised
 
 __all__ = ["ProcessWorkers"]
 
@@ -75,8 +75,7 @@ class _Job:
 
     def reply(self, outcome: Any) -> None:
         """Hand the outcome to the caller's loop (from a worker's thread)."""
-        with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
-            self.loop.call_soon_threadsafe(_resolve, self.future, outcome)
+        _answer(self.loop, self.future, outcome)
 
     def fail(self, error: BaseException) -> None:
         self.reply(_Raised(error))

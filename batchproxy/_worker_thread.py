@@ -67,8 +67,14 @@ class _Job:
 
     def reply(self, outcome: Any) -> None:
         """Hand the outcome to the caller's loop (from the worker thread)."""
-        with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
-            self.loop.call_soon_threadsafe(_resolve, self.future, outcome)
+        _answer(self.loop, self.future, outcome)
+
+
+def _answer(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], outcome: Any) -> None:
+    """Resolve `future` with `outcome` on `loop`, from another thread; nothing if that
+    loop is closed (nobody waits any more)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(_resolve, future, outcome)
 
 
 def _resolve(future: asyncio.Future[Any], outcome: Any) -> None:
@@ -147,8 +153,7 @@ class WorkerThread(Executor):
         exited: asyncio.Future[None] = loop.create_future()
 
         def notify() -> None:
-            with contextlib.suppress(RuntimeError):  # our loop closed meanwhile
-                loop.call_soon_threadsafe(_resolve, exited, None)
+            _answer(loop, exited, None)
 
         with self._lock:
             if self._exited:
