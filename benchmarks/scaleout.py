@@ -56,7 +56,7 @@ import multiprocessing
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from types import ModuleType
@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 import _gil_model
 import numpy as np
 from _report import environment, headline, quick_run_arguments, write_json
+from overhead import identity
 from typing_extensions import override
 
 from batchproxy import (
@@ -76,6 +77,7 @@ from batchproxy import (
     WorkerThread,
     simulation,
 )
+from batchproxy._executor import LoopExecutor, ModelFn
 
 if TYPE_CHECKING:
     from batchproxy.integrations.ray import RayActors
@@ -89,8 +91,6 @@ DISPATCH_ITEMS = list(range(BATCH_SIZE))
 PAYLOAD_ARRAYS = 16
 PAYLOAD_FLOATS = 250_000  # float32: 1 MB per array
 PAYLOAD_MB = PAYLOAD_ARRAYS * PAYLOAD_FLOATS * 4 / 1e6  # each way
-
-ModelFn = Callable[[list[Any]], Any]
 
 
 @dataclass(frozen=True)
@@ -372,18 +372,6 @@ async def measure_throughput(config: Config, ray: ModuleType | None) -> list[Thr
 # -- 2. dispatch cost per batch -------------------------------------------------------------
 
 
-class DirectAwait(Executor):
-    """What `LoopExecutor` does: await the model right on the event loop."""
-
-    @override
-    async def run(self, fn: ModelFn, items: list[Any]) -> Any:
-        return await fn(items)
-
-
-async def async_echo(items: list[Any]) -> list[Any]:
-    return items
-
-
 @dataclass(frozen=True)
 class DispatchResult:
     executor: str
@@ -473,7 +461,7 @@ async def measure_overheads(
             ProcessWorkers(_gil_model.identity, WORKERS, name="scaleout-identity")
         )
         sides: dict[str, tuple[Executor, ModelFn]] = {
-            "direct await (baseline)": (DirectAwait(), async_echo),
+            "direct await (baseline)": (LoopExecutor(), identity),
             "WorkerThread": (thread, _gil_model.echo),
             f"ProcessWorkers({WORKERS})": (processes, _gil_model.echo),
         }
