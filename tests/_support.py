@@ -99,6 +99,19 @@ def assert_settled(stats: batchproxy.ProxyStats) -> None:
     assert stats.in_flight == 0, stats
 
 
+async def peak_in_flight(
+    proxy: batchproxy.Proxy[Any, Any], items: Sequence[Any]
+) -> tuple[int, list[Any]]:
+    """Call `proxy.inference` on every item at once; return the most batches seen in
+    flight meanwhile (polled every 5 ms of real time) and the results."""
+    calls = [asyncio.ensure_future(proxy.inference(item)) for item in items]
+    peak = 0
+    while not all(call.done() for call in calls):
+        peak = max(peak, proxy.stats.in_flight)
+        await asyncio.sleep(0.005)
+    return peak, list(await asyncio.gather(*calls))
+
+
 async def wait_until(condition: Callable[[], bool], *, seconds: float = 10.0) -> None:
     """Poll `condition` without blocking the loop (for events set by worker threads).
 

@@ -9,7 +9,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from _support import Recorder, ThreadRecorder, tag_with_thread, thread_alive, wait_until
+from _support import (
+    Recorder,
+    ThreadRecorder,
+    peak_in_flight,
+    tag_with_thread,
+    thread_alive,
+    wait_until,
+)
 from typing_extensions import override
 
 import batchproxy
@@ -326,29 +333,24 @@ class Resizable(batchproxy.Executor):
         return await fn(items)
 
 
-async def peak_in_flight(proxy: Recorder, calls: int) -> int:
-    tasks = [asyncio.create_task(proxy.inference(i)) for i in range(calls)]
-    peak = 0
-    while not all(task.done() for task in tasks):
-        peak = max(peak, proxy.stats.in_flight)
-        await asyncio.sleep(0.005)
-    await asyncio.gather(*tasks)
-    return peak
+async def peak(proxy: Recorder, calls: int) -> int:
+    most, _ = await peak_in_flight(proxy, range(calls))
+    return most
 
 
 async def test_concurrency_follows_the_executor_capacity_unless_set() -> None:
     executor = Resizable(3)
     async with Recorder(offload=executor, batch_size=1, delay=0.05) as proxy:
-        assert await peak_in_flight(proxy, 6) == 3
+        assert await peak(proxy, 6) == 3
         executor.resize(1)
-        assert await peak_in_flight(proxy, 4) == 1
+        assert await peak(proxy, 4) == 1
         proxy.configure(max_concurrent_batches=2)  # pinned: no longer follows
         executor.resize(4)
-        assert await peak_in_flight(proxy, 6) == 2
+        assert await peak(proxy, 6) == 2
         proxy.configure(max_concurrent_batches=None)  # follows again
-        assert await peak_in_flight(proxy, 8) == 4
+        assert await peak(proxy, 8) == 4
     async with Recorder(offload=executor, batch_size=1, delay=0.05, max_concurrent_batches=1) as p:
-        assert await peak_in_flight(p, 4) == 1
+        assert await peak(p, 4) == 1
 
 
 async def test_resize_from_another_thread_reaches_the_proxy() -> None:
@@ -356,7 +358,7 @@ async def test_resize_from_another_thread_reaches_the_proxy() -> None:
     async with Recorder(offload=executor, batch_size=1, delay=0.05) as proxy:
         await asyncio.to_thread(executor.resize, 2)
         await asyncio.sleep(0)  # the change arrives through call_soon_threadsafe
-        assert await peak_in_flight(proxy, 4) == 2
+        assert await peak(proxy, 4) == 2
 
 
 def test_a_dropped_proxy_stops_following_its_executor() -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import _workers
 import numpy as np
 import pytest
+from _support import peak_in_flight
 
 import batchproxy
 from batchproxy import ProcessWorkers, Proxy, WorkerDied, _ipc
@@ -56,13 +57,9 @@ async def test_every_caller_gets_its_own_result_from_both_workers(tagging) -> No
 async def test_the_proxy_keeps_as_many_batches_in_flight_as_there_are_workers(tagging) -> None:
     async with Proxy(offload=tagging, batch_size=1) as proxy:
         assert tagging.capacity == 2
-        calls = [asyncio.create_task(proxy.inference(("sleep", 0.3))) for _ in range(4)]
-        peak = 0
-        while not all(call.done() for call in calls):
-            peak = max(peak, proxy.stats.in_flight)
-            await asyncio.sleep(0.01)
+        peak, results = await peak_in_flight(proxy, [("sleep", 0.3)] * 4)
         assert peak == 2
-        assert len({pid for pid, _ in await asyncio.gather(*calls)}) == 2
+        assert len({pid for pid, _ in results}) == 2
 
 
 async def test_model_errors_reach_exactly_their_callers(tagging) -> None:

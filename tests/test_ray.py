@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _support import assert_settled, wait_until
+from _support import assert_settled, peak_in_flight, wait_until
 
 import batchproxy
 from batchproxy import Proxy, WorkerDied
@@ -260,19 +260,7 @@ async def test_retry_on_crash_reruns_the_batch_on_another_actor(tmp_path: Path) 
 async def test_scale_changes_capacity_and_the_proxy_follows() -> None:
     async def run(proxy: Proxy[int, tuple[int, int]], calls: int) -> tuple[int, set[int]]:
         """Make `calls` concurrent calls; return the most batches seen in flight, and pids."""
-        most = 0
-
-        async def watch() -> None:
-            nonlocal most
-            while True:
-                most = max(most, proxy.stats.in_flight)
-                await asyncio.sleep(0.005)
-
-        watcher = asyncio.ensure_future(watch())
-        try:
-            results = await asyncio.gather(*(proxy.inference(i) for i in range(calls)))
-        finally:
-            watcher.cancel()
+        most, results = await peak_in_flight(proxy, range(calls))
         assert [doubled for _, doubled in results] == [2 * i for i in range(calls)]
         return most, {pid for pid, _ in results}
 
