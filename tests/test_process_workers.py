@@ -15,7 +15,7 @@ from pathlib import Path
 import _workers
 import numpy as np
 import pytest
-from _support import peak_in_flight
+from _support import peak_in_flight, wait_until
 
 import batchproxy
 from batchproxy import ProcessWorkers, Proxy, WorkerDied, _ipc
@@ -118,10 +118,7 @@ async def test_a_killed_worker_fails_exactly_its_batch_and_is_replaced() -> None
                 await call
         assert [item for _, item in await asyncio.gather(*others)] == list(range(20))
         assert gone(pid)
-        for _ in range(1000):  # the replacement starts
-            if None not in workers.pids:
-                break
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: None not in workers.pids)  # the replacement starts
         assert pid not in workers.pids
         assert None not in workers.pids
         async with Proxy(offload=workers, batch_size=1) as one_by_one:
