@@ -38,46 +38,52 @@ class CostEstimate:
 
 
 class CostModel:
-    """Feeds on `(units, seconds)` per batch; `estimate()` is the current line or None."""
+    """Feeds on `(units, seconds)` per batch. `line` is the current fit as
+    `(fixed, per_unit)`, or None before the first batch after warm-up; `estimate()`
+    is the same as a `CostEstimate`."""
 
     def __init__(self, unit: str = "item") -> None:
         self.unit = unit
+        self.line: tuple[float, float] | None = None  # the fit as of the last batch
         self._seen = 0
         self._w = self._wx = self._wy = self._wxx = self._wxy = 0.0
         self._residual = 0.0  # exponentially weighted mean absolute residual
-        self._estimate: CostEstimate | None = None  # the fit as of the last batch
+
+    def predict(self, units: float) -> float | None:
+        """Seconds for a batch of `units`, by the current line (None: no line yet)."""
+        line = self.line
+        return None if line is None else line[0] + line[1] * units
 
     def add(self, units: float, seconds: float) -> None:
         self._seen += 1
         if self._seen <= WARMUP:
             return
-        estimate = self._estimate
-        if estimate is not None and self._residual > 0:
-            predicted = estimate.predict(units)
+        predicted = self.predict(units)
+        if predicted is not None and self._residual > 0:
             bound = CLIP * self._residual
             seconds = min(max(seconds, predicted - bound), predicted + bound)
             self._residual = DECAY * self._residual + (1 - DECAY) * abs(seconds - predicted)
-        elif estimate is not None:
-            self._residual = abs(seconds - estimate.predict(units)) or 1e-9
+        elif predicted is not None:
+            self._residual = abs(seconds - predicted) or 1e-9
         self._w = DECAY * self._w + 1
         self._wx = DECAY * self._wx + units
         self._wy = DECAY * self._wy + seconds
         self._wxx = DECAY * self._wxx + units * units
         self._wxy = DECAY * self._wxy + units * seconds
-        self._estimate = self._fit()
+        self.line = self._fit()
 
     def estimate(self) -> CostEstimate | None:
-        """The current line (refitted once per batch, so cheap to ask per request)."""
-        return self._estimate
-
-    def _fit(self) -> CostEstimate | None:
-        if self._w == 0:
+        """The current line as a `CostEstimate` (for stats), or None."""
+        line = self.line
+        if line is None:
             return None
+        return CostEstimate(line[0], line[1], self.unit, self._seen - WARMUP)
+
+    def _fit(self) -> tuple[float, float]:
         mean_x, mean_y = self._wx / self._w, self._wy / self._w
         variance = self._wxx / self._w - mean_x * mean_x
         if variance <= 1e-12 * max(1.0, mean_x * mean_x):
             per_unit = 0.0  # one batch size so far: the slope is unknown
         else:
             per_unit = max(0.0, (self._wxy / self._w - mean_x * mean_y) / variance)
-        fixed = max(0.0, mean_y - per_unit * mean_x)
-        return CostEstimate(fixed, per_unit, self.unit, self._seen - WARMUP)
+        return max(0.0, mean_y - per_unit * mean_x), per_unit

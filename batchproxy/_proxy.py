@@ -138,6 +138,7 @@ class Proxy(ABC, Generic[In, Out]):
         if name == "":
             raise ValueError(f"name must be a non-empty str or None, got {name!r}")
         self.name: str = name or type(self).__name__
+        self._batch_task_name = f"batchproxy-{self.name}-batch"
         self._max_batch_tokens = _validate.optional_count("max_batch_tokens", max_batch_tokens)
         self._default_length = length is None and self._max_batch_tokens is not None
         if self._default_length:
@@ -353,7 +354,7 @@ class Proxy(ABC, Generic[In, Out]):
             group_by_cost=self._group_by_length,
             max_batch_tokens=self._max_batch_tokens,
             adaptive=self._adaptive,
-            estimate=self._cost_model.estimate,
+            cost_model=self._cost_model,
             aging=self._aging,
         )
         return True
@@ -670,7 +671,9 @@ class Proxy(ABC, Generic[In, Out]):
         assert self._loop is not None
         # a batch serves many callers: it starts from an empty contextvars context
         # rather than from whichever caller's context triggered the dispatch
-        task = contextvars.Context().run(self._loop.create_task, self._run_batch(requests))
+        task = contextvars.Context().run(
+            self._loop.create_task, self._run_batch(requests), name=self._batch_task_name
+        )  # named: a default name costs a counter and a format per batch
         self._batch_tasks.add(task)
         task.add_done_callback(self._batch_tasks.discard)
 
@@ -685,17 +688,7 @@ class Proxy(ABC, Generic[In, Out]):
         _current_batch.set(asyncio.current_task())  # seen by the model, on any executor
         size = len(requests)
         started = loop.time()
-        stats.batches += 1
-        stats.items += size
-        stats.batch_sizes[size] = stats.batch_sizes.get(size, 0) + 1
-        waits = [started - request.enqueued_at for request in requests]
-        stats.queue_wait.extend(waits)
-        # what the model computes: items, or padded tokens (batch x longest) with a length
-        units = size if self._length is None else size * max(r.cost for r in requests)
-        if self._length is not None:
-            stats.record_padding(real=sum(r.cost for r in requests), padded=units)
-        if stats.listeners:
-            stats.notify("batch_started", size, waits)
+        units = self._record_start(requests, started)
         error: BaseException | None = None
         splits = stats.oom_splits
         released = False  # the slot was handed on before the callers were answered
@@ -711,9 +704,10 @@ class Proxy(ABC, Generic[In, Out]):
                     logger.error("%s._inference raised %r", self.name, exc)
             else:
                 released = _clean(results, size) and scheduler.batch_finished_early()
-                error = self._deliver(requests, results, loop.time())
+                finished = loop.time()
+                error = self._deliver(requests, results, finished)
                 if error is None and stats.oom_splits == splits:  # ran through, in one piece
-                    self._cost_model.add(units, loop.time() - started)
+                    self._cost_model.add(units, finished - started)
             if error is not None:
                 stats.failed_batches += 1
                 self._fail(requests, error)
@@ -726,6 +720,22 @@ class Proxy(ABC, Generic[In, Out]):
                 stats.notify("batch_finished", size, seconds, error)
             if not released:
                 scheduler.batch_finished()
+
+    def _record_start(self, requests: list[Request[In]], started: float) -> int:
+        """Count a batch that starts now; return the units the model computes: items,
+        or padded tokens (batch x longest) when items have a length."""
+        stats, size = self._stats, len(requests)
+        stats.batches += 1
+        stats.items += size
+        stats.batch_sizes[size] = stats.batch_sizes.get(size, 0) + 1
+        waits = [started - request.enqueued_at for request in requests]
+        stats.queue_wait.extend(waits)
+        units = size if self._length is None else size * max(r.cost for r in requests)
+        if self._length is not None:
+            stats.record_padding(real=sum(r.cost for r in requests), padded=units)
+        if stats.listeners:
+            stats.notify("batch_started", size, waits)
+        return units
 
     async def _call_model(self, items: list[In]) -> Any:
         """Run the model. If it runs out of memory, lower the cap and run the items in

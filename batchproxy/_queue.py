@@ -95,8 +95,10 @@ class RequestQueue(Generic[T]):
     __slots__ = ("_dead", "_levels", "_order", "_seq", "aging", "live", "live_cost")
 
     def __init__(self, aging: float | None = None) -> None:
-        self._levels: dict[int, _Level[T]] = {}
-        self._order: list[int] = []  # negated priorities, ascending: highest priority first
+        # the default level stays even when empty (it is the common one); others come
+        # and go with their requests, so memory does not grow with priorities ever used
+        self._levels: dict[int, _Level[T]] = {0: _Level()}
+        self._order: list[int] = [0]  # negated priorities, ascending: highest priority first
         self._dead = 0
         self._seq = 0
         self.aging = aging  # seconds of waiting per level of priority gained; None: off
@@ -236,7 +238,7 @@ class RequestQueue(Generic[T]):
     def oldest_enqueued_at(self) -> float | None:
         """Arrival time of the longest-waiting live request, or None when empty."""
         self._clean_heads()
-        heads = (self._levels[-negated].fifo[0].enqueued_at for negated in self._order)
+        heads = (level.fifo[0].enqueued_at for level in self._levels.values() if level.fifo)
         return min(heads, default=None)
 
     def drain(self) -> list[Request[T]]:
@@ -244,8 +246,8 @@ class RequestQueue(Generic[T]):
         batch = [r for level in self._levels.values() for r in level.fifo if r.queued]
         for request in batch:
             request.queued = False
-        self._levels.clear()
-        self._order.clear()
+        self._levels = {0: _Level()}
+        self._order = [0]
         self._dead = 0
         self.live = 0
         self.live_cost = 0
@@ -262,7 +264,10 @@ class RequestQueue(Generic[T]):
         self._clean_heads()
         ranked = []
         for negated in self._order:
-            arrived = self._levels[-negated].fifo[0].enqueued_at
+            fifo = self._levels[-negated].fifo
+            if not fifo:
+                continue
+            arrived = fifo[0].enqueued_at
             ranked.append((arrived + negated * aging, negated, now - arrived >= aging))
         ranked.sort()
         return [(-negated, aged) for _, negated, aged in ranked]
@@ -292,7 +297,7 @@ class RequestQueue(Generic[T]):
 
     def _clean_heads(self) -> None:
         """Drop dead entries from the front of each level, and retire a queued head
-        whose caller already left (its future is done); empty levels go."""
+        whose caller already left (its future is done); empty levels go (but the default one)."""
         for negated in list(self._order):
             level = self._levels[-negated]
             fifo = level.fifo
@@ -314,6 +319,9 @@ class RequestQueue(Generic[T]):
         self.live_cost -= request.cost
 
     def _drop_level(self, negated: int) -> None:
+        """An emptied level goes, except the default one."""
+        if not negated:
+            return
         del self._levels[-negated]
         self._order.remove(negated)
 

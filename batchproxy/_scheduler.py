@@ -79,7 +79,7 @@ import math
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from ._cost_model import CostEstimate
+from ._cost_model import CostModel
 from ._queue import Request, RequestQueue
 
 __all__ = ["Scheduler"]
@@ -106,7 +106,7 @@ class Scheduler(Generic[T]):
         group_by_cost: bool = True,
         max_batch_tokens: int | None = None,
         adaptive: bool = True,
-        estimate: Callable[[], CostEstimate | None] = lambda: None,
+        cost_model: CostModel | None = None,
         aging: float | None = None,
     ) -> None:
         self.loop = loop
@@ -120,7 +120,7 @@ class Scheduler(Generic[T]):
         self._group = group_by_cost
         self._budget = max_batch_tokens
         self._adaptive = adaptive
-        self._estimate = estimate
+        self._cost_model = cost_model or CostModel()
         self._last_dispatch = -math.inf
         self._last_duration = 0.0  # predicted model time of the batch last sent
         self._running_until: list[float] = []  # predicted ends of the batches in flight
@@ -253,7 +253,7 @@ class Scheduler(Generic[T]):
         return queue.live >= self._batch_size or (budget is not None and queue.live_cost >= budget)
 
     def _take(self) -> list[Request[T]]:
-        now = self.loop.time()
+        now = 0.0 if self.queue.aging is None else self.loop.time()  # only aging needs it
         if not self._by_cost:
             return self.queue.pop_batch(self._batch_size, now)
         return self.queue.pop_similar(
@@ -271,29 +271,30 @@ class Scheduler(Generic[T]):
 
     def _note_dispatch(self, batch: list[Request[T]]) -> None:
         """Remember when the batch should end, by the cost model (once it has one)."""
-        estimate = self._estimate()
-        if estimate is None:
+        model = self._cost_model
+        if model.line is None:
             return
         units = len(batch) if not self._by_cost else len(batch) * max(r.cost for r in batch)
         now = self.loop.time()
         self._last_dispatch = now
-        self._last_duration = estimate.predict(units)
-        self._running_until.append(now + self._last_duration)
+        self._last_duration = duration = model.predict(units) or 0.0
+        self._running_until.append(now + duration)
 
     def expected_finish(self, priority: int, deadline: float, cost: int) -> float | None:
         """When a new request would be answered at the soonest, by the cost model: the
         batch slot it needs frees, then the model serves everything ahead of it and it
         in full, unpadded batches spread over every slot. None without a cost model."""
-        estimate = self._estimate()
-        if estimate is None:
+        line = self._cost_model.line
+        if line is None:
             return None
+        fixed, per_unit = line
         now = self.loop.time()
         queue = self.queue
         ahead = queue.count_ahead(priority, deadline)
         batches = ahead // self._batch_size + 1
         mean_cost = queue.live_cost / queue.live if queue.live else cost
         units = ahead + 1 if not self._by_cost else ahead * mean_cost + cost
-        work = (batches * estimate.fixed + units * estimate.per_unit) / self._max_concurrent
+        work = (batches * fixed + units * per_unit) / self._max_concurrent
         slot_free = now
         if self.in_flight >= self._max_concurrent and self._running_until:
             slot_free = max(now, min(self._running_until))
