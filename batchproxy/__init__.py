@@ -5,11 +5,13 @@ batches by size and delay, runs the model once per batch, and hands each caller
 exactly its own result.
 """
 
+from ._background_loop import BackgroundLoop
 from ._cost_model import CostEstimate
 from ._decorator import Batched, batch
 from ._errors import (
     BatchProxyError,
     BatchSizeMismatch,
+    BatchTimeout,
     DeadlineExceeded,
     InferenceError,
     ProxyClosed,
@@ -19,19 +21,22 @@ from ._errors import (
 from ._executor import Executor, ModelFactory
 from ._process_workers import ProcessWorkers
 from ._proxy import Proxy
-from ._stats import Listener, Percentiles, ProxyStats
+from ._stats import Health, Listener, Percentiles, ProxyStats
 from ._tensor_proxy import TensorProxy
 from ._worker_thread import WorkerThread
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BackgroundLoop",
     "BatchProxyError",
     "BatchSizeMismatch",
+    "BatchTimeout",
     "Batched",
     "CostEstimate",
     "DeadlineExceeded",
     "Executor",
+    "Health",
     "InferenceError",
     "Listener",
     "ModelFactory",

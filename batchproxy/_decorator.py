@@ -16,7 +16,7 @@ from typing_extensions import Self
 from ._executor import Executor
 from ._oom import OomPredicate
 from ._proxy import Proxy
-from ._stats import ProxyStats
+from ._stats import Health, ProxyStats
 
 __all__ = ["Batched", "batch"]
 
@@ -39,7 +39,7 @@ class _FunctionProxy(Proxy[T, U]):
 
 
 class Batched(Generic[T, U]):
-    """What `@batch` returns: `await f(x)`, `await f.many(xs)`, `f.stats`, `await f.aclose()`."""
+    """What `@batch` returns: `await f(x)`, `await f.many(xs)`, `f.sync(x)`, `f.stats`."""
 
     def __init__(
         self, fn: Callable[..., Any], options: dict[str, Any], instance: object = None
@@ -122,9 +122,18 @@ class Batched(Generic[T, U]):
             items, timeout=timeout, priority=priority, return_exceptions=return_exceptions
         )
 
+    def sync(self, item: T, *, timeout: float | None = None, priority: int = 0) -> U:
+        """`Proxy.inference_sync`: `f.sync(item)` blocks a plain thread for the result."""
+        return self.proxy.inference_sync(item, timeout=timeout, priority=priority)
+
     @property
     def stats(self) -> ProxyStats:
         return self.proxy.stats
+
+    @property
+    def health(self) -> Health:
+        """`Proxy.health`: whether the function answers within `batch_timeout`."""
+        return self.proxy.health
 
     def configure(self, **limits: Any) -> None:
         """`Proxy.configure`: change limits while it runs."""
@@ -168,6 +177,9 @@ def batch(
     window: Literal["adaptive", "fixed"] = "adaptive",
     aging_ms: float | None = None,
     shed_late: bool = False,
+    isolate_errors: bool = False,
+    batch_timeout: float | None = None,
+    on_batch_timeout: Literal["serve", "stop"] = "serve",
 ) -> _Decorator:
     """Decorate `f(items: list[T]) -> list[U]` (function or method) to be awaited per item.
 
@@ -188,6 +200,9 @@ def batch(
         "window": window,
         "aging_ms": aging_ms,
         "shed_late": shed_late,
+        "isolate_errors": isolate_errors,
+        "batch_timeout": batch_timeout,
+        "on_batch_timeout": on_batch_timeout,
     }
     if name is not None:
         options["name"] = name

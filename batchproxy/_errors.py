@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "BatchProxyError",
     "BatchSizeMismatch",
+    "BatchTimeout",
     "DeadlineExceeded",
     "InferenceError",
     "ProxyClosed",
@@ -30,11 +31,16 @@ class QueueFull(BatchProxyError):
 
 
 class ProxyClosed(BatchProxyError):
-    """The proxy is closing or closed and takes no new calls."""
+    """The proxy is closing or closed and takes no new calls.
 
-    def __init__(self, proxy: str) -> None:
-        super().__init__(f"{proxy} is closed and accepts no new calls")
+    `reason` says why when the proxy closed itself (`on_batch_timeout="stop"`).
+    """
+
+    def __init__(self, proxy: str, reason: str | None = None) -> None:
+        detail = "" if reason is None else f" (stopped: {reason})"
+        super().__init__(f"{proxy} is closed and accepts no new calls{detail}")
         self.proxy = proxy
+        self.reason = reason
 
 
 class BatchSizeMismatch(BatchProxyError):
@@ -75,6 +81,23 @@ class DeadlineExceeded(BatchProxyError, TimeoutError):
         self.proxy = proxy
         self.timeout = timeout
         self.predicted = predicted
+
+
+class BatchTimeout(BatchProxyError, TimeoutError):
+    """The caller's batch ran longer than the proxy's `batch_timeout` (the watchdog).
+
+    Every caller still waiting on that batch gets it, and the proxy stops waiting
+    for the model call (`proxy.health` says why it is unhealthy). A `TimeoutError`.
+    """
+
+    def __init__(self, proxy: str, timeout: float, items: int) -> None:
+        super().__init__(
+            f"{proxy}: a batch of {items} items ran longer than batch_timeout={timeout:g} s; "
+            f"the model call was abandoned"
+        )
+        self.proxy = proxy
+        self.timeout = timeout
+        self.items = items
 
 
 class InferenceError(BatchProxyError):

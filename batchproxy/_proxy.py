@@ -30,6 +30,7 @@ import contextvars
 import inspect
 import logging
 import threading
+import time
 import weakref
 from abc import ABC
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence, Set
@@ -39,13 +40,22 @@ from typing import Any, Generic, Literal, TypeVar, overload
 from typing_extensions import Self
 
 from . import _validate
+from ._background_loop import BackgroundLoop, _block_on
 from ._cost_model import CostModel
-from ._errors import BatchSizeMismatch, DeadlineExceeded, InferenceError, ProxyClosed, QueueFull
+from ._errors import (
+    BatchProxyError,
+    BatchSizeMismatch,
+    BatchTimeout,
+    DeadlineExceeded,
+    InferenceError,
+    ProxyClosed,
+    QueueFull,
+)
 from ._executor import Executor, LoopExecutor
 from ._oom import BatchCap, OomPredicate, is_out_of_memory
 from ._queue import Request
 from ._scheduler import Scheduler
-from ._stats import Listener, ProxyStats, StatsRecorder
+from ._stats import Health, Listener, ProxyStats, StatsRecorder
 from ._worker_thread import WorkerThread
 
 __all__ = ["Proxy"]
@@ -54,6 +64,9 @@ logger = logging.getLogger("batchproxy")
 
 In = TypeVar("In")
 Out = TypeVar("Out")
+
+
+_HEALTHY = Health(healthy=True, reason=None, since=None)
 
 
 class Proxy(ABC, Generic[In, Out]):
@@ -98,6 +111,17 @@ class Proxy(ABC, Generic[In, Out]):
       `DeadlineExceeded`, when the cost model predicts it cannot be answered in
       time even at full speed (counted in `stats.shed`), instead of letting it
       wait to fail.
+    - `isolate_errors` (opt-in): when `_inference` raises an `Exception`, run each
+      half of the batch again on its own, down to single items, so only the items
+      that make it raise fail (with what the model raised for them) and the others
+      get their results. At most 2n - 2 extra model calls for a batch of n, about
+      2 log2(n) for one bad item; counted in `stats.isolation_splits`.
+    - `batch_timeout` (opt-in, seconds): a watchdog. A batch still running after
+      this long fails its callers with `BatchTimeout`, frees its slot, is cancelled
+      (a model on a thread or in a process cannot be interrupted: it runs on there)
+      and marks the proxy unhealthy (`proxy.health`) until a later batch returns in
+      time. `on_batch_timeout`: `"serve"` (default) keeps taking calls; `"stop"`
+      stops intake, like `aclose()`: queued and new calls get `ProxyClosed`.
     """
 
     _group_by_length = True  # TensorProxy(length_aware=False): costs without grouping
@@ -106,6 +130,7 @@ class Proxy(ABC, Generic[In, Out]):
     # _require_init() and its clear error instead of an AttributeError
     _initialized = False
     _loop: asyncio.AbstractEventLoop | None = None
+    _health = _HEALTHY  # until a batch overruns
 
     def __init__(
         self,
@@ -123,6 +148,9 @@ class Proxy(ABC, Generic[In, Out]):
         window: Literal["adaptive", "fixed"] = "adaptive",
         aging_ms: float | None = None,
         shed_late: bool = False,
+        isolate_errors: bool = False,
+        batch_timeout: float | None = None,
+        on_batch_timeout: Literal["serve", "stop"] = "serve",
     ) -> None:
         self._batch_size = _validate.count("batch_size", batch_size)
         self._max_delay = _validate.duration("max_delay_ms", max_delay_ms, allow_zero=True) / 1e3
@@ -153,17 +181,19 @@ class Proxy(ABC, Generic[In, Out]):
         elif not (oom_backoff is False or callable(oom_backoff)):
             raise TypeError(f"oom_backoff must be a bool or a predicate, got {oom_backoff!r}")
         self._is_oom: OomPredicate | None = oom_backoff or None
-        if window not in ("adaptive", "fixed"):
-            raise ValueError(f'window must be "adaptive" or "fixed", got {window!r}')
-        self._adaptive = window == "adaptive"
+        self._adaptive = _validate.choice("window", window, ("adaptive", "fixed")) == "adaptive"
         self._aging = (
             None
             if aging_ms is None
             else _validate.duration("aging_ms", aging_ms, allow_zero=False) / 1e3
         )
-        if not isinstance(shed_late, bool):
-            raise TypeError(f"shed_late must be a bool, got {type(shed_late).__name__}")
-        self._shed_late = shed_late
+        self._shed_late = _validate.flag("shed_late", shed_late)
+        self._isolate_errors = _validate.flag("isolate_errors", isolate_errors)
+        self._batch_timeout = _validate.timeout("batch_timeout", batch_timeout)
+        self._stop_on_overrun = (
+            _validate.choice("on_batch_timeout", on_batch_timeout, ("serve", "stop")) == "stop"
+        )
+        self._overran_batches: dict[asyncio.Task[Any], BatchTimeout] = {}  # still running
         self._cap = BatchCap(self._batch_size)
         self._cost_model = CostModel("item" if length is None else "token")
 
@@ -184,6 +214,7 @@ class Proxy(ABC, Generic[In, Out]):
         self._batch_tasks: set[asyncio.Task[None]] = set()
         self._closing: asyncio.Task[None] | None = None  # a close begun inside a batch
         self._closed = False
+        self._stopped_by: BatchProxyError | None = None  # closed itself, because of this
         self._initialized = True
 
     def _inference(
@@ -250,7 +281,7 @@ class Proxy(ABC, Generic[In, Out]):
                 f"use proxy.submit(item) to call it from here"
             )
         if self._closed:
-            raise ProxyClosed(self.name)
+            raise self._closed_error()
         if self._owns_executor and isinstance(self._executor, WorkerThread):
             self._executor.start()
 
@@ -278,7 +309,10 @@ class Proxy(ABC, Generic[In, Out]):
                 self._refuse_queued(loop, scheduler)
         self._executor.unwatch_capacity(self._capacity_watcher)
         if self._owns_executor:
-            await self._executor.aclose()
+            if not self._health.healthy and isinstance(self._executor, WorkerThread):
+                self._executor.close(wait=False)  # its thread may be stuck in the model
+            else:
+                await self._executor.aclose()
 
     def _close_after(self, batch: asyncio.Task[Any]) -> None:
         async def close() -> None:
@@ -292,8 +326,9 @@ class Proxy(ABC, Generic[In, Out]):
         scheduler = self._scheduler
         assert scheduler is not None
         scheduler.drain()
-        while self._batch_tasks:
-            await asyncio.wait(list(self._batch_tasks))
+        # a batch the watchdog abandoned may not end (a model ignoring cancellation)
+        while running := [t for t in self._batch_tasks if t not in self._overran_batches]:
+            await asyncio.wait(running)
         scheduler.close()
 
     def _refuse_queued(self, loop: asyncio.AbstractEventLoop, scheduler: Scheduler[In]) -> None:
@@ -302,9 +337,16 @@ class Proxy(ABC, Generic[In, Out]):
         for request in scheduler.queue.drain():
             loop.call_soon_threadsafe(self._refuse, request)
 
+    def _closed_error(self) -> ProxyClosed:
+        """What a call to this closed proxy gets: why it stopped, if it stopped itself."""
+        cause = self._stopped_by
+        error = ProxyClosed(self.name, None if cause is None else str(cause))
+        error.__cause__ = cause
+        return error
+
     def _refuse(self, request: Request[In]) -> None:
         if not request.future.done():
-            request.future.set_exception(ProxyClosed(self.name))
+            request.future.set_exception(self._closed_error())
             self._stats.errors += 1
             self._finished("error", request)
 
@@ -330,7 +372,7 @@ class Proxy(ABC, Generic[In, Out]):
         """Make `loop` this proxy's loop; False if the current one still runs elsewhere."""
         self._require_init()
         if self._closed:
-            raise ProxyClosed(self.name)
+            raise self._closed_error()
         old = self._loop
         if old is not None and not old.is_closed():
             if old.is_running():
@@ -367,6 +409,7 @@ class Proxy(ABC, Generic[In, Out]):
         self._scheduler = None
         self._loop = None
         self._batch_tasks.clear()
+        self._overran_batches.clear()
 
     def configure(
         self,
@@ -492,11 +535,11 @@ class Proxy(ABC, Generic[In, Out]):
                 f"inference_many takes an iterable of items, got {type(items).__name__}; "
                 f"wrap a single item in a list or call inference()"
             )
+        _validate.timeout("timeout", timeout)  # checked even for no items
+        _validate.priority(priority)
         batch = list(items)
         if not batch:
             return []
-        _validate.timeout("timeout", timeout)
-        _validate.priority(priority)
         loop = asyncio.get_running_loop()
         if loop is not self._loop and not self._bind(loop):
             assert self._loop is not None
@@ -505,7 +548,13 @@ class Proxy(ABC, Generic[In, Out]):
             )
             return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call, self._loop))
         self._check_room(len(batch))
-        requests = [self._enqueue(loop, item, timeout, priority) for item in batch]
+        requests: list[Request[In]] = []
+        try:
+            for item in batch:
+                requests.append(self._enqueue(loop, item, timeout, priority))
+        except BaseException:  # an item refused (its length, shed_late) refuses the list:
+            self._withdraw(requests)  # the items queued before it never reach the model
+            raise
         futures = [request.future for request in requests]
         answered = loop.create_future()
         remaining = len(requests)
@@ -547,30 +596,62 @@ class Proxy(ABC, Generic[In, Out]):
     ) -> concurrent.futures.Future[Out]:
         """Thread-safe entry: queue `item` from any thread; returns a concurrent future.
 
-        The proxy must be running in an event loop in another thread (started by
-        a first call there or `await proxy.start()`). Calling this from the
-        proxy's own loop thread is refused: blocking on the future would deadlock.
+        The call goes through the proxy's event loop if that runs in another
+        thread; a proxy running in no event loop is started on the default
+        `BackgroundLoop`. Calling this from the proxy's own loop thread is
+        refused: blocking on the future would deadlock.
         """
+        return self._submit_threadsafe("submit", item, timeout, priority)
+
+    def inference_sync(self, item: In, *, timeout: float | None = None, priority: int = 0) -> Out:
+        """Blocking `inference`, for plain threads (Flask, Django sync views, scripts).
+
+        Goes through the proxy's loop like `submit()`. `timeout` bounds the whole
+        call (`DeadlineExceeded`); a wait interrupted by `KeyboardInterrupt` or
+        the like withdraws the call. Refused on the proxy's own loop thread.
+        """
+        self._require_init()
+        seconds = self._timeout if timeout is None else _validate.timeout("timeout", timeout)
+        future = self._submit_threadsafe("inference_sync", item, timeout, priority)
+        # the proxy's loop enforces the deadline; the extra wait here only guards
+        # against a loop too busy to answer at all
+        if not _block_on(future, None if seconds is None else seconds + 0.5):
+            assert seconds is not None  # only a bounded wait ends without the result
+            raise DeadlineExceeded(self.name, seconds)
+        return future.result()
+
+    def _submit_threadsafe(
+        self, method: str, item: In, timeout: float | None, priority: int
+    ) -> concurrent.futures.Future[Out]:
+        self._require_init()
         loop = self._loop
-        if loop is None or loop.is_closed() or not loop.is_running():
-            raise RuntimeError(
-                f"{self.name}.submit() needs the proxy running in an event loop: "
-                f"start it in that loop first (await proxy.start())"
+        if loop is not None and not loop.is_closed() and loop.is_running():
+            if threading.get_ident() == self._loop_thread:
+                raise self._would_deadlock(method)
+            return asyncio.run_coroutine_threadsafe(
+                self.inference(item, timeout=timeout, priority=priority), loop
             )
-        if threading.get_ident() == self._loop_thread:
-            raise RuntimeError(
-                f"{self.name}.submit() was called on the proxy's own event-loop thread, where "
-                f"waiting for its result would deadlock; use await proxy.inference(item)"
-            )
-        return asyncio.run_coroutine_threadsafe(
-            self.inference(item, timeout=timeout, priority=priority), loop
+        if self._closed:  # refused as ever, without starting a loop to say so
+            refused: concurrent.futures.Future[Out] = concurrent.futures.Future()
+            refused.set_exception(self._closed_error())
+            return refused
+        background = BackgroundLoop.default()
+        if background._on_loop_thread():  # where this proxy would now run
+            raise self._would_deadlock(method)
+        call = self.inference(item, timeout=timeout, priority=priority)
+        return background._submit(call, self)  # closed with the background loop
+
+    def _would_deadlock(self, method: str) -> RuntimeError:
+        return RuntimeError(
+            f"{self.name}.{method}() was called on the proxy's own event-loop thread, where "
+            f"waiting for its result would deadlock; use await proxy.inference(item)"
         )
 
     # -- requests ------------------------------------------------------------------------
 
     def _check_room(self, wanted: int) -> None:
         if self._closed:
-            raise ProxyClosed(self.name)
+            raise self._closed_error()
         limit = self._max_queue_size
         assert self._scheduler is not None
         if limit is not None and self._scheduler.queue.live + wanted > limit:
@@ -685,28 +766,40 @@ class Proxy(ABC, Generic[In, Out]):
             requests = scheduler.take_reserved()
             if not requests:
                 return
-        _current_batch.set(asyncio.current_task())  # seen by the model, on any executor
+        task = asyncio.current_task()
+        assert task is not None
+        _current_batch.set(task)  # seen by the model, on any executor
         size = len(requests)
         started = loop.time()
         units = self._record_start(requests, started)
+        watchdog = (
+            None
+            if self._batch_timeout is None
+            else loop.call_at(started + self._batch_timeout, self._overran, task, requests)
+        )
         error: BaseException | None = None
-        splits = stats.oom_splits
         released = False  # the slot was handed on before the callers were answered
         try:
             try:
-                results = await self._call_model([r.item for r in requests])
+                results, whole = await self._call_model([r.item for r in requests])
             except BaseException as exc:
-                if isinstance(exc, asyncio.CancelledError) and _cancel_requested():
+                overrun = self._overran_batches.get(task)
+                if overrun is not None and isinstance(exc, asyncio.CancelledError):
+                    _uncancel(task)  # our own watchdog cancelled it, not the event loop
+                    error = overrun
+                elif isinstance(exc, asyncio.CancelledError) and _cancel_requested():
                     self._fail(requests, InferenceError(self.name, exc))
                     raise
-                error = exc if isinstance(exc, Exception) else InferenceError(self.name, exc)
-                if error is not exc:
-                    logger.error("%s._inference raised %r", self.name, exc)
+                else:
+                    error = exc if isinstance(exc, Exception) else InferenceError(self.name, exc)
+                    if error is not exc:
+                        logger.error("%s._inference raised %r", self.name, exc)
             else:
-                released = _clean(results, size) and scheduler.batch_finished_early()
+                late = task in self._overran_batches  # returned after the watchdog gave up
+                released = not late and _clean(results, size) and scheduler.batch_finished_early()
                 finished = loop.time()
                 error = self._deliver(requests, results, finished)
-                if error is None and stats.oom_splits == splits:  # ran through, in one piece
+                if error is None and whole and not late:  # one timely call on the whole batch
                     self._cost_model.add(units, finished - started)
             if error is not None:
                 stats.failed_batches += 1
@@ -714,12 +807,57 @@ class Proxy(ABC, Generic[In, Out]):
                 if stats.listeners:
                     stats.notify("error", error, size)
         finally:
-            seconds = loop.time() - started
-            stats.model_time.append(seconds)
-            if stats.listeners:
-                stats.notify("batch_finished", size, seconds, error)
-            if not released:
-                scheduler.batch_finished()
+            if watchdog is not None:
+                watchdog.cancel()
+            self._batch_ended(task, size, loop.time() - started, error, released)
+
+    def _batch_ended(
+        self,
+        task: asyncio.Task[Any],
+        size: int,
+        seconds: float,
+        error: BaseException | None,
+        released: bool,
+    ) -> None:
+        """The model call of a batch is over: record it, mark the proxy healthy again if
+        it answered in time, and free the batch slot (unless already handed on)."""
+        stats = self._stats
+        stats.model_time.append(seconds)
+        if stats.listeners:
+            stats.notify("batch_finished", size, seconds, error)
+        if self._overran_batches.pop(task, None) is not None:
+            return  # the watchdog failed its callers and freed its slot already
+        if not self._health.healthy and not self._overran_batches and not self._closed:
+            self._health = _HEALTHY  # the model answers in time again
+        if not released:
+            assert self._scheduler is not None
+            self._scheduler.batch_finished()
+
+    def _overran(self, task: asyncio.Task[None], requests: list[Request[In]]) -> None:
+        """Watchdog: the batch ran past `batch_timeout`. Fail its callers now, free its
+        slot, abandon the model call (cancel it) and mark the proxy unhealthy."""
+        assert self._batch_timeout is not None
+        assert self._scheduler is not None
+        error = BatchTimeout(self.name, self._batch_timeout, len(requests))
+        self._overran_batches[task] = error
+        self._stats.timed_out_batches += 1
+        self._health = Health(False, str(error), time.time())
+        logger.error("%s", error)
+        self._fail(requests, error)
+        self._scheduler.batch_finished()
+        task.cancel()
+        if self._stop_on_overrun and not self._closed:
+            self._stop_intake(error)
+
+    def _stop_intake(self, cause: BatchProxyError) -> None:
+        """Take no more work after `cause`: new calls and queued requests get `ProxyClosed`."""
+        self._closed = True
+        self._stopped_by = cause
+        scheduler = self._scheduler
+        assert scheduler is not None
+        scheduler.close()
+        for request in scheduler.queue.drain():
+            self._refuse(request)
 
     def _record_start(self, requests: list[Request[In]], started: float) -> int:
         """Count a batch that starts now; return the units the model computes: items,
@@ -737,34 +875,56 @@ class Proxy(ABC, Generic[In, Out]):
             stats.notify("batch_started", size, waits)
         return units
 
-    async def _call_model(self, items: list[In]) -> Any:
-        """Run the model. If it runs out of memory, lower the cap and run the items in
-        chunks of the cap (each lowering it further if need be); an item that does not
-        fit alone gets the error in its own slot, so only its caller fails."""
+    async def _call_model(self, items: list[In], *, top: bool = True) -> tuple[Any, bool]:
+        """Run the model on `items`: (its results, whether one call on all of them made
+        them, as opposed to calls on pieces).
+
+        Out of memory (with `oom_backoff`): lower the cap and run the items in chunks
+        of the cap, each lowering it further if need be. Raised (with
+        `isolate_errors`): run each half on its own, down to single items, so that
+        only the items that make the model raise fail. Either way an item that fails
+        alone gets the error in its own slot, so only its caller fails.
+        """
         try:
             results = await self._executor.run(self._model, items)
         except Exception as exc:
-            if self._is_oom is None or not self._is_oom(exc):
+            oom = self._is_oom is not None and self._is_oom(exc)
+            if not (oom or self._isolate_errors):
                 raise
             if len(items) == 1:
-                return [exc]
-            self._cap.out_of_memory(len(items))
-            self._stats.oom_splits += 1
-            self._apply_cap()
-            logger.warning(
-                "%s: out of memory on a batch of %d (%r); retrying in chunks of %d",
-                self.name, len(items), exc, self._cap.cap,
-            )  # fmt: skip
-            chunked: list[Any] = []
+                return [exc], False
+            half = (len(items) + 1) // 2
+            if oom:
+                self._back_off(len(items), exc)
+            else:
+                self._stats.isolation_splits += 1
+                if top:
+                    logger.warning(
+                        "%s: a batch of %d raised %r; re-running it in halves to find the "
+                        "items that fail", self.name, len(items), exc,
+                    )  # fmt: skip
+            pieces: list[Any] = []
             start = 0
-            while start < len(items):  # by index: a chunk answered with a wrong count
-                chunk = items[start : start + self._cap.cap]  # shows up as a mismatch
-                chunked.extend(await self._call_model(chunk))
+            while start < len(items):  # by index: a piece answered with a wrong count
+                piece = self._cap.cap if oom else half  # the cap may drop meanwhile
+                chunk = items[start : start + piece]  # shows up as a mismatch
+                results, _ = await self._call_model(chunk, top=False)
+                pieces.extend(self._result_sequence(results))
                 start += len(chunk)
-            return chunked
+            return pieces, False
         if self._cap.succeeded(len(items)):
             self._apply_cap()
-        return results
+        return results, True
+
+    def _back_off(self, size: int, exc: Exception) -> None:
+        """A batch of `size` ran out of memory: lower the cap."""
+        self._cap.out_of_memory(size)
+        self._stats.oom_splits += 1
+        self._apply_cap()
+        logger.warning(
+            "%s: out of memory on a batch of %d (%r); retrying in chunks of %d",
+            self.name, size, exc, self._cap.cap,
+        )  # fmt: skip
 
     def _apply_cap(self) -> None:
         scheduler = self._scheduler
@@ -776,25 +936,10 @@ class Proxy(ABC, Generic[In, Out]):
     ) -> Exception | None:
         """Hand result i to caller i; return the batch-wide error instead when the results
         cannot be matched to the callers."""
-        if not isinstance(results, (list, tuple)):
-            cause: Exception | None = None
-            if hasattr(results, "__len__") and not isinstance(
-                results, (str, bytes, bytearray, Mapping, Set)
-            ):
-                try:
-                    results = list(results)  # type: ignore[call-overload]
-                except TypeError as exc:  # a 0-d array, say
-                    cause = exc
-                except Exception as exc:  # a sequence whose iteration itself fails
-                    return exc
-            if not isinstance(results, list):
-                error = TypeError(
-                    f"{self.name}._inference must return a sequence with one result per item "
-                    f"(list, tuple or array), got {type(results).__name__}"
-                )
-                error.__cause__ = cause
-                return error
-        assert isinstance(results, (list, tuple))
+        try:
+            results = self._result_sequence(results)
+        except BaseException as exc:  # a sequence whose len() or iteration itself fails
+            return _caller_error(self.name, exc)
         if len(results) != len(requests):
             return BatchSizeMismatch(self.name, len(requests), len(results))
         stats = self._stats
@@ -805,9 +950,7 @@ class Proxy(ABC, Generic[In, Out]):
             if future.done():
                 continue
             if isinstance(result, BaseException):
-                future.set_exception(
-                    result if isinstance(result, Exception) else InferenceError(self.name, result)
-                )
+                future.set_exception(_caller_error(self.name, result))
                 errors += 1
                 if stats.listeners:
                     self._finished("error", request)
@@ -820,6 +963,25 @@ class Proxy(ABC, Generic[In, Out]):
         stats.succeeded += succeeded
         stats.errors += errors
         return None
+
+    def _result_sequence(self, results: object) -> list[Any] | tuple[Any, ...]:
+        """What the model returned, as a list or tuple (an array becomes a list of its
+        rows); a TypeError if it is not a sequence of results."""
+        if type(results) is list or type(results) is tuple:  # subclasses: len/iter may raise
+            return results
+        cause: Exception | None = None
+        if hasattr(results, "__len__") and not isinstance(
+            results, (str, bytes, bytearray, Mapping, Set)
+        ):
+            try:
+                return list(results)  # type: ignore[call-overload,no-any-return]
+            except TypeError as exc:  # a 0-d array, say
+                cause = exc
+        error = TypeError(
+            f"{self.name}._inference must return a sequence with one result per item "
+            f"(list, tuple or array), got {type(results).__name__}"
+        )
+        raise error from cause
 
     def _fail(self, requests: list[Request[In]], error: BaseException) -> None:
         for request in requests:
@@ -839,6 +1001,17 @@ class Proxy(ABC, Generic[In, Out]):
             (0, 0) if scheduler is None else (scheduler.queue.live, scheduler.in_flight)
         )
         return self._stats.snapshot(depth, running, self._cap.cap, self._cost_model.estimate())
+
+    @property
+    def health(self) -> Health:
+        """Whether the model answers in time (see `batch_timeout`), and if not, why."""
+        return self._health
+
+    @property
+    def healthy(self) -> bool:
+        """`proxy.health.healthy`: False from a batch overrunning `batch_timeout` until a
+        later batch returns in time. Always True without a `batch_timeout`."""
+        return self._health.healthy
 
     def add_listener(self, listener: Listener) -> None:
         """Register hooks called on the event loop; see `Listener`."""
@@ -875,13 +1048,31 @@ def _capacity_watcher(proxy: Proxy[Any, Any]) -> Callable[[int], None]:
     return changed
 
 
+def _caller_error(proxy: str, error: BaseException) -> Exception:
+    """How an error from the model reaches its callers: an `Exception` as it is, but a
+    `StopIteration` (a future refuses it) in a `RuntimeError`, as Python does when one
+    escapes a coroutine, and any other `BaseException` in `InferenceError`."""
+    if isinstance(error, StopIteration):
+        wrapped = RuntimeError(f"{proxy}._inference gave a StopIteration as a result: {error!r}")
+        wrapped.__cause__ = error
+        return wrapped
+    return error if isinstance(error, Exception) else InferenceError(proxy, error)
+
+
 def _clean(results: object, size: int) -> bool:
     """Whether `results` answers every caller with a result (no error for anyone)."""
     return (
-        isinstance(results, (list, tuple))
+        (type(results) is list or type(results) is tuple)  # a subclass's len() may raise
         and len(results) == size
         and not any(isinstance(r, BaseException) for r in results)
     )
+
+
+def _uncancel(task: asyncio.Task[Any]) -> None:
+    """Withdraw a cancellation the proxy requested itself (Python 3.11+ keeps count)."""
+    uncancel = getattr(task, "uncancel", None)
+    if uncancel is not None:
+        uncancel()
 
 
 def _cancel_requested() -> bool:

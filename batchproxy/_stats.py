@@ -16,7 +16,7 @@ from types import MappingProxyType
 
 from ._cost_model import CostEstimate
 
-__all__ = ["Listener", "Percentiles", "ProxyStats", "StatsRecorder"]
+__all__ = ["Health", "Listener", "Percentiles", "ProxyStats", "StatsRecorder"]
 
 logger = logging.getLogger("batchproxy")
 
@@ -101,10 +101,29 @@ class ProxyStats:
     padding_waste: float | None = None
     """Padded elements / total elements over all batches, by the proxy's `length`
     (None without one): 0.0 when every batch held items of one length."""
+    isolation_splits: int = 0
+    """Batches or pieces of them that raised and were re-run in halves
+    (`isolate_errors`); each cost two more model calls."""
+    timed_out_batches: int = 0
+    """Batches the watchdog stopped after `batch_timeout`."""
 
     @property
     def mean_batch_size(self) -> float:
         return self.items / self.batches if self.batches else 0.0
+
+
+@dataclass(frozen=True)
+class Health:
+    """`proxy.health`: whether the model answers in time (see `batch_timeout`)."""
+
+    healthy: bool
+    reason: str | None
+    """Why not: which batch overran, and the limit."""
+    since: float | None
+    """When it became unhealthy (`time.time()`), or None."""
+
+    def __bool__(self) -> bool:
+        return self.healthy
 
 
 class Listener:
@@ -159,6 +178,8 @@ class StatsRecorder:
         self.model_time: deque[float] = deque(maxlen=WINDOW)
         self.total_latency: deque[float] = deque(maxlen=WINDOW)
         self.oom_splits = 0
+        self.isolation_splits = 0
+        self.timed_out_batches = 0
         self.real_elements = 0
         self.padded_elements = 0
         self.tracks_padding = False
@@ -195,6 +216,8 @@ class StatsRecorder:
             cost_model=cost_model,
             shed=self.shed,
             padding_waste=self._padding_waste(),
+            isolation_splits=self.isolation_splits,
+            timed_out_batches=self.timed_out_batches,
         )
 
     def _padding_waste(self) -> float | None:

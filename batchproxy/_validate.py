@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import numbers
 
-__all__ = ["count", "duration", "optional_count", "priority", "timeout"]
+__all__ = ["choice", "count", "duration", "flag", "optional_count", "priority", "timeout"]
 
 
 def count(name: str, value: object, *, minimum: int = 1) -> int:
@@ -21,6 +21,21 @@ def count(name: str, value: object, *, minimum: int = 1) -> int:
     return int(value)
 
 
+def flag(name: str, value: object) -> bool:
+    """A bool, strictly (1 and "yes" are refused)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def choice(name: str, value: object, options: tuple[str, ...]) -> str:
+    """One of the strings in `options`."""
+    if not isinstance(value, str) or value not in options:
+        wanted = " or ".join(f'"{option}"' for option in options)
+        raise ValueError(f"{name} must be {wanted}, got {value!r}")
+    return value
+
+
 def optional_count(name: str, value: object) -> int | None:
     return None if value is None else count(name, value)
 
@@ -30,7 +45,10 @@ def duration(name: str, value: object, *, allow_zero: bool, allow_inf: bool = Fa
     `allow_inf`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int (or Fraction) beyond any float: as good as infinite
+        number = -math.inf if value < 0 else math.inf
     if math.isnan(number) or number < 0 or (number == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name} must be {bound}, got {value!r}")

@@ -138,10 +138,12 @@ class WorkerThread(Executor):
         assert self._loop is not None
         return self._loop
 
-    def close(self) -> None:
-        """Stop the thread and wait for it; batches still in it fail. Idempotent."""
+    def close(self, *, wait: bool = True) -> None:
+        """Stop the thread and (unless `wait=False`) wait for it; batches still in it
+        fail. A model call running there finishes first: with `wait=False` the thread
+        (a daemon) ends when it does. Idempotent."""
         thread = self._request_stop()
-        if thread is not None and thread is not threading.current_thread():
+        if wait and thread is not None and thread is not threading.current_thread():
             thread.join()
 
     async def aclose(self) -> None:

@@ -19,8 +19,6 @@ from batchproxy import ProxyClosed
 def test_proxy_is_built_without_a_loop_and_starts_on_first_call() -> None:
     """Constructing needs no event loop; the first call binds it and gets its result."""
     proxy = Recorder()
-    with pytest.raises(RuntimeError, match="start"):
-        proxy.submit(1)  # not running anywhere yet
 
     async def main() -> object:
         try:
@@ -313,8 +311,6 @@ async def test_proxy_moves_on_after_its_loop_thread_ended(no_leftovers: None) ->
     proxy = Recorder(respond=tag_with_thread)
     with LoopThread("first-home") as other:
         assert await other.arun(proxy.inference(1)) == ("first-home", 1)
-    with pytest.raises(RuntimeError, match=r"submit\(\) needs the proxy running"):
-        proxy.submit(2)
     here = threading.current_thread().name
     assert await asyncio.wait_for(proxy.inference(3), 10) == (here, 3)
     await proxy.aclose()
@@ -383,17 +379,18 @@ def test_submit_honours_the_timeout() -> None:
     assert proxy.batches == [[0]]
 
 
-def test_submit_before_the_proxy_runs_raises() -> None:
-    proxy = Recorder()
-    with pytest.raises(RuntimeError, match=r"submit\(\) needs the proxy running"):
-        proxy.submit(1)
+def test_submit_before_the_proxy_runs_starts_it_on_the_background_loop() -> None:
+    proxy = Recorder(respond=tag_with_thread)
+    assert proxy.submit(1).result(10) == ("batchproxy-loop", 1)
+    batchproxy.BackgroundLoop.default().close()
+    assert proxy.closed
 
 
-def test_submit_after_its_loop_ended_raises() -> None:
-    proxy = Recorder()
-    assert asyncio.run(proxy.inference(1)) == ("out", 1)
-    with pytest.raises(RuntimeError, match=r"submit\(\) needs the proxy running"):
-        proxy.submit(2)
+def test_submit_after_its_loop_ended_moves_to_the_background_loop() -> None:
+    proxy = Recorder(respond=tag_with_thread)
+    assert asyncio.run(proxy.inference(1)) == (threading.current_thread().name, 1)
+    assert proxy.submit(2).result(10) == ("batchproxy-loop", 2)
+    batchproxy.BackgroundLoop.default().close()
 
 
 async def test_submit_from_the_proxys_own_loop_thread_raises() -> None:

@@ -1,0 +1,229 @@
+"""`BackgroundLoop`: an event loop in a daemon thread of its own, for code that has none.
+
+Threaded apps (Flask, Django sync views, scripts) reach proxies through it:
+`proxy.inference_sync(item)` or `proxy.submit(item)` on a proxy that runs in no
+event loop starts it on the process-wide `BackgroundLoop.default()`. That loop is
+created on first use and closed at interpreter exit through `atexit`, after it
+has closed its proxies, so every accepted call still gets its result. Its thread
+is a daemon because non-daemon threads are joined before `atexit` handlers run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import weakref
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+from typing_extensions import Self
+
+if TYPE_CHECKING:
+    from ._proxy import Proxy
+
+__all__ = ["BackgroundLoop"]
+
+logger = logging.getLogger("batchproxy")
+
+T = TypeVar("T")
+
+
+class BackgroundLoop:
+    """An asyncio event loop running in a daemon thread, for plain threads to use.
+
+    `run(coro)` blocks for a coroutine's result; `submit(coro)` returns a
+    `concurrent.futures.Future`. The thread starts on first use (or `start()`).
+    `close()`, or leaving `with`, closes the proxies that `inference_sync` and
+    `submit` started here (their accepted calls finish), cancels what is left,
+    stops the thread and closes the loop.
+    """
+
+    _default: ClassVar[BackgroundLoop | None] = None
+    _default_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, name: str = "batchproxy-loop") -> None:
+        if not isinstance(name, str):
+            raise TypeError(f"BackgroundLoop name must be a str, got {name!r}")
+        self.name = name
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._proxies: weakref.WeakSet[Proxy[Any, Any]] = weakref.WeakSet()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "running" if self._thread else "idle"
+        return f"<BackgroundLoop {self.name!r} {state}>"
+
+    @staticmethod
+    def default() -> BackgroundLoop:
+        """The process-wide loop behind `Proxy.inference_sync`: created on first use
+        (anew if it was closed), closed at interpreter exit."""
+        with BackgroundLoop._default_lock:
+            default = BackgroundLoop._default
+            if default is None:  # registered late, so it runs early: before the handler
+                atexit.register(_close_default)  # that stops worker processes, say
+            if default is None or default.closed:
+                default = BackgroundLoop._default = BackgroundLoop()
+            return default
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def start(self) -> None:
+        """Start the thread and its loop if they are not running yet (thread-safe, idempotent)."""
+        with self._lock:
+            self._start_locked()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule `coro` on the loop (from any thread); cancel the future to cancel it."""
+        return self._submit(coro)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run `coro` on the loop and block the calling thread for its result.
+
+        Raises `TimeoutError` after `timeout` seconds; the coroutine is then
+        cancelled, as it is when the wait is interrupted (`KeyboardInterrupt`).
+        """
+        if self._on_loop_thread():
+            coro.close()
+            raise RuntimeError(
+                f"BackgroundLoop {self.name!r}: run() was called on the loop's own thread, "
+                f"where it would wait for itself; await the coroutine there instead"
+            )
+        future = self._submit(coro)
+        if not _block_on(future, timeout):
+            raise TimeoutError(f"BackgroundLoop {self.name!r}: no result within {timeout} s")
+        return future.result()
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Close the proxies started here, giving their accepted calls up to `timeout`
+        seconds to finish; then cancel what is left, stop the thread (waiting up to
+        `timeout` again) and close the loop. Idempotent."""
+        if self._on_loop_thread():
+            raise RuntimeError(
+                f"BackgroundLoop {self.name!r}: close() was called on the loop's own thread, "
+                f"where it would wait for itself; call it from another thread"
+            )
+        with self._lock:
+            loop, thread, first = self._loop, self._thread, not self._closed
+            self._closed = True
+            proxies = list(self._proxies)
+        if loop is None or thread is None:
+            return
+        if first:
+            try:
+                closing = asyncio.run_coroutine_threadsafe(_close_proxies(proxies), loop)
+                if not _block_on(closing, timeout):
+                    logger.warning(
+                        "%r: calls still running %s s into close(); cancelling them", self, timeout
+                    )
+            finally:
+                loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout)
+        if thread.is_alive():
+            logger.warning("%r: the thread did not stop within %s s; left running", self, timeout)
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _start_locked(self) -> asyncio.AbstractEventLoop:
+        if self._closed:
+            raise RuntimeError(f"BackgroundLoop {self.name!r} is closed")
+        if self._loop is None:
+            loop = asyncio.new_event_loop()
+            running = threading.Event()
+            thread = threading.Thread(
+                target=self._main, args=(loop, running), name=self.name, daemon=True
+            )
+            try:
+                thread.start()
+            except BaseException:
+                loop.close()
+                raise
+            running.wait()
+            self._loop, self._thread = loop, thread
+        return self._loop
+
+    def _submit(
+        self, coro: Coroutine[Any, Any, T], proxy: Proxy[Any, Any] | None = None
+    ) -> concurrent.futures.Future[T]:
+        """Schedule `coro`; a `proxy` it calls is remembered, for `close()` to close."""
+        with self._lock:
+            try:
+                loop = self._start_locked()
+            except BaseException:
+                coro.close()  # never awaited, and never warned about
+                raise
+            if proxy is not None:
+                self._proxies.add(proxy)
+            return asyncio.run_coroutine_threadsafe(coro, loop)
+
+    def _on_loop_thread(self) -> bool:
+        return self._thread is not None and threading.current_thread() is self._thread
+
+    def _main(self, loop: asyncio.AbstractEventLoop, running: threading.Event) -> None:
+        asyncio.set_event_loop(loop)
+        loop.call_soon(running.set)
+        try:
+            loop.run_forever()
+        finally:
+            running.set()
+            with self._lock:
+                self._closed = True
+            try:
+                _cancel_all(loop)
+                loop.run_until_complete(loop.shutdown_asyncgens())
+                # at exit Python 3.12+ starts no thread to join the executor with; its
+                # threads were joined before atexit handlers ran anyway
+                with contextlib.suppress(RuntimeError):
+                    loop.run_until_complete(loop.shutdown_default_executor())
+            finally:
+                asyncio.set_event_loop(None)
+                loop.close()
+
+
+def _close_default() -> None:
+    with BackgroundLoop._default_lock:
+        default = BackgroundLoop._default
+    if default is not None:
+        default.close()
+
+
+async def _close_proxies(proxies: list[Proxy[Any, Any]]) -> None:
+    """`aclose()` the proxies still bound to this loop (one may have moved to another)."""
+    loop = asyncio.get_running_loop()
+    mine = [proxy for proxy in proxies if proxy._loop is loop]
+    outcomes = await asyncio.gather(*(proxy.aclose() for proxy in mine), return_exceptions=True)
+    for proxy, outcome in zip(mine, outcomes, strict=True):
+        if isinstance(outcome, Exception):
+            logger.error("closing %s raised %r", proxy.name, outcome)
+
+
+def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel every task left on `loop` and let each end (tasks they start too)."""
+    while tasks := asyncio.all_tasks(loop):
+        for task in tasks:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+
+
+def _block_on(future: concurrent.futures.Future[Any], timeout: float | None) -> bool:
+    """Wait for `future` up to `timeout` seconds; whether it is done. A wait that ends
+    without it (timed out, or interrupted by `KeyboardInterrupt` and the like, which
+    propagates) cancels it, so the call is withdrawn rather than left queued."""
+    try:
+        done, _ = concurrent.futures.wait([future], timeout)
+    except BaseException:
+        future.cancel()
+        raise
+    return bool(done) or not future.cancel()  # cancel() fails only if it just finished

@@ -1,0 +1,303 @@
+"""The sync bridge: `inference_sync`, `submit` from plain threads, and `BackgroundLoop`."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _support import LoopThread, Recorder, ThreadRecorder, assert_settled, tag_with_thread
+
+import batchproxy
+from batchproxy import BackgroundLoop, DeadlineExceeded, ProxyClosed
+
+DEFAULT_THREAD = "batchproxy-loop"
+
+
+@pytest.fixture
+def background() -> Iterator[BackgroundLoop]:
+    """The default background loop, closed after the test (made anew on demand)."""
+    default = BackgroundLoop.default()
+    yield default
+    default.close()
+    assert not thread_names() & {DEFAULT_THREAD}
+
+
+def thread_names() -> set[str]:
+    return {thread.name for thread in threading.enumerate() if thread.is_alive()}
+
+
+def run_threads(target: Callable[[int], object], count: int) -> None:
+    """Run `target(0)` .. `target(count - 1)`, each in a plain thread of its own."""
+    threads = [threading.Thread(target=target, args=(n,)) for n in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not any(thread.is_alive() for thread in threads)
+
+
+def blocked_in_a_wait(thread: int) -> bool:
+    """Whether `thread` is blocked in `threading`'s waits (a lock, an event, a future)."""
+    frame = sys._current_frames().get(thread)
+    return frame is not None and frame.f_code.co_filename == threading.__file__
+
+
+def wait_for(condition: Callable[[], bool], seconds: float = 10.0) -> None:
+    """Poll `condition` from a plain thread (for state changed by another thread)."""
+    end = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < end, "condition never became true"
+        time.sleep(0.002)
+
+
+# -- inference_sync and submit from plain threads -------------------------------------------
+
+
+def test_threads_get_their_own_results_in_shared_batches(background: BackgroundLoop) -> None:
+    proxy = Recorder(delay=0.01)
+    start = threading.Barrier(32)
+    results: dict[int, list[Any]] = {}
+
+    def caller(n: int) -> None:
+        start.wait()
+        results[n] = [proxy.inference_sync((n, k)) for k in range(4)]
+
+    run_threads(caller, 32)
+    assert results == {n: [("out", (n, k)) for k in range(4)] for n in range(32)}
+    stats = proxy.stats
+    assert stats.items == 128
+    assert stats.items / stats.batches > 1
+    assert_settled(stats)
+
+
+def test_submit_starts_a_proxy_running_nowhere_on_the_default_loop(
+    background: BackgroundLoop,
+) -> None:
+    proxy = Recorder(respond=tag_with_thread)
+    futures: dict[int, concurrent.futures.Future[Any]] = {}
+
+    def caller(n: int) -> None:
+        futures[n] = proxy.submit(n)
+
+    run_threads(caller, 8)
+    assert all(isinstance(future, concurrent.futures.Future) for future in futures.values())
+    assert {n: f.result(10) for n, f in futures.items()} == {
+        n: (DEFAULT_THREAD, n) for n in range(8)
+    }
+
+
+@pytest.mark.parametrize("where", ["per call", "proxy default"])
+def test_timeout_raises_deadline_exceeded_and_leaves_nothing_queued(
+    background: BackgroundLoop, where: str
+) -> None:
+    gate = threading.Event()
+    options: dict[str, Any] = {"timeout": 0.05} if where == "proxy default" else {}
+    proxy = ThreadRecorder(gate=gate, batch_size=1, **options)
+    busy = proxy.submit(0, timeout=30)
+    try:
+        assert proxy.entered.wait(10)
+        with pytest.raises(DeadlineExceeded):
+            proxy.inference_sync(1, timeout=0.05 if where == "per call" else None)
+        assert proxy.stats.timed_out == 1
+        assert proxy.stats.queue_depth == 0
+    finally:
+        gate.set()
+    assert busy.result(10) == ("out", 0)
+    assert proxy.batches == [[0]]
+
+
+def test_an_interrupted_wait_withdraws_the_call(background: BackgroundLoop) -> None:
+    """Ctrl-C in a thread blocked in inference_sync takes its request out of the queue."""
+    assert threading.current_thread() is threading.main_thread()
+    gate = threading.Event()
+    proxy = ThreadRecorder(gate=gate, batch_size=1)
+    busy = proxy.submit(0)
+
+    def interrupt_once_queued() -> None:
+        main = threading.main_thread().ident or 0
+        wait_for(lambda: proxy.stats.queue_depth == 1 and blocked_in_a_wait(main))
+        signal.pthread_kill(main, signal.SIGINT)
+
+    interrupter = threading.Thread(target=interrupt_once_queued)
+    try:
+        assert proxy.entered.wait(10)
+        interrupter.start()
+        with pytest.raises(KeyboardInterrupt):
+            proxy.inference_sync(1)
+        wait_for(lambda: proxy.stats.cancelled == 1)
+        assert proxy.stats.queue_depth == 0
+    finally:
+        gate.set()
+        interrupter.join(10)
+    assert busy.result(10) == ("out", 0)
+    assert proxy.batches == [[0]]
+
+
+def test_calls_on_the_proxys_own_loop_thread_are_refused(background: BackgroundLoop) -> None:
+    proxy = Recorder()
+    assert proxy.inference_sync(1) == ("out", 1)  # now it runs on the default loop
+
+    async def on_that_loop() -> object:
+        with pytest.raises(RuntimeError, match="own event-loop thread"):
+            proxy.inference_sync(2)
+        with pytest.raises(RuntimeError, match="own event-loop thread"):
+            proxy.submit(2)
+        with pytest.raises(RuntimeError, match="own event-loop thread"):
+            Recorder().inference_sync(3)  # running nowhere: it would start right here
+        return await proxy.inference(4)
+
+    assert background.run(on_that_loop(), timeout=10) == ("out", 4)
+    assert proxy.stats.requests == 2
+
+
+def test_a_proxy_running_in_a_server_loop_is_reached_through_it() -> None:
+    proxy = Recorder(respond=tag_with_thread)
+    with LoopThread("server-loop") as server:
+        server.run(proxy.start())
+        results: dict[int, Any] = {}
+
+        def caller(n: int) -> None:
+            results[n] = proxy.inference_sync(n)
+
+        run_threads(caller, 4)
+        assert results == {n: ("server-loop", n) for n in range(4)}
+        assert proxy.submit(5).result(10) == ("server-loop", 5)
+
+        async def on_the_server_loop() -> None:
+            proxy.inference_sync(6)
+
+        with pytest.raises(RuntimeError, match="own event-loop thread"):
+            server.run(on_the_server_loop())
+        server.run(proxy.aclose())
+    assert proxy.stats.succeeded == 5
+
+
+def test_the_decorator_has_a_blocking_entry(background: BackgroundLoop) -> None:
+    @batchproxy.batch(batch_size=8)
+    async def double(items: list[int]) -> list[int]:
+        return [2 * item for item in items]
+
+    results: dict[int, int] = {}
+
+    def caller(n: int) -> None:
+        results[n] = double.sync(n, timeout=10)
+
+    run_threads(caller, 8)
+    assert results == {n: 2 * n for n in range(8)}
+
+
+# -- BackgroundLoop ---------------------------------------------------------------------------
+
+
+def test_close_finishes_accepted_calls_and_leaves_no_thread() -> None:
+    default = BackgroundLoop.default()
+    proxy = Recorder(batch_size=2, delay=0.02, offload=True, name="drained")
+    futures = [proxy.submit(i) for i in range(5)]
+    wait_for(lambda: proxy.stats.requests == 5)
+    default.close()
+    assert [future.result(0) for future in futures] == [("out", i) for i in range(5)]
+    assert proxy.closed
+    assert not thread_names() & {DEFAULT_THREAD, "batchproxy-drained"}
+    with pytest.raises(ProxyClosed):
+        proxy.inference_sync(9)
+    assert not thread_names() & {DEFAULT_THREAD}  # no loop started to refuse it
+    default.close()  # idempotent
+    assert BackgroundLoop.default() is not default  # the next use gets a fresh one
+
+
+def test_the_default_loop_is_one_per_process() -> None:
+    seen: set[BackgroundLoop] = set()
+    run_threads(lambda n: seen.add(BackgroundLoop.default()), 16)
+    assert seen == {BackgroundLoop.default()}
+
+
+def test_background_loop_runs_coroutines_for_plain_threads() -> None:
+    async def where() -> str:
+        await asyncio.sleep(0)
+        return threading.current_thread().name
+
+    cancelled = threading.Event()
+
+    async def forever() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    async def run_here() -> str:
+        return bg.run(where())
+
+    with BackgroundLoop("test-background") as bg:
+        assert "test-background" in thread_names()
+        assert bg.run(where()) == "test-background"
+        future = bg.submit(where())
+        assert isinstance(future, concurrent.futures.Future)
+        assert future.result(10) == "test-background"
+        with pytest.raises(TimeoutError):
+            bg.run(forever(), timeout=0.01)
+        assert cancelled.wait(10)
+        with pytest.raises(RuntimeError, match="own thread"):
+            bg.run(run_here())
+        left_running = bg.submit(forever())
+    assert "test-background" not in thread_names()
+    assert left_running.cancelled()
+    bg.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        bg.run(where())
+
+
+SCRIPT = """
+import asyncio, atexit, threading, time
+import batchproxy
+
+class Double(batchproxy.Proxy[int, int]):
+    async def _inference(self, items):
+        await asyncio.sleep(0.01)
+        return [2 * item for item in items]
+
+class Slow(batchproxy.Proxy[int, int]):  # a plain def: runs on a worker thread
+    def _inference(self, items):
+        time.sleep(0.1)
+        return [item + 100 for item in items]
+
+in_flight = []
+# registered before the library's handler, so it runs after it (atexit is LIFO)
+atexit.register(lambda: print("in flight:", in_flight[0].result(0)))
+double, slow = Double(), Slow()
+results = {}
+threads = [
+    threading.Thread(target=lambda n=n: results.update({n: double.inference_sync(n)}))
+    for n in range(8)
+]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print("results:", results == {n: 2 * n for n in range(8)})
+in_flight.append(slow.submit(1))  # exits while this runs: the exit lets it finish
+"""
+
+
+def test_a_script_that_closes_nothing_exits_cleanly(tmp_path: Path) -> None:
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run(
+        [sys.executable, "-W", "always", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["results: True", "in flight: 101"]
+    assert done.stderr == ""
