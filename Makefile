@@ -6,7 +6,7 @@ BIN     = $(VENV)/bin
 # takes the CPU build on this machine and never resolves a newer torch with CUDA packages
 TORCH   = torch==2.13.0
 
-.PHONY: demo test lint typecheck unit bench bench-tensors bench-suite bench-scheduling bench-scaleout clean
+.PHONY: demo test lint typecheck unit bench bench-tensors bench-suite bench-scheduling bench-scaleout bench-soak clean
 
 # the real model over HTTP, regular vs batched: the table, benchmarks/results/demo.{json,png}
 demo: $(VENV)/.installed-demo
@@ -41,6 +41,10 @@ bench-scheduling: $(VENV)/.installed-dev
 # a GIL-bound model on one thread, two worker processes and two Ray actors; dispatch cost
 bench-scaleout: $(VENV)/.installed-dev
 	$(BIN)/python benchmarks/scaleout.py
+
+# a million requests with cancellations, deadlines, errors and reconfigurations: RSS, leaks, accounting
+bench-soak: $(VENV)/.installed
+	$(BIN)/python benchmarks/soak.py
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)

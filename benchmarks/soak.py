@@ -1,0 +1,486 @@
+"""A soak: a million requests through one proxy while everything goes wrong at random.
+
+Run: `python benchmarks/soak.py` (or `make bench-soak`); `--quick` for a smoke run
+of 20,000 requests. Prints a Markdown table and writes `benchmarks/results/soak.json`
+and `soak.md` (`soak-quick.*` with `--quick`). `tests/test_soak.py` runs the same
+code on 20,000 requests and asserts the accounting and the absence of leaks.
+
+The load: `concurrency` callers at once (1,000), each making one call after
+another, every call a task of its own (`proxy.inference(job)`, so that it can be
+cancelled), until `requests` calls have been made. The proxy's model runs on the
+event loop; it usually answers after one loop turn, one batch in five after 0.2
+to 3 ms. At random:
+
+- callers are cancelled (5 %), 0.05 to 3 ms after calling: while queued, while
+  their batch runs, or (skipped, see below) after their answer was produced;
+- calls carry a deadline (10 %) of 0.2 to 20 ms, which many miss;
+- a job fails alone: the model returns a `ValueError` in its slot (3 %);
+- a job fails its whole batch: the model raises (0.05 %) or returns one result
+  too few (0.02 %, `BatchSizeMismatch`);
+- priorities 0 to 2;
+- every 5 to 50 ms, `proxy.configure(...)` picks a new `batch_size` (8 to 128),
+  `max_delay_ms` (0 to 5), `max_concurrent_batches` (1 to 4) and `max_queue_size`
+  (300 to 2,000, or unbounded): the sizes below 1,000 refuse calls (`QueueFull`),
+  and a refused caller waits 5 to 20 ms before its next call.
+
+Reported:
+
+- accounting: every call ended as one of succeeded, failed, cancelled, rejected or
+  timed out, counted by the callers and by `proxy.stats`; the two must agree, and
+  each sum to the calls issued;
+- RSS (from /proc) at ten checkpoints, one per tenth of the calls, while the load
+  runs; the growth is the highest later checkpoint minus the first, taken after
+  the first tenth (the warm-up). Target: at most 20 MB;
+- live asyncio tasks and futures (found with `gc.get_objects()` after a
+  `gc.collect()`), and batchproxy requests, before the load, at each checkpoint,
+  after it and after `aclose()`: after must equal before.
+
+A cancel is skipped when the model has already answered that caller's batch but
+the caller has not resumed yet: cancelling then would make the caller see
+`CancelledError` while `proxy.stats` counts the answer it never received (an
+asyncio race the stats do not follow; see `tests/test_soak.py`). The skipped
+cancels are counted. Callers with a deadline are never cancelled, so that a
+cancel never lands on a caller whose deadline has just failed it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from _report import environment, headline, quick_run_arguments, write_json
+from typing_extensions import override
+
+import batchproxy
+
+TARGET_RSS_GROWTH_MB = 20.0
+STATS = [
+    *("requests", "succeeded", "errors", "timed_out", "cancelled", "rejected", "shed"),
+    *("batches", "failed_batches", "items", "queue_depth", "in_flight"),
+]
+"""The counters of `proxy.stats` the report keeps."""
+
+
+@dataclass(frozen=True)
+class Config:
+    requests: int = 1_000_000
+    concurrency: int = 1_000
+    seed: int = 7
+    checkpoints: int = 10  # one per tenth of the calls; the first ends the warm-up
+    cancel_rate: float = 0.05
+    deadline_rate: float = 0.10
+    bad_rate: float = 0.03  # an Exception in the job's slot
+    boom_rate: float = 0.0005  # the model raises for the job's batch
+    short_rate: float = 0.0002  # the model returns one result too few
+    slow_batch_rate: float = 0.2  # batches that take 0.2 to 3 ms instead of a loop turn
+    reconfigure_every_ms: tuple[float, float] = (5.0, 50.0)
+    rejected_backoff_ms: tuple[float, float] = (5.0, 20.0)  # a caller refused waits this long
+
+
+FULL = Config()
+QUICK = Config(requests=20_000)
+
+
+class Job:
+    """One call's item. `answered`: the model has returned (or raised) for its batch."""
+
+    __slots__ = ("answered", "kind", "n")
+
+    def __init__(self, n: int, kind: str) -> None:
+        self.n = n
+        self.kind = kind
+        self.answered = False
+
+
+class Chaotic(batchproxy.Proxy[Job, int]):
+    """Answers job n with n, after a loop turn or a few ms; fails jobs and batches as
+    their kinds say."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(batch_size=64, max_delay_ms=2.0, max_queue_size=1_000, name="soak")
+        self.config = config
+        self.random = random.Random(config.seed + 1)
+
+    @override
+    async def _inference(self, items: list[Job]) -> list[int | Exception]:
+        try:
+            if self.random.random() < self.config.slow_batch_rate:
+                await asyncio.sleep(self.random.uniform(0.0002, 0.003))
+            else:
+                await asyncio.sleep(0)
+            kinds = {job.kind for job in items}
+            if "boom" in kinds:
+                raise RuntimeError("boom")
+            results: list[int | Exception] = [
+                ValueError(job.n) if job.kind == "bad" else job.n for job in items
+            ]
+            return results[:-1] if "short" in kinds else results
+        finally:
+            for job in items:  # the proxy settles every caller before anything else runs
+                job.answered = True
+
+
+@dataclass
+class Tally:
+    """How the calls ended, as their callers saw it."""
+
+    issued: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    rejected: int = 0
+    timed_out: int = 0
+    wrong: int = 0  # got a result that was not its own (cross-talk); must stay 0
+    unexpected: list[str] = field(default_factory=list)  # errors of no expected kind
+    cancels_skipped: int = 0  # the model had answered already: see the module docstring
+
+    def ended(self) -> int:
+        return self.succeeded + self.failed + self.cancelled + self.rejected + self.timed_out
+
+
+@dataclass(frozen=True)
+class Census:
+    """What is alive at one moment."""
+
+    issued: int
+    seconds: float
+    rss_mb: float
+    tasks: int
+    futures: int  # asyncio futures that are not tasks
+    pending_futures: int
+    requests: int  # batchproxy requests (one per accepted call not yet forgotten)
+
+
+def rss_mb() -> float:
+    """Resident set size now, in MB (peak RSS where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            pages = int(statm.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 1e6
+    except (OSError, ValueError):  # not Linux: the peak is the best there is
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / 1e6 if sys.platform == "darwin" else peak / 1e3
+
+
+def census(issued: int, started: float) -> Census:
+    gc.collect()
+    tasks = futures = pending = requests = 0
+    for thing in gc.get_objects():
+        if isinstance(thing, asyncio.Task):
+            tasks += 1
+        elif isinstance(thing, asyncio.Future):
+            futures += 1
+            pending += not thing.done()
+        elif type(thing).__module__ == "batchproxy._queue" and type(thing).__name__ == "Request":
+            requests += 1
+    return Census(
+        issued, time.perf_counter() - started, rss_mb(), tasks, futures, pending, requests
+    )
+
+
+@dataclass
+class Result:
+    config: Config
+    seconds: float
+    tally: Tally
+    stats: dict[str, Any]
+    before: Census
+    checkpoints: list[Census]
+    after: Census
+    closed: Census
+    reconfigurations: int
+
+    @property
+    def rss_growth_mb(self) -> float:
+        """The highest RSS after the warm-up checkpoint, minus RSS at it."""
+        warm, *later = self.checkpoints
+        return max((c.rss_mb for c in later), default=warm.rss_mb) - warm.rss_mb
+
+    def agreement(self) -> dict[str, tuple[int, int]]:
+        """Each outcome as (counted by the callers, counted by proxy.stats)."""
+        t, s = self.tally, self.stats
+        return {
+            "succeeded": (t.succeeded, s["succeeded"]),
+            "failed": (t.failed, s["errors"]),
+            "cancelled": (t.cancelled, s["cancelled"]),
+            "rejected": (t.rejected, s["rejected"]),
+            "timed out": (t.timed_out, s["timed_out"]),
+            "issued": (t.issued, s["requests"] + s["rejected"] + s["shed"]),
+        }
+
+
+def plan(rng: random.Random, config: Config, n: int) -> tuple[Job, float | None, float | None, int]:
+    """Job n: (the job, its timeout, when to cancel its caller, its priority)."""
+    roll = rng.random()
+    if roll < config.boom_rate:
+        kind = "boom"
+    elif roll < config.boom_rate + config.short_rate:
+        kind = "short"
+    elif roll < config.boom_rate + config.short_rate + config.bad_rate:
+        kind = "bad"
+    else:
+        kind = "ok"
+    timeout = cancel_after = None
+    roll = rng.random()
+    if roll < config.deadline_rate:
+        timeout = 0.0002 * 100 ** rng.random()  # 0.2 to 20 ms, log-uniform
+    elif roll < config.deadline_rate + config.cancel_rate:
+        cancel_after = rng.uniform(0.00005, 0.003)
+    return Job(n, kind), timeout, cancel_after, rng.randrange(3)
+
+
+class Load:
+    """The callers, the canceller and the reconfigurer around one proxy."""
+
+    def __init__(self, config: Config, proxy: Chaotic, *, progress: bool) -> None:
+        self.config = config
+        self.proxy = proxy
+        self.progress = progress
+        self.rng = random.Random(config.seed)
+        self.tally = Tally()
+        self.checkpoints: list[Census] = []
+        self.every = max(1, config.requests // config.checkpoints)
+        self.reconfigurations = 0
+        self.started = time.perf_counter()
+
+    async def run(self) -> float:
+        """Every caller until `requests` calls are made and ended; the seconds it took."""
+        self.started = time.perf_counter()
+        reconfigurer = asyncio.create_task(self.reconfigure())
+        await asyncio.gather(*(self.caller() for _ in range(self.config.concurrency)))
+        seconds = time.perf_counter() - self.started
+        reconfigurer.cancel()
+        await asyncio.wait([reconfigurer])
+        return seconds
+
+    def census(self) -> Census:
+        return census(self.tally.issued, self.started)
+
+    async def caller(self) -> None:
+        """Call after call; count how each ended."""
+        config, tally, rng = self.config, self.tally, self.rng
+        loop = asyncio.get_running_loop()
+        while tally.issued < config.requests:
+            job, timeout, cancel_after, priority = plan(rng, config, tally.issued)
+            tally.issued += 1
+            if tally.issued % self.every == 0:
+                self.checkpoint()
+            call = asyncio.create_task(
+                self.proxy.inference(job, timeout=timeout, priority=priority)
+            )
+            canceller = (
+                None
+                if cancel_after is None
+                else loop.call_later(cancel_after, self.cancel, call, job)
+            )
+            try:
+                outcome = await self.ended(call, job)
+            finally:
+                if canceller is not None:
+                    canceller.cancel()
+            if outcome == "rejected":  # as a client told to retry later would, not at once
+                await asyncio.sleep(rng.uniform(*config.rejected_backoff_ms) / 1e3)
+
+    async def ended(self, call: asyncio.Task[int], job: Job) -> str:
+        """Await one call; count and return how it ended."""
+        tally = self.tally
+        try:
+            got = await call
+        except asyncio.CancelledError:
+            if not call.cancelled():
+                raise  # this caller itself is being cancelled
+            tally.cancelled += 1
+            return "cancelled"
+        except batchproxy.QueueFull:
+            tally.rejected += 1
+            return "rejected"
+        except batchproxy.DeadlineExceeded:
+            tally.timed_out += 1
+            return "timed out"
+        except batchproxy.BatchSizeMismatch:
+            tally.failed += 1  # a batch with a "short" job
+            return "failed"
+        except ValueError as exc:
+            tally.failed += 1  # a "bad" job: its own slot, carrying its own number
+            tally.wrong += exc.args != (job.n,)
+            return "failed"
+        except Exception as exc:
+            tally.failed += 1  # a batch with a "boom" job, or something unexpected
+            if not (type(exc) is RuntimeError and exc.args == ("boom",)):
+                tally.unexpected.append(repr(exc))
+            return "failed"
+        if got != job.n:
+            tally.wrong += 1
+            return "wrong"
+        tally.succeeded += 1
+        return "succeeded"
+
+    def cancel(self, call: asyncio.Task[int], job: Job) -> None:
+        if call.done():
+            return
+        if job.answered:  # settled, its caller about to resume: see the module docstring
+            self.tally.cancels_skipped += 1
+            return
+        call.cancel()
+
+    async def reconfigure(self) -> None:
+        rng = self.rng
+        low, high = self.config.reconfigure_every_ms
+        while True:
+            await asyncio.sleep(rng.uniform(low, high) / 1e3)
+            self.proxy.configure(
+                batch_size=rng.choice([8, 16, 32, 64, 128]),
+                max_delay_ms=rng.choice([0.0, 0.5, 1.0, 2.0, 5.0]),
+                max_concurrent_batches=rng.choice([1, 1, 2, 4]),
+                max_queue_size=rng.choice([None, None, 300, 600, 1_000, 2_000]),
+            )
+            self.reconfigurations += 1
+
+    def checkpoint(self) -> None:
+        last = self.census()
+        self.checkpoints.append(last)
+        if self.progress:
+            print(
+                f"  {last.issued:>9,} calls  {last.seconds:6.1f} s  RSS {last.rss_mb:6.1f} MB  "
+                f"tasks {last.tasks:,}  futures {last.futures:,}",
+                file=sys.stderr,
+            )
+
+
+async def soak(config: Config, *, progress: bool = False) -> Result:
+    """Run the load on a fresh proxy; census before, during, after, and after `aclose()`."""
+    proxy = Chaotic(config)
+    await proxy.start()
+    load = Load(config, proxy, progress=progress)
+    before = load.census()
+    seconds = await load.run()
+    await asyncio.sleep(0)  # a fresh loop turn: the callback that woke us is let go
+    stats = proxy.stats
+    after = load.census()
+    await proxy.aclose()
+    closed = load.census()
+    return Result(
+        config=config,
+        seconds=seconds,
+        tally=load.tally,
+        stats={key: getattr(stats, key) for key in STATS},
+        before=before,
+        checkpoints=load.checkpoints,
+        after=after,
+        closed=closed,
+        reconfigurations=load.reconfigurations,
+    )
+
+
+# -- report ----------------------------------------------------------------------------
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "**missed**"
+
+
+def markdown(result: Result) -> str:
+    t, s = result.tally, result.stats
+    agree = result.agreement()
+    rows = [
+        "| outcome | counted by the callers | counted by proxy.stats | agree |",
+        "|---|---:|---:|---|",
+        *(
+            f"| {name} | {mine:,} | {theirs:,} | {'yes' if mine == theirs else '**no**'} |"
+            for name, (mine, theirs) in agree.items()
+        ),
+    ]
+    growth = result.rss_growth_mb
+    lines = [
+        f"{result.config.requests:,} requests, {result.config.concurrency:,} in flight, "
+        f"{result.seconds:.1f} s ({result.config.requests / result.seconds:,.0f} requests/s), "
+        f"{s['batches']:,} batches (mean {s['items'] / max(1, s['batches']):.1f} items, "
+        f"{s['failed_batches']:,} failed), {result.reconfigurations:,} reconfigurations, "
+        f"{t.cancels_skipped:,} cancels skipped (answer already produced).",
+        "",
+        *rows,
+        "",
+        "| measure | before | after warm-up | peak during the load | after the load "
+        "| after aclose() | target |",
+        "|---|---:|---:|---:|---:|---:|---|",
+        f"| RSS (MB) | {result.before.rss_mb:.1f} | {result.checkpoints[0].rss_mb:.1f} "
+        f"| {max(c.rss_mb for c in result.checkpoints):.1f} | {result.after.rss_mb:.1f} "
+        f"| {result.closed.rss_mb:.1f} | growth after warm-up {growth:+.1f} MB ≤ "
+        f"{TARGET_RSS_GROWTH_MB:g} MB: {verdict(growth <= TARGET_RSS_GROWTH_MB)} |",
+        census_row("live tasks", result, "tasks"),
+        census_row("live futures", result, "futures"),
+        census_row("batchproxy requests", result, "requests"),
+        "",
+        "Checkpoints (one per tenth of the calls, while the load runs):",
+        "",
+        "| calls issued | seconds | RSS (MB) | tasks | futures (pending) | requests |",
+        "|---:|---:|---:|---:|---:|---:|",
+        *(
+            f"| {c.issued:,} | {c.seconds:.1f} | {c.rss_mb:.1f} | {c.tasks:,} "
+            f"| {c.futures:,} ({c.pending_futures:,}) | {c.requests:,} |"
+            for c in result.checkpoints
+        ),
+    ]
+    return "\n".join(lines)
+
+
+def census_row(label: str, result: Result, name: str) -> str:
+    values = [
+        getattr(c, name)
+        for c in (result.before, result.checkpoints[0], result.after, result.closed)
+    ]
+    peak = max(getattr(c, name) for c in result.checkpoints)
+    before, warm, after, closed = values
+    ok = after == before and closed <= before
+    return (
+        f"| {label} | {before:,} | {warm:,} | {peak:,} | {after:,} | {closed:,} "
+        f"| after = before: {verdict(ok)} |"
+    )
+
+
+def to_json(result: Result) -> dict[str, Any]:
+    return {
+        "config": asdict(result.config),
+        "seconds": result.seconds,
+        "requests_per_second": result.config.requests / result.seconds,
+        "rss_growth_mb": result.rss_growth_mb,
+        "target_rss_growth_mb": TARGET_RSS_GROWTH_MB,
+        "tally": asdict(result.tally),
+        "stats": result.stats,
+        "agreement": result.agreement(),
+        "census": {
+            "before": asdict(result.before),
+            "checkpoints": [asdict(c) for c in result.checkpoints],
+            "after": asdict(result.after),
+            "closed": asdict(result.closed),
+        },
+        "reconfigurations": result.reconfigurations,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    quick, output = quick_run_arguments("soak", (__doc__ or "").splitlines()[0], argv)
+    config = QUICK if quick else FULL
+    env = environment()
+    print(headline("soak", env, quick=quick))
+    print()
+    result = asyncio.run(soak(config, progress=True))
+    text = markdown(result)
+    print(text)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.with_suffix(".md").write_text(headline("soak", env, quick=quick) + "\n\n" + text + "\n")
+    write_json(output, {"environment": env, "quick": quick, **to_json(result)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
