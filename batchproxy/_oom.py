@@ -37,16 +37,19 @@ class BatchCap:
         self.limit = limit
         self.cap = limit
         self._successes = 0
+        self._backed_off = False  # memory ran out; the cap has not crept back to the limit
 
     def set_limit(self, limit: int) -> None:
-        """The configured batch size changed: the cap follows it down, not up."""
+        """The configured batch size changed: the cap follows it, down at once, and up
+        at once unless memory ran out (then it creeps back up, to the new limit)."""
         self.limit = limit
-        self.cap = min(self.cap, limit)
+        self.cap = min(self.cap, limit) if self._backed_off else limit
 
     def out_of_memory(self, size: int) -> None:
         """A batch of `size` ran out of memory."""
         self.cap = max(1, min(self.cap, size // 2))
         self._successes = 0
+        self._backed_off = True
 
     def succeeded(self, size: int) -> bool:
         """A batch of `size` ran; True when that raised the cap."""
@@ -57,4 +60,5 @@ class BatchCap:
             return False
         self.cap = min(self.limit, self.cap + max(1, self.cap // 4))
         self._successes = 0
+        self._backed_off = self.cap < self.limit
         return True

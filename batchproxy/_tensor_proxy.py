@@ -67,16 +67,15 @@ class TensorProxy(Proxy[In, Out]):
         length_aware: bool = True,
         **options: Any,
     ) -> None:
-        if padding_side not in ("right", "left"):
-            raise ValueError(f'padding_side must be "right" or "left", got {padding_side!r}')
-        self._pad_value = pad_value
+        _validate.choice("padding_side", padding_side, ("right", "left"))
+        self._pad_value = _pad_value(pad_value)
         self._padding_side: PaddingSide = padding_side
         self._pad_to_multiple_of = _validate.optional_count(
             "pad_to_multiple_of", pad_to_multiple_of
         )
         self._device = _torch_device(device)
         options.setdefault("length", tensors.length)  # costs for max_batch_tokens and stats
-        self._group_by_length = length_aware
+        self._group_by_length = _validate.flag("length_aware", length_aware)
         super().__init__(batch_size, **options)
 
     @abstractmethod
@@ -152,6 +151,21 @@ class _Batch:
         parts = tensors.split(outputs, self.collated)
         for index, part in zip(self.valid, parts, strict=True):
             self.results[index] = part
+
+
+def _pad_value(value: Any) -> Any:
+    """A number, or a mapping from dict key to number (whether it fits a dtype is checked
+    when a batch is padded)."""
+    pairs = value.items() if isinstance(value, Mapping) else [(None, value)]
+    for key, number in pairs:
+        if key is not None and not isinstance(key, str):
+            raise TypeError(f"pad_value keys must be str, got {type(key).__name__} {key!r}")
+        if isinstance(number, bool) or not isinstance(number, (int, float, np.number, np.bool_)):
+            where = "" if key is None else f" for key {key!r}"
+            raise TypeError(
+                f"pad_value{where} must be a number, got {type(number).__name__} {number!r}"
+            )
+    return value
 
 
 def _torch_device(device: object) -> torch.device | None:

@@ -27,6 +27,7 @@ The rules:
 
 from __future__ import annotations
 
+import math
 import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -142,6 +143,15 @@ def _leaves(item: object) -> list[tuple[_Path, Any]]:
         f"cannot batch a {_type_name(item)}: items must be "
         "NumPy arrays, torch tensors, dict[str, array] or tuples of arrays"
     )
+
+
+def _check_items(function: str, items: object) -> None:
+    """`items` is a list (or another sequence) of items, not one item or an iterator."""
+    if not isinstance(items, Sequence) or isinstance(items, (str, bytes, bytearray)):
+        raise TypeError(
+            f"{function} takes a list of items, got {_type_name(items)}; "
+            "pass [item] for a single item"
+        )
 
 
 def _type_name(value: object) -> str:
@@ -272,6 +282,7 @@ def validate(items: Sequence[Any]) -> list[Exception | None]:
     or dtype; `ValueError` for other dict keys, rank, device, or an empty dict or
     tuple. Sizes never matter: every axis may be ragged.
     """
+    _check_items("validate", items)
     signatures: list[_Signature | Exception] = []
     for index, item in enumerate(items):
         try:
@@ -299,24 +310,41 @@ def validate(items: Sequence[Any]) -> list[Exception | None]:
 
 
 def _check_pad_value(value: object, leaf: Any, path: _Path) -> None:
-    """A pad value must be a number that the leaf's dtype holds exactly (integer dtypes)."""
+    """A pad value must be a number that the leaf's dtype holds exactly (integer dtypes),
+    or within its range (floating dtypes; NaN and infinities are fine)."""
     where = f" for key {path[0]!r}" if path and isinstance(path[0], str) else ""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.number, np.bool_)):
         raise TypeError(f"pad_value{where} must be a number, got {type(value).__name__} {value!r}")
+    largest: float | None = None  # a floating dtype's largest finite value
     if _is_tensor(leaf):
-        if leaf.dtype.is_floating_point or leaf.dtype.is_complex:
+        if leaf.dtype.is_complex:
             return
         import torch
 
+        if leaf.dtype.is_floating_point:
+            largest = float(torch.finfo(leaf.dtype).max)
+    elif np.issubdtype(leaf.dtype, np.complexfloating):
+        return
+    elif np.issubdtype(leaf.dtype, np.floating):
+        largest = float(np.finfo(leaf.dtype).max)
+    if largest is not None:
+        try:
+            number = float(value)
+            fits = not math.isfinite(number) or abs(number) <= largest
+        except OverflowError:  # an int beyond any float
+            fits = False
+        if not fits:
+            raise ValueError(f"pad_value{where} {value!r} does not fit dtype {_dtype_name(leaf)}")
+        return
+    if _is_tensor(leaf):
         try:
             held: object = torch.tensor(value, dtype=leaf.dtype).item()
         except (RuntimeError, OverflowError, ValueError, TypeError):
             held = None
     else:
-        if np.issubdtype(leaf.dtype, np.inexact):
-            return
         try:
-            held = np.asarray(value).astype(leaf.dtype).item()
+            with np.errstate(invalid="ignore", over="ignore"):  # NaN, inf: refused below
+                held = np.asarray(value).astype(leaf.dtype).item()
         except (OverflowError, ValueError, TypeError):
             held = None
     if held is None or held != value:
@@ -340,6 +368,7 @@ def _collate_leaf(
     first = leaves[0]
     tensor = _is_tensor(first)
     if all(shape == shapes[0] for shape in shapes):
+        _check_size(len(leaves), shapes[0], first)
         if tensor:
             import torch
 
@@ -353,19 +382,30 @@ def _collate_leaf(
             size = -(-size // multiple) * multiple
         padded.append(size)
     target = tuple(padded)
+    _check_size(len(leaves), target, first)
     batch: Any
     if tensor:
         import torch
 
-        batch = torch.full(
-            (len(leaves), *target), pad_value, dtype=first.dtype, device=first.device
-        )
+        fill = float(pad_value) if first.dtype.is_floating_point else pad_value  # 10**30
+        batch = torch.full((len(leaves), *target), fill, dtype=first.dtype, device=first.device)
     else:
         batch = np.full((len(leaves), *target), pad_value, dtype=first.dtype)
     for index, (leaf, shape) in enumerate(zip(leaves, shapes, strict=True)):
         where = (index, *_region(shape, target, side))
         batch[where] = leaf
     return batch, target, True
+
+
+def _check_size(count: int, shape: _Shape, leaf: Any) -> None:
+    """Refuse, before allocating it, a batch too big to address at all (from huge views)."""
+    itemsize = leaf.element_size() if _is_tensor(leaf) else leaf.dtype.itemsize
+    size = math.prod((count, *shape)) * itemsize
+    if size > sys.maxsize:
+        raise ValueError(
+            f"a batch of {count} items padded to shape {shape} ({_dtype_name(leaf)}) would take "
+            f"{size} bytes, more than can be addressed"
+        )
 
 
 def _mask(lengths: list[int], padded_length: int, side: PaddingSide, like: Any) -> Any:
@@ -395,9 +435,10 @@ def collate(
     value (keys it lacks pad with 0). Raises `ValueError` for no items and the
     first `validate` error when the items cannot be batched together.
     """
+    _check_items("collate", items)
     if not items:
         raise ValueError("collate needs at least one item")
-    if padding_side not in ("right", "left"):
+    if not isinstance(padding_side, str) or padding_side not in ("right", "left"):
         raise ValueError(f'padding_side must be "right" or "left", got {padding_side!r}')
     multiple = _validate.optional_count("pad_to_multiple_of", pad_to_multiple_of)
     for error in validate(items):
@@ -491,6 +532,10 @@ def split(outputs: Any, collated: Collated, *, copy: bool = False) -> list[Any]:
     `ValueError`; a value that is not an array, tensor, dict, tuple, list or None
     raises `TypeError`.
     """
+    if not isinstance(collated, Collated):
+        raise TypeError(
+            f"split needs the Collated that collate returned, got {_type_name(collated)}"
+        )
     count = len(collated.lengths)
     return _split(outputs, collated, (), count, copy)
 
