@@ -112,8 +112,7 @@ class ProcessWorkers(Executor):
                 f"factory must be picklable to reach a worker process (a module-level "
                 f"function or class, or a functools.partial of one), got {factory!r}: {exc}"
             ) from exc
-        if not isinstance(retry_on_crash, bool):
-            raise TypeError(f"retry_on_crash must be a bool, got {retry_on_crash!r}")
+        _validate.flag("retry_on_crash", retry_on_crash)
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
         self.name = name

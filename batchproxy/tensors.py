@@ -438,8 +438,7 @@ def collate(
     _check_items("collate", items)
     if not items:
         raise ValueError("collate needs at least one item")
-    if not isinstance(padding_side, str) or padding_side not in ("right", "left"):
-        raise ValueError(f'padding_side must be "right" or "left", got {padding_side!r}')
+    _validate.choice("padding_side", padding_side, ("right", "left"))
     multiple = _validate.optional_count("pad_to_multiple_of", pad_to_multiple_of)
     for error in validate(items):
         if error is not None:

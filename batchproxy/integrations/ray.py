@@ -72,7 +72,7 @@ from typing_extensions import Self
 
 from .._errors import WorkerDied
 from .._executor import Executor, ModelFactory, ModelFn
-from .._validate import count
+from .._validate import count, flag
 
 __all__ = ["RayActors"]
 
@@ -149,8 +149,7 @@ class RayActors(Executor):
                 f"factory must be a callable that returns the model, got "
                 f"{type(factory).__name__} {factory!r}"
             )
-        if not isinstance(retry_on_crash, bool):
-            raise TypeError(f"retry_on_crash must be a bool, got {type(retry_on_crash).__name__}")
+        flag("retry_on_crash", retry_on_crash)
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
         self.name = name
