@@ -65,13 +65,15 @@ class _RemoteTraceback(Exception):
 
 
 class _Job:
-    __slots__ = ("future", "items", "loop", "retried")
+    __slots__ = ("abandoned", "future", "items", "loop", "retried", "served_by")
 
     def __init__(self, items: list[Any], loop: asyncio.AbstractEventLoop) -> None:
         self.items = items
         self.loop = loop
         self.future: asyncio.Future[Any] = loop.create_future()
         self.retried = False
+        self.abandoned = False  # its caller was cancelled (under the owner's lock)
+        self.served_by: _Worker | None = None  # the worker whose process runs it now
 
     def reply(self, outcome: Any) -> None:
         """Hand the outcome to the caller's loop (from a worker's thread)."""
@@ -200,10 +202,25 @@ class ProcessWorkers(Executor):
         self._start_threads()
         job = _Job(items, asyncio.get_running_loop())
         self._dispatch(job)
-        outcome = await job.future
+        try:
+            outcome = await job.future
+        except asyncio.CancelledError:
+            self._abandon(job)
+            raise
         if type(outcome) is _Raised:
             raise outcome.exc
         return outcome
+
+    def _abandon(self, job: _Job) -> None:
+        """The batch was cancelled (the proxy's watchdog gave up on it, or its event loop
+        is ending). Not started yet: it never will. Running in a worker: kill that
+        worker's process, so a model that hangs cannot keep the worker; it is restarted
+        before the worker's next batch."""
+        with self._lock:
+            job.abandoned = True
+            worker = job.served_by
+            if worker is not None:
+                worker.kill()
 
     def _dispatch(self, job: _Job, avoid: _Worker | None = None) -> None:
         with self._lock:
@@ -347,12 +364,19 @@ class _Worker:
         except Exception as exc:
             job.fail(TypeError(f"{self.owner.name}: the batch could not be pickled: {exc!r}"))
             return
+        with self.owner._lock:
+            if job.abandoned:
+                return
+            job.served_by = self
         try:
             _ipc.send(conn, frames)
             frames = _ipc.receive(conn)
         except (EOFError, OSError):
-            self._died(job)
+            if not self._finish_serving(job):  # else killed for it: nobody waits for it
+                self._died(job)
             return
+        if self._finish_serving(job):
+            return  # killed, or about to be, for nobody: the next batch gets a new process
         try:
             reply = _ipc.decode(frames)
         except Exception as exc:
@@ -362,6 +386,27 @@ class _Worker:
             job.reply(reply[1])
         else:
             job.fail(_remote(reply[1], reply[2]))
+
+    def _finish_serving(self, job: _Job) -> bool:
+        """The process is done with `job`; True (its process stopped) if it was abandoned
+        meanwhile, and so may have been killed."""
+        with self.owner._lock:
+            job.served_by = None
+            abandoned = job.abandoned
+        if abandoned:
+            self._stop_process()
+        return abandoned
+
+    def kill(self) -> None:
+        """Kill the process (under the owner's lock, while it serves an abandoned job)."""
+        process = self._process
+        if process is not None:
+            logger.warning(
+                "%s: killing worker %d (pid %s): its batch was abandoned while it ran",
+                self.owner.name, self.index, self.pid,
+            )  # fmt: skip
+            with contextlib.suppress(OSError, ValueError):
+                process.kill()
 
     def _died(self, job: _Job) -> None:
         """The worker died holding `job`: fail it or rerun it once elsewhere; the

@@ -487,7 +487,10 @@ class Proxy(ABC, Generic[In, Out]):
             result: Out = await request.future
             return result
         except asyncio.CancelledError:
-            self._abandon(request)
+            if request.future.cancelled():
+                self._abandon(request)
+            else:  # answered, then cancelled before this task resumed: it sees the cancel
+                self._recount_as_cancelled(request.future)
             raise
         finally:
             timer = request.deadline_timer
@@ -740,6 +743,19 @@ class Proxy(ABC, Generic[In, Out]):
         self._stats.cancelled += 1
         self._finished("cancelled", request)
 
+    def _recount_as_cancelled(self, future: asyncio.Future[Any]) -> None:
+        """Count a settled call as cancelled instead: its caller was cancelled before it
+        could take the outcome. (`request_finished` reported the outcome already.)"""
+        stats = self._stats
+        error = future.exception()
+        if error is None:
+            stats.succeeded -= 1
+        elif isinstance(error, DeadlineExceeded) and error.proxy == self.name:
+            stats.timed_out -= 1
+        else:
+            stats.errors -= 1
+        stats.cancelled += 1
+
     def _finished(self, outcome: str, request: Request[In]) -> None:
         stats = self._stats
         if stats.listeners:
@@ -782,6 +798,8 @@ class Proxy(ABC, Generic[In, Out]):
         try:
             try:
                 results, whole = await self._call_model([r.item for r in requests])
+            except GeneratorExit:  # closed unfinished, with its event loop gone
+                raise
             except BaseException as exc:
                 overrun = self._overran_batches.get(task)
                 if overrun is not None and isinstance(exc, asyncio.CancelledError):
@@ -809,11 +827,12 @@ class Proxy(ABC, Generic[In, Out]):
         finally:
             if watchdog is not None:
                 watchdog.cancel()
-            self._batch_ended(task, size, loop.time() - started, error, released)
+            self._batch_ended(task, scheduler, size, loop.time() - started, error, released)
 
     def _batch_ended(
         self,
         task: asyncio.Task[Any],
+        scheduler: Scheduler[In],
         size: int,
         seconds: float,
         error: BaseException | None,
@@ -821,6 +840,8 @@ class Proxy(ABC, Generic[In, Out]):
     ) -> None:
         """The model call of a batch is over: record it, mark the proxy healthy again if
         it answered in time, and free the batch slot (unless already handed on)."""
+        if scheduler is not self._scheduler:
+            return  # its event loop ended (the batch is closed as garbage), and its slot too
         stats = self._stats
         stats.model_time.append(seconds)
         if stats.listeners:
@@ -830,8 +851,7 @@ class Proxy(ABC, Generic[In, Out]):
         if not self._health.healthy and not self._overran_batches and not self._closed:
             self._health = _HEALTHY  # the model answers in time again
         if not released:
-            assert self._scheduler is not None
-            self._scheduler.batch_finished()
+            scheduler.batch_finished()
 
     def _overran(self, task: asyncio.Task[None], requests: list[Request[In]]) -> None:
         """Watchdog: the batch ran past `batch_timeout`. Fail its callers now, free its

@@ -152,7 +152,12 @@ class Listener:
         """The model returned (or raised `error`) after `model_seconds`."""
 
     def request_finished(self, proxy: str, outcome: str, seconds: float) -> None:
-        """A call ended: `outcome` is succeeded, error, timed_out or cancelled."""
+        """A call ended: `outcome` is succeeded, error, timed_out or cancelled.
+
+        Called once per call, when the proxy settles it. A caller cancelled in the
+        instant after that, before it resumed, sees `CancelledError`: `stats` then
+        counts the call as cancelled, but this hook is not called again.
+        """
 
     def error(self, proxy: str, error: BaseException, size: int) -> None:
         """A batch of `size` failed as a whole with `error`."""

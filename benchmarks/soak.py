@@ -12,8 +12,10 @@ event loop; it usually answers after one loop turn, one batch in five after 0.2
 to 3 ms. At random:
 
 - callers are cancelled (5 %), 0.05 to 3 ms after calling: while queued, while
-  their batch runs, or (skipped, see below) after their answer was produced;
-- calls carry a deadline (10 %) of 0.2 to 20 ms, which many miss;
+  their batch runs, or after their answer was set but before they resumed (they
+  see the cancel, and `proxy.stats` counts them cancelled);
+- calls carry a deadline (10 %) of 0.2 to 20 ms, which many miss (some of those
+  callers are cancelled too, before or after their deadline fails them);
 - a job fails alone: the model returns a `ValueError` in its slot (3 %);
 - a job fails its whole batch: the model raises (0.05 %) or returns one result
   too few (0.02 %, `BatchSizeMismatch`);
@@ -34,13 +36,6 @@ Reported:
 - live asyncio tasks and futures (found with `gc.get_objects()` after a
   `gc.collect()`), and batchproxy requests, before the load, at each checkpoint,
   after it and after `aclose()`: after must equal before.
-
-A cancel is skipped when the model has already answered that caller's batch but
-the caller has not resumed yet: cancelling then would make the caller see
-`CancelledError` while `proxy.stats` counts the answer it never received (an
-asyncio race the stats do not follow; see `tests/test_soak.py`). The skipped
-cancels are counted. Callers with a deadline are never cancelled, so that a
-cancel never lands on a caller whose deadline has just failed it.
 """
 
 from __future__ import annotations
@@ -89,14 +84,13 @@ QUICK = Config(requests=20_000)
 
 
 class Job:
-    """One call's item. `answered`: the model has returned (or raised) for its batch."""
+    """One call's item."""
 
-    __slots__ = ("answered", "kind", "n")
+    __slots__ = ("kind", "n")
 
     def __init__(self, n: int, kind: str) -> None:
         self.n = n
         self.kind = kind
-        self.answered = False
 
 
 class Chaotic(batchproxy.Proxy[Job, int]):
@@ -110,21 +104,17 @@ class Chaotic(batchproxy.Proxy[Job, int]):
 
     @override
     async def _inference(self, items: list[Job]) -> list[int | Exception]:
-        try:
-            if self.random.random() < self.config.slow_batch_rate:
-                await asyncio.sleep(self.random.uniform(0.0002, 0.003))
-            else:
-                await asyncio.sleep(0)
-            kinds = {job.kind for job in items}
-            if "boom" in kinds:
-                raise RuntimeError("boom")
-            results: list[int | Exception] = [
-                ValueError(job.n) if job.kind == "bad" else job.n for job in items
-            ]
-            return results[:-1] if "short" in kinds else results
-        finally:
-            for job in items:  # the proxy settles every caller before anything else runs
-                job.answered = True
+        if self.random.random() < self.config.slow_batch_rate:
+            await asyncio.sleep(self.random.uniform(0.0002, 0.003))
+        else:
+            await asyncio.sleep(0)
+        kinds = {job.kind for job in items}
+        if "boom" in kinds:
+            raise RuntimeError("boom")
+        results: list[int | Exception] = [
+            ValueError(job.n) if job.kind == "bad" else job.n for job in items
+        ]
+        return results[:-1] if "short" in kinds else results
 
 
 @dataclass
@@ -139,7 +129,6 @@ class Tally:
     timed_out: int = 0
     wrong: int = 0  # got a result that was not its own (cross-talk); must stay 0
     unexpected: list[str] = field(default_factory=list)  # errors of no expected kind
-    cancels_skipped: int = 0  # the model had answered already: see the module docstring
 
     def ended(self) -> int:
         return self.succeeded + self.failed + self.cancelled + self.rejected + self.timed_out
@@ -230,10 +219,9 @@ def plan(rng: random.Random, config: Config, n: int) -> tuple[Job, float | None,
     else:
         kind = "ok"
     timeout = cancel_after = None
-    roll = rng.random()
-    if roll < config.deadline_rate:
+    if rng.random() < config.deadline_rate:
         timeout = 0.0002 * 100 ** rng.random()  # 0.2 to 20 ms, log-uniform
-    elif roll < config.deadline_rate + config.cancel_rate:
+    if rng.random() < config.cancel_rate:
         cancel_after = rng.uniform(0.00005, 0.003)
     return Job(n, kind), timeout, cancel_after, rng.randrange(3)
 
@@ -277,11 +265,7 @@ class Load:
             call = asyncio.create_task(
                 self.proxy.inference(job, timeout=timeout, priority=priority)
             )
-            canceller = (
-                None
-                if cancel_after is None
-                else loop.call_later(cancel_after, self.cancel, call, job)
-            )
+            canceller = None if cancel_after is None else loop.call_later(cancel_after, call.cancel)
             try:
                 outcome = await self.ended(call, job)
             finally:
@@ -323,14 +307,6 @@ class Load:
             return "wrong"
         tally.succeeded += 1
         return "succeeded"
-
-    def cancel(self, call: asyncio.Task[int], job: Job) -> None:
-        if call.done():
-            return
-        if job.answered:  # settled, its caller about to resume: see the module docstring
-            self.tally.cancels_skipped += 1
-            return
-        call.cancel()
 
     async def reconfigure(self) -> None:
         rng = self.rng
@@ -389,7 +365,7 @@ def verdict(ok: bool) -> str:
 
 
 def markdown(result: Result) -> str:
-    t, s = result.tally, result.stats
+    s = result.stats
     agree = result.agreement()
     rows = [
         "| outcome | counted by the callers | counted by proxy.stats | agree |",
@@ -404,8 +380,7 @@ def markdown(result: Result) -> str:
         f"{result.config.requests:,} requests, {result.config.concurrency:,} in flight, "
         f"{result.seconds:.1f} s ({result.config.requests / result.seconds:,.0f} requests/s), "
         f"{s['batches']:,} batches (mean {s['items'] / max(1, s['batches']):.1f} items, "
-        f"{s['failed_batches']:,} failed), {result.reconfigurations:,} reconfigurations, "
-        f"{t.cancels_skipped:,} cancels skipped (answer already produced).",
+        f"{s['failed_batches']:,} failed), {result.reconfigurations:,} reconfigurations.",
         "",
         *rows,
         "",

@@ -238,7 +238,34 @@ async def test_cancel_after_result_delivered_is_counted_once():
     await asyncio.wait(tasks)
     assert [outcome(t) for t in tasks] == ["ok", "cancelled", "ok"]
     stats = p.stats
-    assert stats.succeeded + stats.cancelled == 3
+    assert (stats.succeeded, stats.cancelled) == (2, 1)  # as the callers saw it
+    assert_settled(stats)
+    await p.aclose()
+
+
+@pytest.mark.parametrize("settled_as", ["succeeded", "errors", "timed_out"])
+@pytest.mark.looptime
+async def test_a_caller_cancelled_after_its_outcome_was_set_is_counted_cancelled(settled_as):
+    """Whatever the outcome set on its future (a result, an error in its slot, its
+    deadline), a caller cancelled before it resumes sees CancelledError, and the stats
+    count what it saw: cancelled, not the outcome it never took."""
+    callers: list[asyncio.Task[Any]] = []
+
+    class CancelTheCaller(batchproxy.Listener):
+        def request_finished(self, proxy: str, outcome: str, seconds: float) -> None:
+            callers[0].cancel()  # its future is settled; it has not resumed yet
+
+    answers = {"succeeded": lambda items: items, "errors": lambda items: [ValueError("bad")]}
+    p = Recorder(answers.get(settled_as), delay=1.0, max_delay_ms=0)
+    p.add_listener(CancelTheCaller())
+    callers.append(
+        asyncio.create_task(p.inference(1, timeout=0.5 if settled_as == "timed_out" else None))
+    )
+    await asyncio.wait(callers)
+    assert outcome(callers[0]) == "cancelled"
+    await asyncio.sleep(2.0)  # the batch of a timed-out call ends too
+    stats = p.stats
+    assert (stats.succeeded, stats.errors, stats.timed_out, stats.cancelled) == (0, 0, 0, 1)
     assert_settled(stats)
     await p.aclose()
 
@@ -258,10 +285,11 @@ async def test_cancel_and_deadline_at_the_same_moment_count_once(running):
     assert (p.stats.in_flight, p.stats.queue_depth) == (1, 0 if running else 1)
     loop.call_at(loop.time() + 3.0, target.cancel)
     await asyncio.wait([target, *others])
-    assert outcome(target) in ("cancelled", "DeadlineExceeded")
+    seen = outcome(target)
+    assert seen in ("cancelled", "DeadlineExceeded")
     await asyncio.sleep(20.0)
     stats = p.stats
-    assert stats.timed_out + stats.cancelled == 1
+    assert (stats.timed_out, stats.cancelled) == ((0, 1) if seen == "cancelled" else (1, 0))
     assert_settled(stats)
     await p.aclose()
 

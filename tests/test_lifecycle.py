@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
+import itertools
 import logging
 import threading
 
@@ -490,3 +492,39 @@ async def test_batch_task_cancelled_from_outside_fails_its_callers() -> None:
     proxy.delay = 0.0
     assert await asyncio.wait_for(proxy.inference("next"), 5) == ("out", "next")
     await proxy.aclose()
+
+
+def test_a_batch_left_on_a_closed_loop_does_not_touch_the_next_loops_slots(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A loop closed (without cancelling its tasks) while a batch ran: when garbage
+    collection later closes that batch, it frees no slot of the new loop's scheduler
+    (which would let two batches overlap) and logs nothing of its own."""
+    proxy = Recorder(delay=0.2, batch_size=1)
+    first = asyncio.new_event_loop()
+    left_behind: list[asyncio.Task[object]] = []
+
+    async def leave_a_batch_in_the_model() -> None:
+        left_behind.append(first.create_task(proxy.inference("abandoned")))
+        await asyncio.sleep(0.01)
+
+    first.run_until_complete(leave_a_batch_in_the_model())
+    first.close()  # its pending tasks are not cancelled
+
+    async def next_loop() -> list[object]:
+        await proxy.start()  # a fresh scheduler, on this loop
+        left_behind.clear()
+        with caplog.at_level(logging.ERROR, logger="batchproxy"):
+            gc.collect()  # closes the old batch's coroutine (GeneratorExit)
+        assert proxy._scheduler is not None
+        assert proxy._scheduler.in_flight == 0
+        results = await asyncio.wait_for(asyncio.gather(*map(proxy.inference, range(3))), 10)
+        assert proxy._scheduler.in_flight == 0
+        await proxy.aclose()
+        return results
+
+    assert asyncio.run(next_loop()) == [("out", i) for i in range(3)]
+    starts = proxy.started_at[1:]
+    gaps = [later - earlier for earlier, later in itertools.pairwise(starts)]
+    assert all(gap >= 0.19 for gap in gaps), gaps  # one at a time: batch_size=1, one slot
+    assert [r for r in caplog.records if r.name == "batchproxy"] == []

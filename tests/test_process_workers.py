@@ -128,6 +128,34 @@ async def test_a_killed_worker_fails_exactly_its_batch_and_is_replaced() -> None
         assert proxy.stats.errors == 3
 
 
+async def test_a_worker_whose_batch_the_watchdog_abandoned_is_killed_and_replaced(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A model hung in a worker process: the watchdog fails its callers, and the
+    worker's process is killed and restarted, so the next batch is served at once (on
+    the same single worker) instead of queueing behind the hung one, and the proxy
+    turns healthy again. With retry_on_crash, the abandoned batch is not rerun."""
+    async with (
+        ProcessWorkers(_workers.tagging, 1, retry_on_crash=True) as workers,
+        Proxy(offload=workers, batch_size=2, batch_timeout=1.0) as proxy,
+    ):
+        (hung_pid,) = workers.pids
+        assert hung_pid is not None
+        with pytest.raises(batchproxy.BatchTimeout):
+            await asyncio.wait_for(proxy.inference(("sleep", 60)), 10)
+        assert not proxy.healthy
+        started = time.monotonic()
+        pid, item = await asyncio.wait_for(proxy.inference("next"), 20)
+        assert item == "next"
+        assert pid != hung_pid
+        assert time.monotonic() - started < 15  # a new process, not the hung one's 60 s
+        assert gone(hung_pid)
+        assert proxy.healthy
+        stats = proxy.stats
+        assert (stats.timed_out_batches, stats.succeeded, stats.errors) == (1, 1, 1)
+    assert any("killing worker 0" in r.getMessage() for r in caplog.records)
+
+
 async def test_with_retry_a_killed_workers_batch_is_rerun_on_another() -> None:
     async with (
         ProcessWorkers(_workers.tagging, 2, retry_on_crash=True) as workers,
