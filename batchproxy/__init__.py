@@ -19,15 +19,18 @@ from ._errors import (
     WorkerDied,
 )
 from ._executor import Executor, ModelFactory
+from ._generation import GenerationProxy, Slot, Step
 from ._process_workers import ProcessWorkers
 from ._proxy import Proxy
 from ._stats import Health, Listener, Percentiles, ProxyStats
+from ._streaming import END, Last, StreamEnd
 from ._tensor_proxy import TensorProxy
 from ._worker_thread import WorkerThread
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "END",
     "BackgroundLoop",
     "BatchProxyError",
     "BatchSizeMismatch",
@@ -36,8 +39,10 @@ __all__ = [
     "CostEstimate",
     "DeadlineExceeded",
     "Executor",
+    "GenerationProxy",
     "Health",
     "InferenceError",
+    "Last",
     "Listener",
     "ModelFactory",
     "Percentiles",
@@ -46,6 +51,9 @@ __all__ = [
     "ProxyClosed",
     "ProxyStats",
     "QueueFull",
+    "Slot",
+    "Step",
+    "StreamEnd",
     "TensorProxy",
     "WorkerDied",
     "WorkerThread",

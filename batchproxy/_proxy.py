@@ -33,7 +33,7 @@ import threading
 import time
 import weakref
 from abc import ABC
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence, Set
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence, Set
 from types import EllipsisType
 from typing import Any, Generic, Literal, TypeVar, overload
 
@@ -56,6 +56,7 @@ from ._oom import BatchCap, OomPredicate, is_out_of_memory
 from ._queue import Request
 from ._scheduler import Scheduler
 from ._stats import Health, Listener, ProxyStats, StatsRecorder
+from ._streaming import _CLOSED, _FINISHED, Last, Steps, StreamRequest, is_closing, matching_view
 from ._worker_thread import WorkerThread
 
 __all__ = ["Proxy"]
@@ -198,6 +199,7 @@ class Proxy(ABC, Generic[In, Out]):
         self._cost_model = CostModel("item" if length is None else "token")
 
         self._model = self._model_function()
+        self._streaming = self._streams(offload)
         self._executor, self._owns_executor = self._choose_executor(offload)
         self._follow_capacity = concurrent is None
         self._max_concurrent = self._executor.capacity if concurrent is None else concurrent
@@ -208,7 +210,6 @@ class Proxy(ABC, Generic[In, Out]):
             weakref.finalize(self, self._executor.close).atexit = False
 
         self._stats = StatsRecorder(self.name)
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
         self._scheduler: Scheduler[In] | None = None
         self._batch_tasks: set[asyncio.Task[None]] = set()
@@ -240,6 +241,25 @@ class Proxy(ABC, Generic[In, Out]):
         """What a batch calls; `_inference` unless a subclass supplies another callable."""
         return self._inference
 
+    def _streams(self, offload: object) -> bool:
+        """Whether `_inference` is a generator (its results are streams); refuse the
+        options such a model cannot honour."""
+        model = self._model
+        if not (inspect.isasyncgenfunction(model) or inspect.isgeneratorfunction(model)):
+            return False
+        if self._isolate_errors or self._is_oom is not None:
+            option = "isolate_errors" if self._isolate_errors else "oom_backoff"
+            raise TypeError(
+                f"{self.name}: {option} reruns parts of a batch, which a streaming "
+                f"_inference (a generator) cannot do; leave it off"
+            )
+        if inspect.isasyncgenfunction(self._model) and offload is not False:
+            raise TypeError(
+                f"{self.name}: an async generator _inference runs on the event loop; to run "
+                f"its steps on a worker thread, make it a plain generator (def ... yield)"
+            )
+        return True
+
     def _choose_executor(self, offload: object) -> tuple[Executor, bool]:
         own_model = self._has_own_model()
         if isinstance(offload, Executor):
@@ -259,7 +279,10 @@ class Proxy(ABC, Generic[In, Out]):
             )
         if not own_model:
             raise TypeError(_no_model(type(self).__name__))
-        if offload or not inspect.iscoroutinefunction(self._model):
+        on_loop = inspect.iscoroutinefunction(self._model) or inspect.isasyncgenfunction(
+            self._model
+        )
+        if offload or not on_loop:
             return WorkerThread(name=f"batchproxy-{self.name}"), True
         return LoopExecutor(), False
 
@@ -388,7 +411,7 @@ class Proxy(ABC, Generic[In, Out]):
         self._loop_thread = threading.get_ident()
         self._scheduler = Scheduler(
             loop,
-            batch_size=self._cap.cap,
+            batch_size=self._dispatch_size(),
             max_delay=self._max_delay,
             max_concurrent_batches=self._max_concurrent,
             start_batch=self._start_batch,
@@ -453,6 +476,10 @@ class Proxy(ABC, Generic[In, Out]):
         self._cap.set_limit(size)
         self._apply_limits()
 
+    def _dispatch_size(self) -> int:
+        """The most requests the scheduler puts in one batch: the current cap."""
+        return self._cap.cap
+
     def _on_capacity(self, capacity: int) -> None:
         """The executor was resized (maybe from another thread): follow it, if we do."""
         if self._follow_capacity and not self._closed:
@@ -464,7 +491,7 @@ class Proxy(ABC, Generic[In, Out]):
         loop, scheduler = self._loop, self._scheduler
         if loop is None or scheduler is None or loop.is_closed():
             return  # the next event loop's scheduler starts with these values
-        limits = (self._cap.cap, self._max_delay, self._max_concurrent)
+        limits = (self._dispatch_size(), self._max_delay, self._max_concurrent)
         if threading.get_ident() == self._loop_thread:
             scheduler.reconfigure(*limits)
         else:
@@ -496,6 +523,47 @@ class Proxy(ABC, Generic[In, Out]):
             timer = request.deadline_timer
             if timer is not None:
                 timer.cancel()
+
+    async def stream(
+        self, item: In, *, timeout: float | None = None, priority: int = 0
+    ) -> AsyncIterator[Out]:
+        """Queue one item; yield its chunks as its batch's steps produce them.
+
+        For a proxy whose `_inference` is a generator (and for a `GenerationProxy`):
+        `async for chunk in proxy.stream(item)`. The stream ends when the model ends
+        it (`END`, `Last`, or the generator returning) and raises what the model put
+        in its slot, or raised. Leaving the loop early (`break`), closing the
+        iterator or being cancelled withdraws the call: a queued one never reaches
+        the model, a running one is dropped from its batch at the next step.
+        `timeout` bounds the whole stream. On a proxy that does not stream, the
+        stream is its one result.
+        """
+        if not self._streaming:
+            yield await self.inference(item, timeout=timeout, priority=priority)
+            return
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop and not self._bind(loop):
+            raise RuntimeError(
+                f"{self.name} runs in an event loop in another thread; stream from there"
+            )
+        request = self._enqueue(loop, item, timeout, priority, stream=True)
+        assert isinstance(request, StreamRequest)
+        chunks, future = request.chunks, request.future
+        over = False  # the consumer read the end of the stream
+        try:
+            while (chunk := await chunks.get()) is not _CLOSED:
+                yield chunk
+            over = True
+            future.result()  # the stream's error, if it failed
+        finally:
+            if request.deadline_timer is not None:
+                request.deadline_timer.cancel()
+            if not over:
+                if not future.done():
+                    future.cancel()
+                    self._abandon(request)
+                elif not future.cancelled():  # it ended unread: the consumer left first
+                    self._recount_as_cancelled(future)
 
     @overload
     async def inference_many(
@@ -665,8 +733,18 @@ class Proxy(ABC, Generic[In, Out]):
             raise QueueFull(self.name, limit)
 
     def _enqueue(
-        self, loop: asyncio.AbstractEventLoop, item: In, timeout: object, priority: object
+        self,
+        loop: asyncio.AbstractEventLoop,
+        item: In,
+        timeout: object,
+        priority: object,
+        stream: bool = False,
     ) -> Request[In]:
+        if stream is not self._streaming:
+            raise TypeError(
+                f"{self.name} streams its results (its _inference is a generator): "
+                f"use `async for chunk in proxy.stream(item)`"
+            )
         if type(priority) is not int:
             priority = _validate.priority(priority)
         seconds = self._timeout if timeout is None else _validate.timeout("timeout", timeout)
@@ -675,13 +753,14 @@ class Proxy(ABC, Generic[In, Out]):
         now = loop.time()
         scheduler = self._scheduler
         assert scheduler is not None
+        kind = StreamRequest if stream else Request
         if seconds is None:
-            request: Request[In] = Request(item, loop.create_future(), priority, now, cost)
+            request: Request[In] = kind(item, loop.create_future(), priority, now, cost)
         else:
             deadline = now + seconds
             if self._shed_late:
                 self._shed_if_late(scheduler, priority, deadline, cost, seconds)
-            request = Request(item, loop.create_future(), priority, now, cost, deadline)
+            request = kind(item, loop.create_future(), priority, now, cost, deadline)
             request.deadline_timer = loop.call_at(deadline, self._expire, request, seconds)
         scheduler.submit(request)
         stats = self._stats
@@ -768,8 +847,9 @@ class Proxy(ABC, Generic[In, Out]):
         assert self._loop is not None
         # a batch serves many callers: it starts from an empty contextvars context
         # rather than from whichever caller's context triggered the dispatch
+        run = self._run_stream(requests) if self._streaming else self._run_batch(requests)
         task = contextvars.Context().run(
-            self._loop.create_task, self._run_batch(requests), name=self._batch_task_name
+            self._loop.create_task, run, name=self._batch_task_name
         )  # named: a default name costs a counter and a format per batch
         self._batch_tasks.add(task)
         task.add_done_callback(self._batch_tasks.discard)
@@ -828,6 +908,130 @@ class Proxy(ABC, Generic[In, Out]):
             if watchdog is not None:
                 watchdog.cancel()
             self._batch_ended(task, scheduler, size, loop.time() - started, error, released)
+
+    async def _run_stream(self, requests: list[Request[In]] | None) -> None:
+        """Run a streaming batch: step the generator, hand each step's elements to the
+        callers still there, until it returns or nobody is left. `batch_timeout`
+        bounds each step."""
+        loop, scheduler = self._loop, self._scheduler
+        assert loop is not None
+        assert scheduler is not None
+        if requests is None:
+            requests = scheduler.take_reserved()
+            if not requests:
+                return
+        task = asyncio.current_task()
+        assert task is not None
+        _current_batch.set(task)
+        started = loop.time()
+        self._record_start(requests, started)
+        steps = Steps(self._model([r.item for r in requests]), self._executor)
+        error: BaseException | None = None
+        try:
+            finished, error = await self._step_through(steps, requests, task)
+            if not finished:  # everybody left, or the batch failed: the generator is not done
+                with contextlib.suppress(Exception):
+                    await steps.close()
+        except asyncio.CancelledError as exc:  # not the watchdog's: the loop is ending
+            error = InferenceError(self.name, exc)
+            raise
+        finally:
+            self._stream_batch_ended(task, scheduler, requests, error, started)
+
+    def _stream_batch_ended(
+        self,
+        task: asyncio.Task[Any],
+        scheduler: Scheduler[In],
+        requests: list[Request[In]],
+        error: BaseException | None,
+        started: float,
+    ) -> None:
+        """A streaming batch is over: fail its open streams with `error`, or end them."""
+        if scheduler is not self._scheduler:
+            return  # its event loop ended (the batch is closed as garbage), and its slot too
+        now = scheduler.loop.time()
+        if error is not None:
+            self._stats.failed_batches += 1
+            self._fail(requests, error)
+        else:
+            self._end_streams(requests, now)
+        self._batch_ended(task, scheduler, len(requests), now - started, error, False)
+
+    async def _step_through(
+        self, steps: Steps, requests: list[Request[In]], task: asyncio.Task[Any]
+    ) -> tuple[bool, BaseException | None]:
+        """The steps of a streaming batch: (whether the generator returned, the error
+        that ended the batch, if one did)."""
+        loop = self._loop
+        assert loop is not None
+        told = unmarked = requests  # the callers in the last keep; those not ended by it
+        keep: list[int] | None = None
+        while True:
+            watchdog = (
+                None
+                if self._batch_timeout is None
+                else loop.call_later(self._batch_timeout, self._overran, task, told)
+            )
+            try:
+                elements = await steps.send(keep)
+            except GeneratorExit:  # closed unfinished, with its event loop gone
+                raise
+            except BaseException as exc:
+                overrun = self._overran_batches.get(task)
+                if overrun is not None and isinstance(exc, asyncio.CancelledError):
+                    _uncancel(task)
+                    return True, overrun
+                if isinstance(exc, asyncio.CancelledError) and _cancel_requested():
+                    raise
+                if not isinstance(exc, Exception):
+                    logger.error("%s._inference raised %r", self.name, exc)
+                return True, _caller_error(self.name, exc)
+            finally:
+                if watchdog is not None:
+                    watchdog.cancel()
+            if elements is _FINISHED:
+                return True, None
+            try:
+                elements = self._result_sequence(elements)
+            except BaseException as exc:
+                return False, _caller_error(self.name, exc)
+            view = matching_view((told, unmarked, requests), len(elements))
+            if view is None:
+                return False, BatchSizeMismatch(self.name, len(told), len(elements))
+            now = loop.time()
+            marked = set()
+            for request, element in zip(view, elements, strict=True):
+                if not request.future.done() and not self._stream_element(request, element, now):
+                    marked.add(request)
+            unmarked = [r for r in unmarked if r not in marked]
+            keep = [i for i, r in enumerate(view) if not r.future.done()]
+            told = [view[i] for i in keep]
+            if not told:
+                return False, None
+
+    def _stream_element(self, request: Request[In], element: object, now: float) -> bool:
+        """Hand one step's element to its streaming caller; whether the stream goes on."""
+        assert isinstance(request, StreamRequest)
+        if not is_closing(element):
+            request.chunks.put_nowait(element)
+            return True
+        if isinstance(element, BaseException):
+            self._fail([request], _caller_error(self.name, element))
+        else:
+            if isinstance(element, Last):
+                request.chunks.put_nowait(element.chunk)
+            self._end_streams([request], now)
+        return False
+
+    def _end_streams(self, requests: list[Request[In]], now: float) -> None:
+        """End the streams still open among `requests`, successfully."""
+        stats = self._stats
+        for request in requests:
+            if not request.future.done():
+                request.future.set_result(None)
+                stats.succeeded += 1
+                stats.total_latency.append(now - request.enqueued_at)
+                self._finished("succeeded", request)
 
     def _batch_ended(
         self,
@@ -949,7 +1153,7 @@ class Proxy(ABC, Generic[In, Out]):
     def _apply_cap(self) -> None:
         scheduler = self._scheduler
         if scheduler is not None:
-            scheduler.reconfigure(self._cap.cap, self._max_delay, self._max_concurrent)
+            scheduler.reconfigure(self._dispatch_size(), self._max_delay, self._max_concurrent)
 
     def _deliver(
         self, requests: list[Request[In]], results: object, now: float

@@ -235,6 +235,10 @@ class RequestQueue(Generic[T]):
                 ahead += bisect.bisect_right(entries, (deadline, math.inf))
         return ahead
 
+    def peek(self, now: float = 0.0) -> Request[T] | None:
+        """The live request a `pop_batch(1, now)` would take, left in the queue."""
+        return next(self._in_pop_order(now), None)
+
     def oldest_enqueued_at(self) -> float | None:
         """Arrival time of the longest-waiting live request, or None when empty."""
         self._clean_heads()

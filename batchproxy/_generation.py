@@ -1,0 +1,302 @@
+"""`GenerationProxy`: continuous batching. Sequences join and leave a running batch
+at every step, so a new request never waits for the whole batch to finish.
+
+One engine task per busy proxy runs steps while anything is active or queued:
+before each step, sequences whose stream ended or whose consumer left are let go,
+and queued requests join in the queue's order (priority, then deadline, then
+arrival) while there is room (`batch_size` active sequences, the `max_tokens`
+budget); the step runs; its elements go to their streams. With nothing active
+and nothing queued the engine ends, and the next request starts a new one.
+
+Cancellation, written down: a consumer that leaves (`break`, cancelled, its
+deadline) is dropped before the next step; the engine task cancelled (its event
+loop ending) fails every open stream with `InferenceError`; a step that raises
+fails the streams in it and the engine goes on with an empty batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from types import EllipsisType
+from typing import Any, Generic, TypeVar
+
+from . import _validate
+from ._errors import BatchSizeMismatch, InferenceError
+from ._executor import Executor
+from ._proxy import Proxy, _caller_error, _cancel_requested, _current_batch
+from ._queue import Request
+from ._streaming import END
+
+__all__ = ["GenerationProxy", "Slot", "Step"]
+
+logger = logging.getLogger("batchproxy")
+
+In = TypeVar("In")
+Out = TypeVar("Out")
+
+
+class Slot(Generic[In]):
+    """One sequence in the running batch: the caller's `item`, a `state` the model may
+    keep anything in (None at first), and how many `chunks` it has been sent."""
+
+    __slots__ = ("_request", "chunks", "item", "state")
+
+    def __init__(self, request: Request[In]) -> None:
+        self.item = request.item
+        self.state: Any = None
+        self.chunks = 0
+        self._request = request
+
+    def __repr__(self) -> str:
+        return f"<Slot item={self.item!r} chunks={self.chunks}>"
+
+
+class Step(Generic[In]):
+    """What one step works on.
+
+    - `active`: every sequence in the step, in order: the survivors of the previous
+      step in their previous order, then the newcomers;
+    - `joined`: the newcomers (the tail of `active`), which need their prefill;
+    - `kept`: positions, in the previous step's `active`, of the survivors (so
+      `cache = cache[kept]` prunes batched state);
+    - `left`: sequences gone since the previous step (ended, or their consumer left).
+    """
+
+    __slots__ = ("active", "joined", "kept", "left")
+
+    def __init__(
+        self, active: list[Slot[In]], joined: list[Slot[In]], kept: list[int], left: list[Slot[In]]
+    ) -> None:
+        self.active = active
+        self.joined = joined
+        self.kept = kept
+        self.left = left
+
+    def __repr__(self) -> str:
+        return (
+            f"<Step active={len(self.active)} joined={len(self.joined)} "
+            f"kept={len(self.kept)} left={len(self.left)}>"
+        )
+
+
+StepResult = Sequence[Any]
+
+
+class GenerationProxy(Proxy[In, Out]):
+    """Continuous batching for generation: implement `_step(step)`; callers use
+    `async for chunk in proxy.stream(item)`.
+
+    `_step` gets a `Step` and returns one element per `step.active`, in order: a
+    chunk for that caller, `Last(chunk)` (the chunk, then the end of its stream),
+    `END` (the end, no chunk), or an `Exception` instance (that caller's stream
+    fails). If it raises, every stream in the step fails with the error and the
+    next step starts with no survivors. A plain `def _step` runs on the proxy's
+    worker thread, an `async def` on the event loop.
+
+    - `batch_size`: the most active sequences in a step.
+    - `max_tokens` with `tokens`: a budget for the sum of `tokens(item)` over the
+      active sequences (say prompt length + max new tokens: the most KV cache a
+      sequence can take). A request waits until its tokens fit; one whose tokens
+      alone exceed the budget is refused at once with `ValueError`.
+    - `max_queue_size`, `timeout` (for the whole stream), `offload`, `name`: as
+      for `Proxy`.
+    """
+
+    def __init__(
+        self,
+        batch_size: int = 64,
+        *,
+        max_tokens: int | None = None,
+        tokens: Callable[[In], int] | None = None,
+        max_queue_size: int | None = None,
+        timeout: float | None = None,
+        offload: bool | Executor = False,
+        name: str | None = None,
+    ) -> None:
+        if type(self)._step is GenerationProxy._step:
+            raise TypeError(f"{type(self).__name__} must implement _step(step)")
+        if (max_tokens is None) != (tokens is None):
+            raise TypeError("max_tokens and tokens go together: give both or neither")
+        super().__init__(
+            batch_size,
+            max_delay_ms=0,
+            max_queue_size=max_queue_size,
+            timeout=timeout,
+            max_concurrent_batches=1,
+            offload=offload,
+            name=name,
+            length=tokens,
+        )
+        self._max_tokens = _validate.optional_count("max_tokens", max_tokens)
+        self._streaming = True
+
+    def configure(
+        self,
+        *,
+        batch_size: int | EllipsisType = ...,
+        max_delay_ms: float | EllipsisType = ...,
+        max_concurrent_batches: int | EllipsisType | None = ...,
+        max_queue_size: int | EllipsisType | None = ...,
+    ) -> None:
+        """Change `batch_size` (the most active sequences, from the next step) or
+        `max_queue_size` while the proxy runs; see `Proxy.configure`. A generation
+        proxy runs one batch at a time and never waits for company, so
+        `max_delay_ms` and `max_concurrent_batches` are refused."""
+        if max_delay_ms is not ... or max_concurrent_batches is not ...:
+            raise TypeError(
+                f"{self.name}: a GenerationProxy takes only batch_size and max_queue_size"
+            )
+        super().configure(batch_size=batch_size, max_queue_size=max_queue_size)
+
+    def _step(self, step: Step[In], /) -> Awaitable[StepResult] | StepResult:
+        """Run one step over `step.active`; return one element per active sequence."""
+        raise NotImplementedError  # __init__ refuses a subclass without it
+
+    def _model_function(self) -> Callable[[Any], Any]:
+        return self._step
+
+    def _dispatch_size(self) -> int:
+        return 1  # the engine admits the rest itself, between steps
+
+    def _record_joins(self, requests: list[Request[In]], now: float) -> None:
+        self._stats.queue_wait.extend(now - request.enqueued_at for request in requests)
+
+    def _record_step(self, size: int, seconds: float, error: BaseException | None) -> None:
+        """Count a step as a batch of its active sequences."""
+        stats = self._stats
+        stats.batches += 1
+        stats.items += size
+        stats.batch_sizes[size] = stats.batch_sizes.get(size, 0) + 1
+        stats.model_time.append(seconds)
+        if error is not None:
+            stats.failed_batches += 1
+        if stats.listeners:
+            stats.notify("batch_finished", size, seconds, error)
+            if error is not None:
+                stats.notify("error", error, size)
+
+    def _cost(self, item: In) -> int:
+        cost = super()._cost(item)
+        budget = self._max_tokens
+        if budget is not None and cost > budget:
+            raise ValueError(
+                f"{self.name}: this item needs {cost} tokens, more than max_tokens={budget}"
+            )
+        return cost
+
+    # -- the engine --------------------------------------------------------------------
+
+    async def _run_stream(self, requests: list[Request[In]] | None) -> None:
+        """Run steps while anything is active or queued (the batch slot is the engine's)."""
+        scheduler = self._scheduler
+        assert scheduler is not None
+        if requests is None:
+            requests = scheduler.take_reserved()
+            if not requests:
+                return
+        task = asyncio.current_task()
+        assert task is not None
+        _current_batch.set(task)
+        engine = _Engine(self, requests)
+        try:
+            await engine.run()
+        except asyncio.CancelledError as exc:  # from outside: the event loop is ending
+            self._fail(engine.open_requests(), InferenceError(self.name, exc))
+            raise
+        finally:
+            if scheduler is self._scheduler:  # else its event loop ended, with the slot
+                scheduler.batch_finished()
+
+
+class _Engine(Generic[In]):
+    """The steps of one busy spell of a `GenerationProxy`."""
+
+    def __init__(self, proxy: GenerationProxy[In, Any], first: list[Request[In]]) -> None:
+        self.proxy = proxy
+        self.waiting = list(first)  # taken from the queue by the scheduler: join first
+        self.active: list[Slot[In]] = []
+        self.used = 0  # tokens held by the active sequences
+
+    def open_requests(self) -> list[Request[In]]:
+        return [slot._request for slot in self.active] + self.waiting
+
+    async def run(self) -> None:
+        proxy = self.proxy
+        loop = proxy._loop
+        assert loop is not None
+        left: list[Slot[In]] = []
+        while True:
+            kept = [i for i, slot in enumerate(self.active) if not slot._request.future.done()]
+            survivors = [self.active[i] for i in kept]
+            left += [slot for slot in self.active if slot._request.future.done()]
+            self.used = sum(slot._request.cost for slot in survivors)
+            joined = self._admit(len(survivors), loop.time())
+            self.active = survivors + joined
+            if not self.active:
+                return
+            step = Step(self.active, joined, kept, left)
+            left = []
+            elements = await self._run_step(step)
+            if elements is None:  # the step failed, and every stream in it
+                left, self.active = list(self.active), []
+                continue
+            now = loop.time()
+            for slot, element in zip(self.active, elements, strict=True):
+                if not slot._request.future.done():
+                    proxy._stream_element(slot._request, element, now)
+                    if not (element is END or isinstance(element, BaseException)):
+                        slot.chunks += 1
+
+    def _admit(self, active: int, now: float) -> list[Slot[In]]:
+        """Newcomers, in queue order, while there is room; the rest keep waiting."""
+        proxy = self.proxy
+        scheduler = proxy._scheduler
+        assert scheduler is not None
+        queue = scheduler.queue
+        joined: list[Slot[In]] = []
+        budget = proxy._max_tokens
+        while active + len(joined) < proxy._batch_size:
+            self.waiting = [r for r in self.waiting if not r.future.done()]
+            request = self.waiting[0] if self.waiting else queue.peek(now)
+            if request is None:
+                break
+            if budget is not None and self.used + request.cost > budget:
+                break  # in order: it waits for room rather than being overtaken
+            if self.waiting:
+                self.waiting.pop(0)
+            else:
+                queue.discard(request)
+            self.used += request.cost
+            joined.append(Slot(request))
+        if joined:
+            proxy._record_joins([slot._request for slot in joined], now)
+        return joined
+
+    async def _run_step(self, step: Step[In]) -> Sequence[Any] | None:
+        """Run the model's step; its elements, or None if it failed (its streams too)."""
+        proxy = self.proxy
+        loop = proxy._loop
+        assert loop is not None
+        started = loop.time()
+        error: BaseException | None = None
+        elements: Sequence[Any] | None = None
+        try:
+            results = await proxy._executor.run(proxy._model, step)  # type: ignore[arg-type]
+            elements = proxy._result_sequence(results)
+            if len(elements) != len(step.active):
+                error = BatchSizeMismatch(proxy.name, len(step.active), len(elements))
+        except GeneratorExit:  # closed unfinished, with its event loop gone
+            raise
+        except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError) and _cancel_requested():
+                raise
+            if not isinstance(exc, Exception):
+                logger.error("%s._step raised %r", proxy.name, exc)
+            error = _caller_error(proxy.name, exc)
+        proxy._record_step(len(step.active), loop.time() - started, error)
+        if error is not None:
+            proxy._fail([slot._request for slot in step.active], error)
+            return None
+        return elements

@@ -1,0 +1,362 @@
+"""Streaming results: a generator `_inference`, `proxy.stream(item)`, end markers,
+dropped consumers, errors, deadlines and the watchdog, per step."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+from _support import assert_settled
+from typing_extensions import override
+
+import batchproxy
+from batchproxy import END, Last
+
+Element = Any
+
+
+class Counter(batchproxy.Proxy[int, Any]):
+    """Item n streams n chunks (n, 0), (n, 1), ... and ends with Last; every step
+    waits `delay` seconds. Records each batch, each step's `keep`, and whether the
+    generator was closed."""
+
+    def __init__(self, delay: float = 1.0, **options: Any) -> None:
+        options.setdefault("max_delay_ms", 0)
+        super().__init__(**options)
+        self.delay = delay
+        self.batches: list[list[int]] = []
+        self.keeps: list[list[int] | None] = []
+        self.closed_early = 0
+
+    @override
+    async def _inference(self, items: list[int]) -> AsyncIterator[list[Element]]:  # type: ignore[override]
+        self.batches.append(list(items))
+        active = list(items)
+        step = 0
+        try:
+            while active:
+                await asyncio.sleep(self.delay)
+                out = [(n, step) if step < n - 1 else Last((n, step)) for n in active]
+                keep = yield out
+                self.keeps.append(keep)
+                assert keep is not None
+                active = [active[i] for i in keep]
+                step += 1
+        except GeneratorExit:
+            self.closed_early += 1
+            raise
+
+
+async def collect(stream: AsyncIterator[Any], into: list[Any] | None = None) -> list[Any]:
+    """Every chunk of `stream`, also appended to `into` as they come (kept on a failure)."""
+    chunks = [] if into is None else into
+    async for chunk in stream:
+        chunks.append(chunk)
+    return chunks
+
+
+@pytest.mark.looptime
+async def test_each_caller_gets_its_own_chunks_from_one_shared_batch() -> None:
+    proxy = Counter()
+    streams = await asyncio.gather(*(collect(proxy.stream(n)) for n in (1, 3, 2)))
+    assert streams == [[(n, i) for i in range(n)] for n in (1, 3, 2)]
+    assert proxy.batches == [[1, 3, 2]]
+    assert proxy.keeps == [[1, 2], [0]]  # ended slots leave; positions in the last yield
+    assert proxy.closed_early == 1  # nobody left after the third step: closed at its yield
+    assert asyncio.get_running_loop().time() == pytest.approx(3.0)
+    stats = proxy.stats
+    assert (stats.batches, stats.succeeded) == (1, 3)
+    assert_settled(stats)
+    await proxy.aclose()
+
+
+@pytest.mark.looptime
+async def test_end_last_and_an_exception_end_only_their_own_streams() -> None:
+    class Mixed(batchproxy.Proxy[str, Any]):
+        @override
+        async def _inference(self, items: list[str]) -> AsyncIterator[list[Element]]:  # type: ignore[override]
+            keep = yield ["a1", "b1", "c1", "d1"]
+            assert keep == [0, 1, 2, 3]
+            keep = yield [END, Last("b2"), ValueError("c broke"), "d2"]
+            assert keep == [3]  # only d goes on: its position in the list just yielded
+            yield ["d3"]
+
+    proxy = Mixed(max_delay_ms=0)
+    calls = [asyncio.create_task(collect(proxy.stream(k))) for k in "abcd"]
+    await asyncio.wait(calls)
+    assert calls[0].result() == ["a1"]
+    assert calls[1].result() == ["b1", "b2"]
+    with pytest.raises(ValueError, match="c broke"):
+        calls[2].result()
+    assert calls[3].result() == ["d1", "d2", "d3"]  # the generator returned: it ends
+    stats = proxy.stats
+    assert (stats.succeeded, stats.errors) == (3, 1)
+    assert_settled(stats)
+    await proxy.aclose()
+
+
+@pytest.mark.parametrize("form", ["full length", "not ended"])
+@pytest.mark.looptime
+async def test_a_generator_that_ignores_keep_may_yield_the_lenient_forms(form: str) -> None:
+    """One element per original item every step, or one per slot it has not ended
+    itself (not knowing of dropped consumers): both line up, extra elements ignored."""
+
+    class Lenient(batchproxy.Proxy[int, Any]):
+        @override
+        async def _inference(self, items: list[int]) -> AsyncIterator[list[Element]]:  # type: ignore[override]
+            open_ = list(items)
+            for step in range(3):
+                await asyncio.sleep(1)
+                if form == "full length":
+                    yield [Last(n) if step == n else (n, step) for n in items]
+                else:
+                    yield [Last(n) if step == n else (n, step) for n in open_]
+                    open_ = [n for n in open_ if n != step]
+
+    proxy = Lenient(max_delay_ms=0)
+    quitter = proxy.stream(2)
+    assert await anext(quitter) == (2, 0)
+    calls = [asyncio.create_task(collect(proxy.stream(n))) for n in (0, 1)]
+    await asyncio.sleep(0.5)  # the first batch is [2]: wait for the second, [0, 1]
+    more = asyncio.create_task(collect(proxy.stream(9)))
+    await quitter.aclose()
+    assert [await c for c in calls] == [[0], [(1, 0), 1]]
+    assert await more == [(9, 0), (9, 1), (9, 2)]
+    assert_settled(proxy.stats)
+    await proxy.aclose()
+
+
+@pytest.mark.looptime
+async def test_a_consumer_that_breaks_out_is_dropped_at_the_next_step() -> None:
+    proxy = Counter()
+    keeper = asyncio.create_task(collect(proxy.stream(4)))
+    seen = []
+    async for chunk in proxy.stream(10):
+        seen.append(chunk)
+        if len(seen) == 2:
+            break
+    assert await keeper == [(4, i) for i in range(4)]
+    assert seen == [(10, 0), (10, 1)]
+    assert proxy.batches == [[10, 4]]  # the task's call queues after this one
+    # it left after reading step 1's chunk, which was sent on together with the keep
+    # of step 1: it is left out from step 2 on
+    assert proxy.keeps[:3] == [[0, 1], [0, 1], [1]]
+    stats = proxy.stats
+    assert (stats.succeeded, stats.cancelled) == (1, 1)
+    assert_settled(stats)
+    await proxy.aclose()
+
+
+@pytest.mark.looptime
+async def test_when_every_consumer_leaves_the_generator_is_closed_and_the_slot_freed() -> None:
+    proxy = Counter()
+    first = proxy.stream(100)
+    assert await anext(first) == (100, 0)
+    waiting = asyncio.create_task(collect(proxy.stream(2)))  # static: waits for the slot
+    await first.aclose()
+    assert await waiting == [(2, 0), (2, 1)]
+    assert proxy.closed_early == 2  # each batch's generator, once nobody was left
+    assert proxy.batches == [[100], [2]]
+    assert_settled(proxy.stats)
+    await proxy.aclose()
+
+
+@pytest.mark.looptime
+async def test_a_consumer_cancelled_while_queued_never_reaches_the_model() -> None:
+    proxy = Counter()
+    running = asyncio.create_task(collect(proxy.stream(2)))
+    await asyncio.sleep(0.1)
+    queued = asyncio.create_task(collect(proxy.stream(7)))
+    await asyncio.sleep(0.1)
+    queued.cancel()
+    assert await running == [(2, 0), (2, 1)]
+    with pytest.raises(asyncio.CancelledError):
+        await queued
+    assert proxy.batches == [[2]]
+    stats = proxy.stats
+    assert (stats.succeeded, stats.cancelled) == (1, 1)
+    assert_settled(stats)
+    await proxy.aclose()
+
+
+@pytest.mark.looptime
+async def test_a_consumer_that_leaves_after_its_stream_ended_unread_counts_cancelled() -> None:
+    proxy = Counter(delay=0)
+    stream = proxy.stream(3)
+    assert await anext(stream) == (3, 0)
+    await asyncio.sleep(1)  # the model has streamed the rest and ended the stream
+    await stream.aclose()
+    stats = proxy.stats
+    assert (stats.succeeded, stats.cancelled) == (0, 1)
+    assert_settled(stats)
+    await proxy.aclose()
+
+
+@pytest.mark.looptime
+async def test_a_raising_generator_fails_the_open_streams_only() -> None:
+    class Breaks(batchproxy.Proxy[str, Any]):
+        @override
+        async def _inference(self, items: list[str]) -> AsyncIterator[list[Element]]:  # type: ignore[override]
+            yield [Last("done early"), "x"]
+            raise RuntimeError("step 2 broke")
+
+    proxy = Breaks(max_delay_ms=0)
+    early, late = (asyncio.create_task(collect(proxy.stream(k))) for k in "ab")
+    assert await early == ["done early"]
+    with pytest.raises(RuntimeError, match="step 2 broke"):
+        await late
+    stats = proxy.stats
+    assert (stats.succeeded, stats.errors, stats.failed_batches) == (1, 1, 1)
+    assert_settled(stats)
+    await proxy.aclose()
+
+
+@pytest.mark.parametrize(
+    ("step", "error", "match"),
+    [
+        ([1, 2, 3], batchproxy.BatchSizeMismatch, "3 results for a batch of 2"),
+        (42, TypeError, "must return a sequence"),
+    ],
+)
+@pytest.mark.looptime
+async def test_a_step_that_cannot_be_matched_to_its_callers_fails_them(
+    step: object, error: type[Exception], match: str
+) -> None:
+    class Wrong(batchproxy.Proxy[str, Any]):
+        closed = False
+
+        @override
+        async def _inference(self, items: list[str]) -> AsyncIterator[Any]:  # type: ignore[override]
+            try:
+                yield step
+            finally:
+                Wrong.closed = True
+
+    proxy = Wrong(max_delay_ms=0)
+    calls = [asyncio.create_task(collect(proxy.stream(k))) for k in "ab"]
+    for call in calls:
+        with pytest.raises(error, match=match):
+            await call
+    assert Wrong.closed  # the generator was closed, its finally ran
+    assert_settled(proxy.stats)
+    await proxy.aclose()
+
+
+async def test_a_plain_generator_runs_each_step_on_the_worker_thread(no_leftovers: None) -> None:
+    class Threaded(batchproxy.Proxy[int, Any]):
+        @override
+        def _inference(self, items: list[int]) -> Iterator[list[Element]]:  # type: ignore[override]
+            keep = yield [(threading.current_thread().name, n) for n in items]
+            assert keep == [0, 1]
+            yield [Last(n) for n in items]
+
+    proxy = Threaded(max_delay_ms=0, name="streams")
+    streams = await asyncio.gather(*(collect(proxy.stream(n)) for n in (1, 2)))
+    assert streams == [[("batchproxy-streams", n), n] for n in (1, 2)]
+    await proxy.aclose()  # the generator is closed on the thread after the last step
+    assert_settled(proxy.stats)
+
+
+@pytest.mark.looptime
+async def test_the_timeout_bounds_the_whole_stream() -> None:
+    proxy = Counter()
+    chunks: list[Any] = []
+    with pytest.raises(batchproxy.DeadlineExceeded):
+        await collect(proxy.stream(10, timeout=3.5), into=chunks)
+    assert chunks == [(10, i) for i in range(3)]
+    other = await collect(proxy.stream(2))  # the slot freed once the batch saw it gone
+    assert other == [(2, 0), (2, 1)]
+    stats = proxy.stats
+    assert (stats.timed_out, stats.succeeded) == (1, 1)
+    assert_settled(stats)
+    await proxy.aclose()
+
+
+@pytest.mark.looptime
+async def test_batch_timeout_bounds_each_step() -> None:
+    class Stalls(batchproxy.Proxy[int, Any]):
+        @override
+        async def _inference(self, items: list[int]) -> AsyncIterator[list[Element]]:  # type: ignore[override]
+            for step in range(3):
+                await asyncio.sleep(1.5)  # each step is within the 2 s limit
+                yield [(n, step) for n in items]
+            await asyncio.sleep(60)  # this one is not
+            yield [END for _ in items]
+
+    proxy = Stalls(max_delay_ms=0, batch_timeout=2.0)
+    chunks: list[Any] = []
+    with pytest.raises(batchproxy.BatchTimeout):
+        await collect(proxy.stream(1), into=chunks)
+    assert chunks == [(1, 0), (1, 1), (1, 2)]
+    assert asyncio.get_running_loop().time() == pytest.approx(6.5)
+    assert not proxy.healthy
+    assert proxy.stats.timed_out_batches == 1
+    await proxy.aclose()
+
+
+@pytest.mark.looptime
+async def test_a_newcomer_waits_for_the_whole_static_batch() -> None:
+    """Static batching: the batch keeps its slot until its generator is done."""
+    proxy = Counter()
+    long = asyncio.create_task(collect(proxy.stream(5)))
+    await asyncio.sleep(0.5)
+    started = asyncio.get_running_loop().time()
+    first = await anext(proxy.stream(1))
+    assert first == Last((1, 0)).chunk
+    assert asyncio.get_running_loop().time() - started == pytest.approx(5.5)
+    await long
+    await proxy.aclose()
+
+
+@pytest.mark.looptime
+async def test_aclose_lets_accepted_streams_finish() -> None:
+    proxy = Counter()
+    calls = [asyncio.create_task(collect(proxy.stream(n))) for n in (2, 3)]
+    await asyncio.sleep(0.5)
+    await proxy.aclose()
+    assert [c.result() for c in calls] == [[(2, 0), (2, 1)], [(3, 0), (3, 1), (3, 2)]]
+    with pytest.raises(batchproxy.ProxyClosed):
+        await collect(proxy.stream(1))
+
+
+async def test_a_streaming_proxy_refuses_inference_and_a_plain_one_streams_its_result() -> None:
+    proxy = Counter(delay=0)
+    with pytest.raises(TypeError, match=r"use `async for chunk in proxy\.stream"):
+        await proxy.inference(1)
+    with pytest.raises(TypeError, match=r"proxy\.stream"):
+        await proxy.inference_many([1, 2])
+    await proxy.aclose()
+
+    class Plain(batchproxy.Proxy[int, int]):
+        @override
+        async def _inference(self, items: list[int]) -> list[int]:
+            return [n * 10 for n in items]
+
+    plain = Plain()
+    assert await collect(plain.stream(4)) == [40]
+    await plain.aclose()
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"isolate_errors": True}, "isolate_errors reruns parts of a batch"),
+        ({"oom_backoff": True}, "oom_backoff reruns parts of a batch"),
+        ({"offload": True}, "async generator _inference runs on the event loop"),
+    ],
+)
+def test_options_a_streaming_model_cannot_honour_are_refused(
+    options: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(TypeError, match=match):
+        Counter(**options)
+
+
+def test_markers_are_public_and_readable() -> None:
+    assert batchproxy.END is batchproxy.StreamEnd.END
+    assert repr(batchproxy.END) == "batchproxy.END"
+    assert Last(3) == Last(3)
+    assert Last(3).chunk == 3
