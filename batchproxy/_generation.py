@@ -257,19 +257,20 @@ class _Engine(Generic[In]):
         queue = scheduler.queue
         joined: list[Slot[In]] = []
         budget = proxy._max_tokens
+        waiting = [r for r in self.waiting if not r.future.done()]
         while active + len(joined) < proxy._batch_size:
-            self.waiting = [r for r in self.waiting if not r.future.done()]
-            request = self.waiting[0] if self.waiting else queue.peek(now)
+            request = waiting[0] if waiting else queue.peek(now)
             if request is None:
                 break
             if budget is not None and self.used + request.cost > budget:
                 break  # in order: it waits for room rather than being overtaken
-            if self.waiting:
-                self.waiting.pop(0)
+            if waiting:
+                waiting.pop(0)
             else:
                 queue.discard(request)
             self.used += request.cost
             joined.append(Slot(request))
+        self.waiting = waiting
         if joined:
             proxy._record_joins([slot._request for slot in joined], now)
         return joined

@@ -360,3 +360,32 @@ def test_markers_are_public_and_readable() -> None:
     assert repr(batchproxy.END) == "batchproxy.END"
     assert Last(3) == Last(3)
     assert Last(3).chunk == 3
+
+
+@pytest.mark.looptime
+async def test_a_step_that_swallows_the_watchdogs_cancel_is_stopped_after_it() -> None:
+    """The overrun step's callers already have BatchTimeout and its slot went to the
+    next batch; when the step returns anyway, the generator is closed there."""
+
+    class Stubborn(batchproxy.Proxy[int, Any]):
+        closed = False
+
+        @override
+        async def _inference(self, items: list[int]) -> AsyncIterator[list[Element]]:  # type: ignore[override]
+            try:
+                while True:
+                    try:
+                        await asyncio.sleep(5)
+                    except asyncio.CancelledError:
+                        await asyncio.sleep(5)  # ignores the cancel and steps on
+                    yield list(items)
+            finally:
+                Stubborn.closed = True
+
+    proxy = Stubborn(max_delay_ms=0, batch_timeout=2.0)
+    with pytest.raises(batchproxy.BatchTimeout):
+        await collect(proxy.stream(1))
+    await asyncio.sleep(10)
+    assert Stubborn.closed
+    assert proxy.stats.in_flight == 0
+    await proxy.aclose()
