@@ -8,7 +8,7 @@ instance's `__dict__`), so two model instances never share a queue.
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, Generic, Literal, Protocol, TypeVar, overload
 
 from typing_extensions import Self
@@ -122,6 +122,12 @@ class Batched(Generic[T, U]):
             items, timeout=timeout, priority=priority, return_exceptions=return_exceptions
         )
 
+    def stream(
+        self, item: T, *, timeout: float | None = None, priority: int = 0
+    ) -> AsyncIterator[U]:
+        """`Proxy.stream`: `async for chunk in f.stream(item)`, for a generator `f`."""
+        return self.proxy.stream(item, timeout=timeout, priority=priority)
+
     def sync(self, item: T, *, timeout: float | None = None, priority: int = 0) -> U:
         """`Proxy.inference_sync`: `f.sync(item)` blocks a plain thread for the result."""
         return self.proxy.inference_sync(item, timeout=timeout, priority=priority)
@@ -157,6 +163,11 @@ class _Decorator(Protocol):
 
     @overload
     def __call__(self, fn: Callable[[list[T]], Sequence[U]], /) -> Batched[T, U]: ...
+
+    @overload
+    def __call__(
+        self, fn: Callable[[list[T]], AsyncIterator[Sequence[Any]]], /
+    ) -> Batched[T, Any]: ...
 
     @overload
     def __call__(self, fn: Callable[[Any, list[T]], Sequence[U]], /) -> Batched[T, U]: ...

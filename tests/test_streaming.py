@@ -389,3 +389,16 @@ async def test_a_step_that_swallows_the_watchdogs_cancel_is_stopped_after_it() -
     assert Stubborn.closed
     assert proxy.stats.in_flight == 0
     await proxy.aclose()
+
+
+@pytest.mark.looptime
+async def test_the_decorator_streams_a_generator_function() -> None:
+    @batchproxy.batch(batch_size=8, max_delay_ms=0)
+    async def spell(items: list[str]) -> AsyncIterator[list[Element]]:
+        for i in range(max(map(len, items))):
+            yield [Last(w[i]) if i == len(w) - 1 else w[i] if i < len(w) else END for w in items]
+
+    words = await asyncio.gather(*(collect(spell.stream(w)) for w in ("to", "batch", "a")))
+    assert ["".join(w) for w in words] == ["to", "batch", "a"]
+    assert spell.stats.batches == 1
+    await spell.aclose()
