@@ -8,7 +8,15 @@ instance's `__dict__`), so two model instances never share a queue.
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Sequence,
+)
 from typing import Any, Generic, Literal, Protocol, TypeVar, overload
 
 from typing_extensions import Self
@@ -124,7 +132,7 @@ class Batched(Generic[T, U]):
 
     def stream(
         self, item: T, *, timeout: float | None = None, priority: int = 0
-    ) -> AsyncIterator[U]:
+    ) -> AsyncGenerator[U, None]:
         """`Proxy.stream`: `async for chunk in f.stream(item)`, for a generator `f`."""
         return self.proxy.stream(item, timeout=timeout, priority=priority)
 

@@ -33,7 +33,17 @@ import threading
 import time
 import weakref
 from abc import ABC
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence, Set
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+    Set,
+)
 from types import EllipsisType
 from typing import Any, Generic, Literal, TypeVar, overload
 
@@ -56,7 +66,16 @@ from ._oom import BatchCap, OomPredicate, is_out_of_memory
 from ._queue import Request
 from ._scheduler import Scheduler
 from ._stats import Health, Listener, ProxyStats, StatsRecorder
-from ._streaming import _CLOSED, _FINISHED, Last, Steps, StreamRequest, is_closing, matching_view
+from ._streaming import (
+    _CLOSED,
+    _FINISHED,
+    Last,
+    Steps,
+    StreamEnd,
+    StreamRequest,
+    is_closing,
+    matching_view,
+)
 from ._worker_thread import WorkerThread
 
 __all__ = ["Proxy"]
@@ -220,8 +239,16 @@ class Proxy(ABC, Generic[In, Out]):
 
     def _inference(
         self, items: list[In], /
-    ) -> Awaitable[Sequence[Out | BaseException]] | Sequence[Out | BaseException]:
+    ) -> (
+        Awaitable[Sequence[Out | BaseException]]
+        | Sequence[Out | BaseException]
+        | AsyncIterator[Sequence[Out | Last[Out] | StreamEnd | BaseException]]
+        | Iterator[Sequence[Out | Last[Out] | StreamEnd | BaseException]]
+    ):
         """Run the model on one batch; return one result per item, in order.
+
+        Or stream: a generator (`async def` or plain `def`) that yields one element per
+        caller still in the batch at each step; see `stream()`.
 
         Implement it in a subclass (unless `offload` hosts the model). May be
         `async def` or plain `def` (a plain `def` runs on a worker thread). Put an
@@ -526,7 +553,7 @@ class Proxy(ABC, Generic[In, Out]):
 
     async def stream(
         self, item: In, *, timeout: float | None = None, priority: int = 0
-    ) -> AsyncIterator[Out]:
+    ) -> AsyncGenerator[Out, None]:
         """Queue one item; yield its chunks as its batch's steps produce them.
 
         For a proxy whose `_inference` is a generator (and for a `GenerationProxy`):

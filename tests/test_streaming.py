@@ -32,7 +32,7 @@ class Counter(batchproxy.Proxy[int, Any]):
         self.closed_early = 0
 
     @override
-    async def _inference(self, items: list[int]) -> AsyncIterator[list[Element]]:  # type: ignore[override]
+    async def _inference(self, items: list[int]) -> AsyncIterator[list[Element]]:
         self.batches.append(list(items))
         active = list(items)
         step = 0
@@ -77,7 +77,7 @@ async def test_each_caller_gets_its_own_chunks_from_one_shared_batch() -> None:
 async def test_end_last_and_an_exception_end_only_their_own_streams() -> None:
     class Mixed(batchproxy.Proxy[str, Any]):
         @override
-        async def _inference(self, items: list[str]) -> AsyncIterator[list[Element]]:  # type: ignore[override]
+        async def _inference(self, items: list[str]) -> AsyncIterator[list[Element]]:
             keep = yield ["a1", "b1", "c1", "d1"]
             assert keep == [0, 1, 2, 3]
             keep = yield [END, Last("b2"), ValueError("c broke"), "d2"]
@@ -106,7 +106,7 @@ async def test_a_generator_that_ignores_keep_may_yield_the_lenient_forms(form: s
 
     class Lenient(batchproxy.Proxy[int, Any]):
         @override
-        async def _inference(self, items: list[int]) -> AsyncIterator[list[Element]]:  # type: ignore[override]
+        async def _inference(self, items: list[int]) -> AsyncIterator[list[Element]]:
             open_ = list(items)
             for step in range(3):
                 await asyncio.sleep(1)
@@ -199,7 +199,7 @@ async def test_a_consumer_that_leaves_after_its_stream_ended_unread_counts_cance
 async def test_a_raising_generator_fails_the_open_streams_only() -> None:
     class Breaks(batchproxy.Proxy[str, Any]):
         @override
-        async def _inference(self, items: list[str]) -> AsyncIterator[list[Element]]:  # type: ignore[override]
+        async def _inference(self, items: list[str]) -> AsyncIterator[list[Element]]:
             yield [Last("done early"), "x"]
             raise RuntimeError("step 2 broke")
 
@@ -229,7 +229,7 @@ async def test_a_step_that_cannot_be_matched_to_its_callers_fails_them(
         closed = False
 
         @override
-        async def _inference(self, items: list[str]) -> AsyncIterator[Any]:  # type: ignore[override]
+        async def _inference(self, items: list[str]) -> AsyncIterator[Any]:
             try:
                 yield step
             finally:
@@ -248,7 +248,7 @@ async def test_a_step_that_cannot_be_matched_to_its_callers_fails_them(
 async def test_a_plain_generator_runs_each_step_on_the_worker_thread(no_leftovers: None) -> None:
     class Threaded(batchproxy.Proxy[int, Any]):
         @override
-        def _inference(self, items: list[int]) -> Iterator[list[Element]]:  # type: ignore[override]
+        def _inference(self, items: list[int]) -> Iterator[list[Element]]:
             keep = yield [(threading.current_thread().name, n) for n in items]
             assert keep == [0, 1]
             yield [Last(n) for n in items]
@@ -279,7 +279,7 @@ async def test_the_timeout_bounds_the_whole_stream() -> None:
 async def test_batch_timeout_bounds_each_step() -> None:
     class Stalls(batchproxy.Proxy[int, Any]):
         @override
-        async def _inference(self, items: list[int]) -> AsyncIterator[list[Element]]:  # type: ignore[override]
+        async def _inference(self, items: list[int]) -> AsyncIterator[list[Element]]:
             for step in range(3):
                 await asyncio.sleep(1.5)  # each step is within the 2 s limit
                 yield [(n, step) for n in items]
@@ -371,7 +371,7 @@ async def test_a_step_that_swallows_the_watchdogs_cancel_is_stopped_after_it() -
         closed = False
 
         @override
-        async def _inference(self, items: list[int]) -> AsyncIterator[list[Element]]:  # type: ignore[override]
+        async def _inference(self, items: list[int]) -> AsyncIterator[list[Element]]:
             try:
                 while True:
                     try:
