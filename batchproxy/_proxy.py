@@ -1026,29 +1026,29 @@ class Proxy(ABC, Generic[In, Out]):
             if view is None:
                 return False, BatchSizeMismatch(self.name, len(told), len(elements))
             now = loop.time()
-            marked = set()
+            marked = set()  # ended by the model itself, this step
             for request, element in zip(view, elements, strict=True):
-                if not request.future.done() and not self._stream_element(request, element, now):
+                if is_closing(element):
                     marked.add(request)
+                if not request.future.done():
+                    self._stream_element(request, element, now)
             unmarked = [r for r in unmarked if r not in marked]
             keep = [i for i, r in enumerate(view) if not r.future.done()]
             told = [view[i] for i in keep]
             if not told:
                 return False, None
 
-    def _stream_element(self, request: Request[In], element: object, now: float) -> bool:
-        """Hand one step's element to its streaming caller; whether the stream goes on."""
+    def _stream_element(self, request: Request[In], element: object, now: float) -> None:
+        """Hand one step's element to its streaming caller: a chunk, or the end."""
         assert isinstance(request, StreamRequest)
         if not is_closing(element):
             request.chunks.put_nowait(element)
-            return True
-        if isinstance(element, BaseException):
+        elif isinstance(element, BaseException):
             self._fail([request], _caller_error(self.name, element))
         else:
             if isinstance(element, Last):
                 request.chunks.put_nowait(element.chunk)
             self._end_streams([request], now)
-        return False
 
     def _end_streams(self, requests: list[Request[In]], now: float) -> None:
         """End the streams still open among `requests`, successfully."""
