@@ -25,7 +25,7 @@ from typing import Any, Generic, TypeVar
 from . import _validate
 from ._errors import BatchSizeMismatch, InferenceError
 from ._executor import Executor
-from ._proxy import Proxy, _caller_error, _cancel_requested, _current_batch
+from ._proxy import Proxy, _caller_error, _cancel_requested, _closing_with_its_loop, _current_batch
 from ._queue import Request
 from ._streaming import END
 
@@ -206,8 +206,8 @@ class GenerationProxy(Proxy[In, Out]):
             self._fail(engine.open_requests(), InferenceError(self.name, exc))
             raise
         finally:
-            if scheduler is self._scheduler:  # else its event loop ended, with the slot
-                scheduler.batch_finished()
+            if scheduler is self._scheduler and not scheduler.loop.is_closed():
+                scheduler.batch_finished()  # else its event loop ended, with the slot
 
 
 class _Engine(Generic[In]):
@@ -288,9 +288,9 @@ class _Engine(Generic[In]):
             elements = proxy._result_sequence(results)
             if len(elements) != len(step.active):
                 error = BatchSizeMismatch(proxy.name, len(step.active), len(elements))
-        except GeneratorExit:  # closed unfinished, with its event loop gone
-            raise
         except BaseException as exc:
+            if _closing_with_its_loop(exc, loop):
+                raise
             if isinstance(exc, asyncio.CancelledError) and _cancel_requested():
                 raise
             if not isinstance(exc, Exception):

@@ -905,9 +905,9 @@ class Proxy(ABC, Generic[In, Out]):
         try:
             try:
                 results, whole = await self._call_model([r.item for r in requests])
-            except GeneratorExit:  # closed unfinished, with its event loop gone
-                raise
             except BaseException as exc:
+                if _closing_with_its_loop(exc, loop):
+                    raise
                 overrun = self._overran_batches.get(task)
                 if overrun is not None and isinstance(exc, asyncio.CancelledError):
                     _uncancel(task)  # our own watchdog cancelled it, not the event loop
@@ -974,7 +974,7 @@ class Proxy(ABC, Generic[In, Out]):
         started: float,
     ) -> None:
         """A streaming batch is over: fail its open streams with `error`, or end them."""
-        if scheduler is not self._scheduler:
+        if scheduler is not self._scheduler or scheduler.loop.is_closed():
             return  # its event loop ended (the batch is closed as garbage), and its slot too
         now = scheduler.loop.time()
         if error is not None:
@@ -1001,9 +1001,9 @@ class Proxy(ABC, Generic[In, Out]):
             )
             try:
                 elements = await steps.send(keep)
-            except GeneratorExit:  # closed unfinished, with its event loop gone
-                raise
             except BaseException as exc:
+                if _closing_with_its_loop(exc, loop):
+                    raise
                 overrun = self._overran_batches.get(task)
                 if overrun is not None and isinstance(exc, asyncio.CancelledError):
                     _uncancel(task)
@@ -1071,7 +1071,7 @@ class Proxy(ABC, Generic[In, Out]):
     ) -> None:
         """The model call of a batch is over: record it, mark the proxy healthy again if
         it answered in time, and free the batch slot (unless already handed on)."""
-        if scheduler is not self._scheduler:
+        if scheduler is not self._scheduler or scheduler.loop.is_closed():
             return  # its event loop ended (the batch is closed as garbage), and its slot too
         stats = self._stats
         stats.model_time.append(seconds)
@@ -1317,6 +1317,12 @@ def _clean(results: object, size: int) -> bool:
         and len(results) == size
         and not any(isinstance(r, BaseException) for r in results)
     )
+
+
+def _closing_with_its_loop(error: BaseException, loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether `error` is the `GeneratorExit` of a batch coroutine closed by garbage
+    collection after its event loop was closed (not a model raising GeneratorExit)."""
+    return isinstance(error, GeneratorExit) and loop.is_closed()
 
 
 def _uncancel(task: asyncio.Task[Any]) -> None:

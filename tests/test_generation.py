@@ -52,6 +52,10 @@ class Counting(GenerationProxy[Job, str]):
         return out
 
 
+def raise_(error: BaseException) -> Any:
+    raise error
+
+
 async def collect(stream: AsyncIterator[Any]) -> list[Any]:
     return [chunk async for chunk in stream]
 
@@ -210,6 +214,7 @@ async def test_a_raising_step_fails_its_streams_and_the_engine_serves_the_queue(
         (lambda step: ["x"] * (len(step.active) + 1), batchproxy.BatchSizeMismatch, "2 results"),
         (lambda step: None, TypeError, "must return a sequence"),
         (lambda step: [StopIteration()], RuntimeError, "StopIteration"),
+        (lambda step: raise_(GeneratorExit()), batchproxy.InferenceError, "GeneratorExit"),
     ],
 )
 @pytest.mark.looptime

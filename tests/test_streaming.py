@@ -402,3 +402,29 @@ async def test_the_decorator_streams_a_generator_function() -> None:
     assert ["".join(w) for w in words] == ["to", "batch", "a"]
     assert spell.stats.batches == 1
     await spell.aclose()
+
+
+@pytest.mark.parametrize("error", [GeneratorExit, KeyboardInterrupt])
+@pytest.mark.looptime
+async def test_a_generator_raising_a_base_exception_fails_its_streams(
+    error: type[BaseException],
+) -> None:
+    """Not an Exception (GeneratorExit included: the loop is alive, so it is the
+    model's): the open streams fail with InferenceError, and the proxy serves on."""
+
+    class Raises(batchproxy.Proxy[int, Any]):
+        @override
+        async def _inference(self, items: list[int]) -> AsyncIterator[list[Element]]:
+            yield list(items)
+            if items != [99]:
+                raise error()
+            yield [Last("fine")]
+
+    proxy = Raises(max_delay_ms=0)
+    chunks: list[Any] = []
+    with pytest.raises(batchproxy.InferenceError):
+        await collect(proxy.stream(1), into=chunks)
+    assert chunks == [1]
+    assert await collect(proxy.stream(99)) == [99, "fine"]
+    assert_settled(proxy.stats)
+    await proxy.aclose()
