@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from typing_extensions import Self
 
+from ._fork import forget_threads_in_forked_children
+
 if TYPE_CHECKING:
     from ._proxy import Proxy
 
@@ -54,6 +56,7 @@ class BackgroundLoop:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._proxies: weakref.WeakSet[Proxy[Any, Any]] = weakref.WeakSet()
+        forget_threads_in_forked_children(self)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "running" if self._thread else "idle"
@@ -167,6 +170,15 @@ class BackgroundLoop:
             if proxy is not None:
                 self._proxies.add(proxy)
             return asyncio.run_coroutine_threadsafe(coro, loop)
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: the parent's thread and loop are gone; a new thread
+        starts on next use (unless this loop was closed)."""
+        self._lock = threading.Lock()
+        self._loop = self._thread = None
+        self._proxies = weakref.WeakSet()
+        if self is BackgroundLoop._default:
+            BackgroundLoop._default_lock = threading.Lock()
 
     def _on_loop_thread(self) -> bool:
         return self._thread is not None and threading.current_thread() is self._thread

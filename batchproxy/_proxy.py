@@ -62,6 +62,7 @@ from ._errors import (
     QueueFull,
 )
 from ._executor import Executor, LoopExecutor
+from ._fork import forget_threads_in_forked_children
 from ._oom import BatchCap, OomPredicate, is_out_of_memory
 from ._queue import Request
 from ._scheduler import Scheduler
@@ -150,6 +151,7 @@ class Proxy(ABC, Generic[In, Out]):
     # _require_init() and its clear error instead of an AttributeError
     _initialized = False
     _loop: asyncio.AbstractEventLoop | None = None
+    _closing: asyncio.Task[None] | None = None  # a close begun inside a batch
     _health = _HEALTHY  # until a batch overruns
 
     def __init__(
@@ -232,9 +234,9 @@ class Proxy(ABC, Generic[In, Out]):
         self._loop_thread: int | None = None
         self._scheduler: Scheduler[In] | None = None
         self._batch_tasks: set[asyncio.Task[None]] = set()
-        self._closing: asyncio.Task[None] | None = None  # a close begun inside a batch
         self._closed = False
         self._stopped_by: BatchProxyError | None = None  # closed itself, because of this
+        forget_threads_in_forked_children(self)
         self._initialized = True
 
     def _inference(
@@ -450,6 +452,13 @@ class Proxy(ABC, Generic[In, Out]):
             aging=self._aging,
         )
         return True
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child the parent's event loop runs no more (its thread is gone,
+        or it is the parent's): the next call binds to the child's loop. The parent's
+        queued and running calls are the parent's."""
+        self._loop = self._loop_thread = self._scheduler = self._closing = None
+        self._batch_tasks, self._overran_batches = set(), {}
 
     def _abandon_loop(self) -> None:
         """Forget an event loop that has ended; whatever waited on it is gone with it."""

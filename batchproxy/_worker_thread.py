@@ -31,6 +31,7 @@ from typing import Any
 from typing_extensions import Self
 
 from ._executor import Executor, ModelFactory, ModelFn
+from ._fork import forget_threads_in_forked_children
 
 __all__ = ["WorkerThread"]
 
@@ -110,6 +111,7 @@ class WorkerThread(Executor):
         self._closed = False
         self._exited = False
         self._exit_callbacks: list[Callable[[], None]] = []
+        forget_threads_in_forked_children(self)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "running" if self._thread else "idle"
@@ -137,6 +139,15 @@ class WorkerThread(Executor):
             self._thread = thread
         assert self._loop is not None
         return self._loop
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: the parent's thread, its loop and its batches are gone; a
+        new thread starts on the next batch (a hosted model is built anew there)."""
+        self._lock = threading.Lock()
+        self._loop = self._thread = None
+        self._inbox, self._running = [], {}
+        self._hosted = None
+        self._exited, self._exit_callbacks = False, []
 
     def close(self, *, wait: bool = True) -> None:
         """Stop the thread and (unless `wait=False`) wait for it; batches still in it
