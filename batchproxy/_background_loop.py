@@ -39,9 +39,9 @@ class BackgroundLoop:
 
     `run(coro)` blocks for a coroutine's result; `submit(coro)` returns a
     `concurrent.futures.Future`. The thread starts on first use (or `start()`).
-    `close()`, or leaving `with`, closes the proxies that `inference_sync` and
-    `submit` started here (their accepted calls finish), cancels what is left,
-    stops the thread and closes the loop.
+    `close()`, or leaving `with`, closes the proxies bound to this loop (their
+    accepted calls finish), cancels what is left, stops the thread and closes the
+    loop.
     """
 
     _default: ClassVar[BackgroundLoop | None] = None
@@ -84,8 +84,16 @@ class BackgroundLoop:
             self._start_locked()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Schedule `coro` on the loop (from any thread); cancel the future to cancel it."""
-        return self._submit(coro)
+        """Schedule `coro` on the loop (from any thread); cancel the future to cancel it.
+
+        A proxy that `coro` calls binds to this loop, and `close()` closes it."""
+        with self._lock:
+            try:
+                loop = self._start_locked()
+            except BaseException:
+                coro.close()  # never awaited, and never warned about
+                raise
+            return asyncio.run_coroutine_threadsafe(coro, loop)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run `coro` on the loop and block the calling thread for its result.
@@ -99,13 +107,13 @@ class BackgroundLoop:
                 f"BackgroundLoop {self.name!r}: run() was called on the loop's own thread, "
                 f"where it would wait for itself; await the coroutine there instead"
             )
-        future = self._submit(coro)
+        future = self.submit(coro)
         if not _block_on(future, timeout):
             raise TimeoutError(f"BackgroundLoop {self.name!r}: no result within {timeout} s")
         return future.result()
 
     def close(self, timeout: float | None = 10.0) -> None:
-        """Close the proxies started here, giving their accepted calls up to `timeout`
+        """Close the proxies bound to this loop, giving their accepted calls up to `timeout`
         seconds to finish; then cancel what is left, stop the thread (waiting up to
         `timeout` again) and close the loop. Idempotent."""
         if self._on_loop_thread():
@@ -116,12 +124,11 @@ class BackgroundLoop:
         with self._lock:
             loop, thread, first = self._loop, self._thread, not self._closed
             self._closed = True
-            proxies = list(self._proxies)
         if loop is None or thread is None:
             return
         if first:
             try:
-                closing = asyncio.run_coroutine_threadsafe(_close_proxies(proxies), loop)
+                closing = asyncio.run_coroutine_threadsafe(_close_proxies_of(self), loop)
                 if not _block_on(closing, timeout):
                     logger.warning(
                         "%r: calls still running %s s into close(); cancelling them", self, timeout
@@ -157,19 +164,10 @@ class BackgroundLoop:
             self._loop, self._thread = loop, thread
         return self._loop
 
-    def _submit(
-        self, coro: Coroutine[Any, Any, T], proxy: Proxy[Any, Any] | None = None
-    ) -> concurrent.futures.Future[T]:
-        """Schedule `coro`; a `proxy` it calls is remembered, for `close()` to close."""
+    def _adopt(self, proxy: Proxy[Any, Any]) -> None:
+        """`proxy` bound itself to this loop: `close()` closes it too."""
         with self._lock:
-            try:
-                loop = self._start_locked()
-            except BaseException:
-                coro.close()  # never awaited, and never warned about
-                raise
-            if proxy is not None:
-                self._proxies.add(proxy)
-            return asyncio.run_coroutine_threadsafe(coro, loop)
+            self._proxies.add(proxy)
 
     def _after_fork_in_child(self) -> None:
         """In a forked child: the parent's thread and loop are gone; a new thread
@@ -184,6 +182,7 @@ class BackgroundLoop:
         return self._thread is not None and threading.current_thread() is self._thread
 
     def _main(self, loop: asyncio.AbstractEventLoop, running: threading.Event) -> None:
+        _owners[loop] = self
         asyncio.set_event_loop(loop)
         loop.call_soon(running.set)
         try:
@@ -204,6 +203,17 @@ class BackgroundLoop:
                 loop.close()
 
 
+_owners: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, BackgroundLoop] = (
+    weakref.WeakKeyDictionary()
+)
+"""The `BackgroundLoop` running each loop, for proxies that bind to one to find it."""
+
+
+def background_loop_of(loop: asyncio.AbstractEventLoop) -> BackgroundLoop | None:
+    """The `BackgroundLoop` that runs `loop`, if one does."""
+    return _owners.get(loop)
+
+
 def _close_default() -> None:
     with BackgroundLoop._default_lock:
         default = BackgroundLoop._default
@@ -211,9 +221,12 @@ def _close_default() -> None:
         default.close()
 
 
-async def _close_proxies(proxies: list[Proxy[Any, Any]]) -> None:
-    """`aclose()` the proxies still bound to this loop (one may have moved to another)."""
+async def _close_proxies_of(background: BackgroundLoop) -> None:
+    """`aclose()` the proxies still bound to its loop (one may have moved to another).
+    Run on that loop, after what was submitted before: those calls have bound theirs."""
     loop = asyncio.get_running_loop()
+    with background._lock:
+        proxies = list(background._proxies)
     mine = [proxy for proxy in proxies if proxy._loop is loop]
     outcomes = await asyncio.gather(*(proxy.aclose() for proxy in mine), return_exceptions=True)
     for proxy, outcome in zip(mine, outcomes, strict=True):

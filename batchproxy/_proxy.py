@@ -50,7 +50,7 @@ from typing import Any, Generic, Literal, TypeVar, overload
 from typing_extensions import Self
 
 from . import _validate
-from ._background_loop import BackgroundLoop, _block_on
+from ._background_loop import BackgroundLoop, _block_on, background_loop_of
 from ._cost_model import CostModel
 from ._errors import (
     BatchProxyError,
@@ -438,6 +438,9 @@ class Proxy(ABC, Generic[In, Out]):
             self._abandon_loop()
         self._loop = loop
         self._loop_thread = threading.get_ident()
+        background = background_loop_of(loop)
+        if background is not None:  # however it got there, it closes with that loop
+            background._adopt(self)
         self._scheduler = Scheduler(
             loop,
             batch_size=self._dispatch_size(),
@@ -746,7 +749,7 @@ class Proxy(ABC, Generic[In, Out]):
         if background._on_loop_thread():  # where this proxy would now run
             raise self._would_deadlock(method)
         call = self.inference(item, timeout=timeout, priority=priority)
-        return background._submit(call, self)  # closed with the background loop
+        return background.submit(call)  # the proxy binds there, and closes with it
 
     def _would_deadlock(self, method: str) -> RuntimeError:
         return RuntimeError(

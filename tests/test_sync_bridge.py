@@ -301,3 +301,16 @@ def test_a_script_that_closes_nothing_exits_cleanly(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["results: True", "in flight: 101"]
     assert done.stderr == ""
+
+
+def test_a_proxy_that_bound_to_a_background_loop_by_hand_closes_with_it() -> None:
+    """Not started by submit() or inference_sync(): awaited in a coroutine run there."""
+    loop = BackgroundLoop(name="by-hand")
+    proxy = Recorder(batch_size=2, delay=0.02, offload=True, name="by-hand-model")
+    assert loop.run(proxy.inference(1), timeout=10) == ("out", 1)
+    pending = [loop.submit(proxy.inference(n)) for n in range(2, 6)]
+    wait_for(lambda: proxy.stats.requests == 5)
+    loop.close()
+    assert [future.result(0) for future in pending] == [("out", n) for n in range(2, 6)]
+    assert proxy.closed
+    assert not thread_names() & {"by-hand", "batchproxy-by-hand-model"}
