@@ -160,15 +160,21 @@ class GenerationProxy(Proxy[In, Out]):
     def _dispatch_size(self) -> int:
         return 1  # the engine admits the rest itself, between steps
 
-    def _record_joins(self, requests: list[Request[In]], now: float) -> None:
-        self._stats.queue_wait.extend(now - request.enqueued_at for request in requests)
-
-    def _record_step(self, size: int, seconds: float, error: BaseException | None) -> None:
-        """Count a step as a batch of its active sequences."""
-        stats = self._stats
+    def _record_step_start(self, step: Step[In], now: float) -> None:
+        """Count a step as a batch of its active sequences; the queue waits are those
+        of the newcomers (listeners hear `batch_started` with them)."""
+        stats, size = self._stats, len(step.active)
         stats.batches += 1
         stats.items += size
         stats.batch_sizes[size] = stats.batch_sizes.get(size, 0) + 1
+        waits = [now - slot._request.enqueued_at for slot in step.joined]
+        stats.queue_wait.extend(waits)
+        if stats.listeners:
+            stats.notify("batch_started", size, waits)
+
+    def _record_step(self, size: int, seconds: float, error: BaseException | None) -> None:
+        """A step is over (after `seconds`, with `error` if it failed)."""
+        stats = self._stats
         stats.model_time.append(seconds)
         if error is not None:
             stats.failed_batches += 1
@@ -271,8 +277,6 @@ class _Engine(Generic[In]):
             self.used += request.cost
             joined.append(Slot(request))
         self.waiting = waiting
-        if joined:
-            proxy._record_joins([slot._request for slot in joined], now)
         return joined
 
     async def _run_step(self, step: Step[In]) -> Sequence[Any] | None:
@@ -281,6 +285,7 @@ class _Engine(Generic[In]):
         loop = proxy._loop
         assert loop is not None
         started = loop.time()
+        proxy._record_step_start(step, started)
         error: BaseException | None = None
         elements: Sequence[Any] | None = None
         try:

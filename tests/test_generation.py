@@ -321,3 +321,40 @@ async def test_configure_batch_size_applies_from_the_next_step() -> None:
     await asyncio.wait(calls)
     assert [s[0] for s in proxy.steps][:2] == [["a"], ["a", "b", "c"]]
     await proxy.aclose()
+
+
+@pytest.mark.looptime
+async def test_listeners_hear_each_step_as_a_batch_with_the_newcomers_queue_waits() -> None:
+    heard: list[tuple[Any, ...]] = []
+
+    class Log(batchproxy.Listener):
+        def batch_started(self, proxy: str, size: int, queue_waits: Sequence[float]) -> None:
+            heard.append(("started", size, [round(w, 3) for w in queue_waits]))
+
+        def batch_finished(
+            self, proxy: str, size: int, seconds: float, error: BaseException | None
+        ) -> None:
+            heard.append(("finished", size, round(seconds, 3)))
+
+        def request_finished(self, proxy: str, outcome: str, seconds: float) -> None:
+            heard.append((outcome, round(seconds, 3)))
+
+    proxy = Counting(batch_size=1)
+    proxy.add_listener(Log())
+    calls = [asyncio.create_task(collect(proxy.stream((k, 2)))) for k in "ab"]
+    await asyncio.wait(calls)
+    assert heard == [
+        ("started", 1, [0.0]),
+        ("finished", 1, 1.0),
+        ("started", 1, []),
+        ("finished", 1, 1.0),
+        ("succeeded", 2.0),
+        ("started", 1, [2.0]),  # b waited for a's two steps
+        ("finished", 1, 1.0),
+        ("started", 1, []),
+        ("finished", 1, 1.0),
+        ("succeeded", 4.0),
+    ]
+    stats = proxy.stats
+    assert (stats.batches, stats.queue_wait.count, stats.model_time.count) == (4, 2, 4)
+    await proxy.aclose()
