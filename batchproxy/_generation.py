@@ -25,7 +25,7 @@ from typing import Any, Generic, TypeVar
 from . import _validate
 from ._errors import BatchSizeMismatch, InferenceError
 from ._executor import Executor
-from ._proxy import Proxy, _caller_error, _cancel_requested, _closing_with_its_loop, _current_batch
+from ._proxy import Proxy, _caller_error, _cancel_requested, _closing_with_its_loop
 from ._queue import Request
 from ._streaming import END
 
@@ -198,22 +198,18 @@ class GenerationProxy(Proxy[In, Out]):
         """Run steps while anything is active or queued (the batch slot is the engine's)."""
         scheduler = self._scheduler
         assert scheduler is not None
-        if requests is None:
-            requests = scheduler.take_reserved()
-            if not requests:
-                return
-        task = asyncio.current_task()
-        assert task is not None
-        _current_batch.set(task)
-        engine = _Engine(self, requests)
+        claimed = self._claim_batch(scheduler, requests)
+        if claimed is None:
+            return
+        engine = _Engine(self, claimed[0])
         try:
             await engine.run()
         except asyncio.CancelledError as exc:  # from outside: the event loop is ending
             self._fail(engine.open_requests(), InferenceError(self.name, exc))
             raise
         finally:
-            if scheduler is self._scheduler and not scheduler.loop.is_closed():
-                scheduler.batch_finished()  # else its event loop ended, with the slot
+            if self._serves(scheduler):
+                scheduler.batch_finished()
 
 
 class _Engine(Generic[In]):

@@ -955,13 +955,10 @@ class Proxy(ABC, Generic[In, Out]):
         loop, scheduler = self._loop, self._scheduler
         assert loop is not None
         assert scheduler is not None
-        if requests is None:
-            requests = scheduler.take_reserved()
-            if not requests:
-                return
-        task = asyncio.current_task()
-        assert task is not None
-        _current_batch.set(task)
+        claimed = self._claim_batch(scheduler, requests)
+        if claimed is None:
+            return
+        requests, task = claimed
         started = loop.time()
         self._record_start(requests, started)
         steps = Steps(self._model([r.item for r in requests]), self._executor)
@@ -977,6 +974,27 @@ class Proxy(ABC, Generic[In, Out]):
         finally:
             self._stream_batch_ended(task, scheduler, requests, error, started)
 
+    def _claim_batch(
+        self, scheduler: Scheduler[In], requests: list[Request[In]] | None
+    ) -> tuple[list[Request[In]], asyncio.Task[Any]] | None:
+        """What a streaming batch task runs: its requests (taken from the queue now if an
+        arrival to an idle proxy started it; None if every one left meanwhile) and the
+        task, made the current batch for the model. (`_run_batch` does the same inline:
+        it is the idle path's hot spot.)"""
+        if requests is None:
+            requests = scheduler.take_reserved()
+            if not requests:
+                return None
+        task = asyncio.current_task()
+        assert task is not None
+        _current_batch.set(task)
+        return requests, task
+
+    def _serves(self, scheduler: Scheduler[In]) -> bool:
+        """Whether `scheduler` is still this proxy's, on a live loop: else a batch ending
+        now was closed as garbage after its event loop ended, and its slot with it."""
+        return scheduler is self._scheduler and not scheduler.loop.is_closed()
+
     def _stream_batch_ended(
         self,
         task: asyncio.Task[Any],
@@ -986,8 +1004,8 @@ class Proxy(ABC, Generic[In, Out]):
         started: float,
     ) -> None:
         """A streaming batch is over: fail its open streams with `error`, or end them."""
-        if scheduler is not self._scheduler or scheduler.loop.is_closed():
-            return  # its event loop ended (the batch is closed as garbage), and its slot too
+        if not self._serves(scheduler):
+            return
         now = scheduler.loop.time()
         if error is not None:
             self._stats.failed_batches += 1
@@ -1083,8 +1101,8 @@ class Proxy(ABC, Generic[In, Out]):
     ) -> None:
         """The model call of a batch is over: record it, mark the proxy healthy again if
         it answered in time, and free the batch slot (unless already handed on)."""
-        if scheduler is not self._scheduler or scheduler.loop.is_closed():
-            return  # its event loop ended (the batch is closed as garbage), and its slot too
+        if not self._serves(scheduler):
+            return
         stats = self._stats
         stats.model_time.append(seconds)
         if stats.listeners:

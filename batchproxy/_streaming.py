@@ -1,4 +1,4 @@
-"""Streams: end markers, the request that carries chunks, and how a chunk reaches its caller.
+"""Streams: end markers, the request that carries chunks, and stepping a streaming model.
 
 A streaming call is a request whose future settles when the stream ends (a
 result of None) or fails; its chunks travel through a queue of their own, which
