@@ -894,7 +894,7 @@ class Proxy(ABC, Generic[In, Out]):
         task.add_done_callback(self._batch_tasks.discard)
 
     async def _run_batch(self, requests: list[Request[In]] | None) -> None:
-        loop, scheduler, stats = self._loop, self._scheduler, self._stats
+        loop, scheduler = self._loop, self._scheduler
         assert loop is not None
         assert scheduler is not None
         if requests is None:  # started by an arrival to an idle proxy: take the batch now
@@ -932,17 +932,20 @@ class Proxy(ABC, Generic[In, Out]):
                     if error is not exc:
                         logger.error("%s._inference raised %r", self.name, exc)
             else:
-                late = task in self._overran_batches  # returned after the watchdog gave up
-                released = not late and _clean(results, size) and scheduler.batch_finished_early()
+                # returned after the watchdog gave up on it
+                late = bool(self._overran_batches) and task in self._overran_batches
+                released = (
+                    not late
+                    and scheduler.queue.live > 0  # (the cheap test first: often nobody waits)
+                    and _clean(results, size)
+                    and scheduler.batch_finished_early()
+                )
                 finished = loop.time()
                 error = self._deliver(requests, results, finished)
                 if error is None and whole and not late:  # one timely call on the whole batch
                     self._cost_model.add(units, finished - started)
             if error is not None:
-                stats.failed_batches += 1
-                self._fail(requests, error)
-                if stats.listeners:
-                    stats.notify("error", error, size)
+                self._batch_failed(requests, error)
         finally:
             if watchdog is not None:
                 watchdog.cancel()
@@ -1008,8 +1011,7 @@ class Proxy(ABC, Generic[In, Out]):
             return
         now = scheduler.loop.time()
         if error is not None:
-            self._stats.failed_batches += 1
-            self._fail(requests, error)
+            self._batch_failed(requests, error)
         else:
             self._end_streams(requests, now)
         self._batch_ended(task, scheduler, len(requests), now - started, error, False)
@@ -1193,7 +1195,8 @@ class Proxy(ABC, Generic[In, Out]):
                 pieces.extend(self._result_sequence(results))
                 start += len(chunk)
             return pieces, False
-        if self._cap.succeeded(len(items)):
+        cap = self._cap
+        if cap.cap < cap.limit and cap.succeeded(len(items)):  # backed off: creep back up
             self._apply_cap()
         return results, True
 
@@ -1263,6 +1266,14 @@ class Proxy(ABC, Generic[In, Out]):
             f"(list, tuple or array), got {type(results).__name__}"
         )
         raise error from cause
+
+    def _batch_failed(self, requests: list[Request[In]], error: BaseException) -> None:
+        """The batch failed as a whole: its callers still waiting get `error`."""
+        stats = self._stats
+        stats.failed_batches += 1
+        self._fail(requests, error)
+        if stats.listeners:
+            stats.notify("error", error, len(requests))
 
     def _fail(self, requests: list[Request[In]], error: BaseException) -> None:
         for request in requests:

@@ -170,13 +170,14 @@ class Scheduler(Generic[T]):
 
     def batch_finished(self) -> None:
         """A batch slot is free again: waiting requests go, one loop iteration later
-        (at once while draining, so a batch always runs while requests remain)."""
+        (at once while draining, so a batch always runs while requests remain). With
+        none waiting there is nothing to decide: the next arrival finds the proxy idle."""
         self.in_flight -= 1
         self._trim_running()
-        self._slot_freed = True
         if self._draining:
             self._decide()
-        else:
+        elif self.queue.live:
+            self._slot_freed = True
             self._schedule_decision()
 
     def batch_finished_early(self) -> bool:

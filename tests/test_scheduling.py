@@ -193,6 +193,19 @@ async def test_idle_proxy_has_no_timer_armed() -> None:
         assert armed_timers(loop) == []
 
 
+async def test_a_batch_that_leaves_nobody_waiting_schedules_no_decision() -> None:
+    """Nothing is left to decide when the last batch ends with an empty queue: no
+    callback is queued for it (the next arrival finds the proxy idle and goes at once)."""
+    loop = asyncio.get_running_loop()
+    async with Recorder(batch_size=64, max_delay_ms=10) as proxy:
+        assert await proxy.inference("x") == ("out", "x")
+        ready = list(loop._ready)  # type: ignore[attr-defined]  # what runs next iteration
+        assert not [h for h in ready if "_decide" in repr(h)]
+        assert proxy.stats.in_flight == 0
+        assert await proxy.inference("y") == ("out", "y")
+        assert proxy.batches == [["x"], ["y"]]
+
+
 async def test_deadline_timers_are_cancelled_once_answered() -> None:
     loop = asyncio.get_running_loop()
     async with Recorder(batch_size=8, max_delay_ms=1, timeout=60.0) as proxy:

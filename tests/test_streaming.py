@@ -203,13 +203,24 @@ async def test_a_raising_generator_fails_the_open_streams_only() -> None:
             yield [Last("done early"), "x"]
             raise RuntimeError("step 2 broke")
 
+    class Errors(batchproxy.Listener):
+        def __init__(self) -> None:
+            self.seen: list[tuple[str, int]] = []
+
+        @override
+        def error(self, proxy: str, error: BaseException, size: int) -> None:
+            self.seen.append((str(error), size))
+
     proxy = Breaks(max_delay_ms=0)
+    listener = Errors()
+    proxy.add_listener(listener)
     early, late = (asyncio.create_task(collect(proxy.stream(k))) for k in "ab")
     assert await early == ["done early"]
     with pytest.raises(RuntimeError, match="step 2 broke"):
         await late
     stats = proxy.stats
     assert (stats.succeeded, stats.errors, stats.failed_batches) == (1, 1, 1)
+    assert listener.seen == [("step 2 broke", 2)]  # a failed batch, as for inference()
     assert_settled(stats)
     await proxy.aclose()
 
