@@ -15,6 +15,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Coroutine
@@ -175,8 +176,6 @@ class BackgroundLoop:
         self._lock = threading.Lock()
         self._loop = self._thread = None
         self._proxies = weakref.WeakSet()
-        if self is BackgroundLoop._default:
-            BackgroundLoop._default_lock = threading.Lock()
 
     def _on_loop_thread(self) -> bool:
         return self._thread is not None and threading.current_thread() is self._thread
@@ -212,6 +211,16 @@ _owners: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, BackgroundLoop] = 
 def background_loop_of(loop: asyncio.AbstractEventLoop) -> BackgroundLoop | None:
     """The `BackgroundLoop` that runs `loop`, if one does."""
     return _owners.get(loop)
+
+
+def _forget_default_lock_in_child() -> None:
+    """In a forked child: a thread that held the default loop's lock during the fork
+    (creating the default loop, say) is gone, and would hold it for ever."""
+    BackgroundLoop._default_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_forget_default_lock_in_child)
 
 
 def _close_default() -> None:

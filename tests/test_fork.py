@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import signal
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -81,3 +82,33 @@ def test_a_background_loop_started_before_a_fork_runs_in_the_child() -> None:
 
         assert in_forked_child(child) == "child"
         assert loop.run(asyncio.sleep(0, "still"), timeout=10) == "still"
+
+
+def test_a_fork_while_another_thread_holds_the_default_loops_lock_does_not_hang_the_child(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A thread creating the default background loop when the process forks holds its
+    lock; that thread is gone in the child, so the child must not wait for the lock."""
+    monkeypatch.setattr(batchproxy.BackgroundLoop, "_default", None)  # none made yet
+    held, release = threading.Event(), threading.Event()
+
+    def hold_the_lock() -> None:
+        with batchproxy.BackgroundLoop._default_lock:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold_the_lock)
+    holder.start()
+    try:
+        assert held.wait(10)
+        proxy = Recorder(name="after-fork")
+        assert in_forked_child(lambda: proxy.inference_sync(1, timeout=10), seconds=15) == [
+            "out",
+            1,
+        ]
+    finally:
+        release.set()
+        holder.join()
+    default = batchproxy.BackgroundLoop._default
+    if default is not None:  # made by this test's own calls, if any: close it
+        default.close()
