@@ -136,19 +136,21 @@ class GenerationProxy(Proxy[In, Out]):
         self,
         *,
         batch_size: int | EllipsisType = ...,
-        max_delay_ms: float | EllipsisType = ...,
-        max_concurrent_batches: int | EllipsisType | None = ...,
         max_queue_size: int | EllipsisType | None = ...,
+        timeout: float | EllipsisType | None = ...,
+        **others: Any,
     ) -> None:
-        """Change `batch_size` (the most active sequences, from the next step) or
-        `max_queue_size` while the proxy runs; see `Proxy.configure`. A generation
-        proxy runs one batch at a time and never waits for company, so
-        `max_delay_ms` and `max_concurrent_batches` are refused."""
-        if max_delay_ms is not ... or max_concurrent_batches is not ...:
+        """Change `batch_size` (the most active sequences, from the next step),
+        `max_queue_size` or the default `timeout` while the proxy runs; see
+        `Proxy.configure`. A generation proxy runs one step at a time and never
+        waits for company, so the other options are refused."""
+        refused = sorted(option for option, value in others.items() if value is not ...)
+        if refused:
             raise TypeError(
-                f"{self.name}: a GenerationProxy takes only batch_size and max_queue_size"
+                f"{self.name}: a GenerationProxy takes only batch_size, max_queue_size and "
+                f"timeout, not {', '.join(refused)}"
             )
-        super().configure(batch_size=batch_size, max_queue_size=max_queue_size)
+        super().configure(batch_size=batch_size, max_queue_size=max_queue_size, timeout=timeout)
 
     def _step(self, step: Step[In], /) -> Awaitable[StepResult] | StepResult:
         """Run one step over `step.active`; return one element per active sequence."""

@@ -203,18 +203,12 @@ class Proxy(ABC, Generic[In, Out]):
         elif not (oom_backoff is False or callable(oom_backoff)):
             raise TypeError(f"oom_backoff must be a bool or a predicate, got {oom_backoff!r}")
         self._is_oom: OomPredicate | None = oom_backoff or None
-        self._adaptive = _validate.choice("window", window, ("adaptive", "fixed")) == "adaptive"
-        self._aging = (
-            None
-            if aging_ms is None
-            else _validate.duration("aging_ms", aging_ms, allow_zero=False) / 1e3
-        )
+        self._adaptive = _is_adaptive(window)
+        self._aging = _aging_seconds(aging_ms)
         self._shed_late = _validate.flag("shed_late", shed_late)
         self._isolate_errors = _validate.flag("isolate_errors", isolate_errors)
         self._batch_timeout = _validate.timeout("batch_timeout", batch_timeout)
-        self._stop_on_overrun = (
-            _validate.choice("on_batch_timeout", on_batch_timeout, ("serve", "stop")) == "stop"
-        )
+        self._stop_on_overrun = _stops_on_overrun(on_batch_timeout)
         self._overran_batches: dict[asyncio.Task[Any], BatchTimeout] = {}  # still running
         self._cap = BatchCap(self._batch_size)
         self._cost_model = CostModel("item" if length is None else "token")
@@ -277,17 +271,19 @@ class Proxy(ABC, Generic[In, Out]):
         if not (inspect.isasyncgenfunction(model) or inspect.isgeneratorfunction(model)):
             return False
         if self._isolate_errors or self._is_oom is not None:
-            option = "isolate_errors" if self._isolate_errors else "oom_backoff"
-            raise TypeError(
-                f"{self.name}: {option} reruns parts of a batch, which a streaming "
-                f"_inference (a generator) cannot do; leave it off"
-            )
+            raise self._cannot_rerun("isolate_errors" if self._isolate_errors else "oom_backoff")
         if inspect.isasyncgenfunction(self._model) and offload is not False:
             raise TypeError(
                 f"{self.name}: an async generator _inference runs on the event loop; to run "
                 f"its steps on a worker thread, make it a plain generator (def ... yield)"
             )
         return True
+
+    def _cannot_rerun(self, option: str) -> TypeError:
+        return TypeError(
+            f"{self.name}: {option} reruns parts of a batch, which a streaming "
+            f"_inference (a generator) cannot do; leave it off"
+        )
 
     def _choose_executor(self, offload: object) -> tuple[Executor, bool]:
         own_model = self._has_own_model()
@@ -480,14 +476,25 @@ class Proxy(ABC, Generic[In, Out]):
         max_delay_ms: float | EllipsisType = ...,
         max_concurrent_batches: int | EllipsisType | None = ...,
         max_queue_size: int | EllipsisType | None = ...,
+        timeout: float | EllipsisType | None = ...,
+        window: Literal["adaptive", "fixed"] | EllipsisType = ...,
+        aging_ms: float | EllipsisType | None = ...,
+        shed_late: bool | EllipsisType = ...,
+        isolate_errors: bool | EllipsisType = ...,
+        batch_timeout: float | EllipsisType | None = ...,
+        on_batch_timeout: Literal["serve", "stop"] | EllipsisType = ...,
     ) -> None:
-        """Change limits while the proxy runs; `...` (the default) keeps a value.
+        """Change limits and policies while the proxy runs; `...` (the default) keeps a
+        value. The options mean what they mean for the constructor.
 
         Every value is checked like the constructor's before any is applied, so a
         bad call changes nothing. Thread-safe: from another thread the change
         reaches the proxy's loop through `call_soon_threadsafe`. It applies from
         the next batch on; running batches and queued requests are left as they
-        are (a lower `max_queue_size` refuses new calls until the queue is below it).
+        are (a lower `max_queue_size` refuses new calls until the queue is below it;
+        a new `timeout` or `shed_late` applies to calls made from now on, a new
+        `batch_timeout` to batches started from now on, `isolate_errors` and
+        `on_batch_timeout` to failures and overruns from now on).
         `max_concurrent_batches=None` follows the executor's capacity again.
         """
         self._require_init()
@@ -509,11 +516,57 @@ class Proxy(ABC, Generic[In, Out]):
             if max_queue_size is ...
             else _validate.optional_count("max_queue_size", max_queue_size)
         )
+        policies = self._configured_policies(
+            timeout, window, aging_ms, shed_late, isolate_errors, batch_timeout, on_batch_timeout
+        )
         self._batch_size, self._max_delay, self._max_concurrent = size, delay, slots
         self._follow_capacity = follow
         self._max_queue_size = room
+        (
+            self._timeout,
+            self._adaptive,
+            self._aging,
+            self._shed_late,
+            self._isolate_errors,
+            self._batch_timeout,
+            self._stop_on_overrun,
+        ) = policies
         self._cap.set_limit(size)
         self._apply_limits()
+
+    def _configured_policies(
+        self,
+        timeout: object,
+        window: object,
+        aging_ms: object,
+        shed_late: object,
+        isolate_errors: object,
+        batch_timeout: object,
+        on_batch_timeout: object,
+    ) -> tuple[float | None, bool, float | None, bool, bool, float | None, bool]:
+        """The policies after `configure(...)`, each checked (`...` keeps the current one)."""
+        isolate = (
+            self._isolate_errors
+            if isolate_errors is ...
+            else _validate.flag("isolate_errors", isolate_errors)
+        )
+        if isolate and self._streaming:
+            raise self._cannot_rerun("isolate_errors")
+        return (
+            self._timeout if timeout is ... else _validate.timeout("timeout", timeout),
+            self._adaptive if window is ... else _is_adaptive(window),
+            self._aging if aging_ms is ... else _aging_seconds(aging_ms),
+            self._shed_late if shed_late is ... else _validate.flag("shed_late", shed_late),
+            isolate,
+            (
+                self._batch_timeout
+                if batch_timeout is ...
+                else _validate.timeout("batch_timeout", batch_timeout)
+            ),
+            self._stop_on_overrun
+            if on_batch_timeout is ...
+            else _stops_on_overrun(on_batch_timeout),
+        )
 
     def _dispatch_size(self) -> int:
         """The most requests the scheduler puts in one batch: the current cap."""
@@ -530,12 +583,22 @@ class Proxy(ABC, Generic[In, Out]):
         loop, scheduler = self._loop, self._scheduler
         if loop is None or scheduler is None or loop.is_closed():
             return  # the next event loop's scheduler starts with these values
-        limits = (self._dispatch_size(), self._max_delay, self._max_concurrent)
+        limits = self._limits()
         if threading.get_ident() == self._loop_thread:
             scheduler.reconfigure(*limits)
         else:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 loop.call_soon_threadsafe(scheduler.reconfigure, *limits)
+
+    def _limits(self) -> tuple[int, float, int, bool, float | None]:
+        """What the scheduler is told: batch size, delay, slots, window, aging."""
+        return (
+            self._dispatch_size(),
+            self._max_delay,
+            self._max_concurrent,
+            self._adaptive,
+            self._aging,
+        )
 
     # -- calls ---------------------------------------------------------------------------
 
@@ -1213,7 +1276,7 @@ class Proxy(ABC, Generic[In, Out]):
     def _apply_cap(self) -> None:
         scheduler = self._scheduler
         if scheduler is not None:
-            scheduler.reconfigure(self._dispatch_size(), self._max_delay, self._max_concurrent)
+            scheduler.reconfigure(*self._limits())
 
     def _deliver(
         self, requests: list[Request[In]], results: object, now: float
@@ -1358,6 +1421,20 @@ def _clean(results: object, size: int) -> bool:
         and len(results) == size
         and not any(isinstance(r, BaseException) for r in results)
     )
+
+
+def _is_adaptive(window: object) -> bool:
+    return _validate.choice("window", window, ("adaptive", "fixed")) == "adaptive"
+
+
+def _aging_seconds(aging_ms: object) -> float | None:
+    if aging_ms is None:
+        return None
+    return _validate.duration("aging_ms", aging_ms, allow_zero=False) / 1e3
+
+
+def _stops_on_overrun(on_batch_timeout: object) -> bool:
+    return _validate.choice("on_batch_timeout", on_batch_timeout, ("serve", "stop")) == "stop"
 
 
 def _closing_with_its_loop(error: BaseException, loop: asyncio.AbstractEventLoop) -> bool:

@@ -195,12 +195,22 @@ class Scheduler(Generic[T]):
         self._schedule_decision()
         return True
 
-    def reconfigure(self, batch_size: int, max_delay: float, max_concurrent_batches: int) -> None:
-        """New limits from the next decision on (running batches are not touched)."""
+    def reconfigure(
+        self,
+        batch_size: int,
+        max_delay: float,
+        max_concurrent_batches: int,
+        adaptive: bool,
+        aging: float | None,
+    ) -> None:
+        """New limits and window from the next decision on (running batches are not
+        touched); the queue's new `aging` orders the next pops."""
         self._batch_size = batch_size
         self._max_delay = max_delay
         self._max_concurrent = max_concurrent_batches
-        self._schedule_decision()  # a smaller batch or a new slot may make a batch ready
+        self._adaptive = adaptive
+        self.queue.aging = aging
+        self._schedule_decision()  # a smaller batch, a new slot or window may send one now
 
     def drain(self) -> None:
         """From now on every queued request goes as soon as a slot is free."""

@@ -301,9 +301,12 @@ def test_misuse_is_refused_clearly() -> None:
     with pytest.raises(ValueError, match="max_tokens"):
         Counting(max_tokens=0, tokens=len)
     proxy = Counting()
-    with pytest.raises(TypeError, match="takes only batch_size and max_queue_size"):
+    with pytest.raises(TypeError, match="takes only batch_size, max_queue_size and timeout"):
         proxy.configure(max_delay_ms=1)
-    proxy.configure(batch_size=4, max_queue_size=10)
+    with pytest.raises(TypeError, match="not batch_timeout, window"):
+        proxy.configure(window="fixed", batch_timeout=1.0)
+    proxy.configure(batch_size=4, max_queue_size=10, timeout=30.0)
+    assert proxy._timeout == 30.0
 
     async def call() -> None:
         await proxy.inference(("a", 1))
