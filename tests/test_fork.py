@@ -109,6 +109,3 @@ def test_a_fork_while_another_thread_holds_the_default_loops_lock_does_not_hang_
     finally:
         release.set()
         holder.join()
-    default = batchproxy.BackgroundLoop._default
-    if default is not None:  # made by this test's own calls, if any: close it
-        default.close()
