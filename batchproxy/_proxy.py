@@ -45,7 +45,7 @@ from collections.abc import (
     Set,
 )
 from types import EllipsisType
-from typing import Any, Generic, Literal, TypeVar, overload
+from typing import Any, Generic, Literal, NamedTuple, TypeVar, overload
 
 from typing_extensions import Self
 
@@ -516,21 +516,16 @@ class Proxy(ABC, Generic[In, Out]):
             if max_queue_size is ...
             else _validate.optional_count("max_queue_size", max_queue_size)
         )
-        policies = self._configured_policies(
+        new = self._configured_policies(
             timeout, window, aging_ms, shed_late, isolate_errors, batch_timeout, on_batch_timeout
         )
         self._batch_size, self._max_delay, self._max_concurrent = size, delay, slots
         self._follow_capacity = follow
         self._max_queue_size = room
-        (
-            self._timeout,
-            self._adaptive,
-            self._aging,
-            self._shed_late,
-            self._isolate_errors,
-            self._batch_timeout,
-            self._stop_on_overrun,
-        ) = policies
+        self._timeout, self._shed_late = new.timeout, new.shed_late
+        self._adaptive, self._aging = new.adaptive, new.aging
+        self._isolate_errors = new.isolate_errors
+        self._batch_timeout, self._stop_on_overrun = new.batch_timeout, new.stop_on_overrun
         self._cap.set_limit(size)
         self._apply_limits()
 
@@ -543,7 +538,7 @@ class Proxy(ABC, Generic[In, Out]):
         isolate_errors: object,
         batch_timeout: object,
         on_batch_timeout: object,
-    ) -> tuple[float | None, bool, float | None, bool, bool, float | None, bool]:
+    ) -> _Policies:
         """The policies after `configure(...)`, each checked (`...` keeps the current one)."""
         isolate = (
             self._isolate_errors
@@ -552,20 +547,24 @@ class Proxy(ABC, Generic[In, Out]):
         )
         if isolate and self._streaming:
             raise self._cannot_rerun("isolate_errors")
-        return (
-            self._timeout if timeout is ... else _validate.timeout("timeout", timeout),
-            self._adaptive if window is ... else _is_adaptive(window),
-            self._aging if aging_ms is ... else _aging_seconds(aging_ms),
-            self._shed_late if shed_late is ... else _validate.flag("shed_late", shed_late),
-            isolate,
-            (
+        return _Policies(
+            timeout=self._timeout if timeout is ... else _validate.timeout("timeout", timeout),
+            adaptive=self._adaptive if window is ... else _is_adaptive(window),
+            aging=self._aging if aging_ms is ... else _aging_seconds(aging_ms),
+            shed_late=(
+                self._shed_late if shed_late is ... else _validate.flag("shed_late", shed_late)
+            ),
+            isolate_errors=isolate,
+            batch_timeout=(
                 self._batch_timeout
                 if batch_timeout is ...
                 else _validate.timeout("batch_timeout", batch_timeout)
             ),
-            self._stop_on_overrun
-            if on_batch_timeout is ...
-            else _stops_on_overrun(on_batch_timeout),
+            stop_on_overrun=(
+                self._stop_on_overrun
+                if on_batch_timeout is ...
+                else _stops_on_overrun(on_batch_timeout)
+            ),
         )
 
     def _dispatch_size(self) -> int:
@@ -1421,6 +1420,18 @@ def _clean(results: object, size: int) -> bool:
         and len(results) == size
         and not any(isinstance(r, BaseException) for r in results)
     )
+
+
+class _Policies(NamedTuple):
+    """The scheduling and failure policies `configure()` may change, checked."""
+
+    timeout: float | None
+    adaptive: bool
+    aging: float | None
+    shed_late: bool
+    isolate_errors: bool
+    batch_timeout: float | None
+    stop_on_overrun: bool
 
 
 def _is_adaptive(window: object) -> bool:
