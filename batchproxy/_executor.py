@@ -23,7 +23,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Executor", "LoopExecutor", "ModelFactory", "ModelFn"]
+from typing_extensions import Self
+
+__all__ = ["Executor", "LoopExecutor", "ModelFactory", "ModelFn", "PoolExecutor"]
 
 ModelFn = Callable[[list[Any]], Any]
 ModelFactory = Callable[[], ModelFn]
@@ -71,6 +73,22 @@ class Executor(ABC):
 
 
 _watchers_lock = threading.Lock()
+
+
+class PoolExecutor(Executor):
+    """An executor whose workers start with `await start()` (optional: the first batch
+    starts them); `async with` starts it and closes it."""
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Start the workers now, so the first batch does not wait for them."""
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
 
 class LoopExecutor(Executor):

@@ -42,11 +42,9 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from typing_extensions import Self
-
 from . import _ipc, _validate
 from ._errors import WorkerDied
-from ._executor import Executor, ModelFactory, ModelFn
+from ._executor import ModelFactory, ModelFn, PoolExecutor
 from ._worker_process import serve
 from ._worker_thread import _answer, _Raised
 
@@ -83,7 +81,7 @@ class _Job:
         self.reply(_Raised(error))
 
 
-class ProcessWorkers(Executor):
+class ProcessWorkers(PoolExecutor):
     """`n` worker processes, each running the model `factory()` builds in it.
 
     Use as `Proxy(offload=ProcessWorkers(factory, n))`; the proxy then keeps up to
@@ -186,13 +184,6 @@ class ProcessWorkers(Executor):
         for worker in self._workers:
             worker.jobs.put(_STOP)
         return [w.thread for w in self._workers if w.thread is not threading.current_thread()]
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
 
     # -- running batches -------------------------------------------------------------------
 

@@ -68,10 +68,9 @@ from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
-from typing_extensions import Self
 
 from .._errors import WorkerDied
-from .._executor import Executor, ModelFactory, ModelFn
+from .._executor import ModelFactory, ModelFn, PoolExecutor
 from .._validate import count, flag
 
 __all__ = ["RayActors"]
@@ -122,7 +121,7 @@ class _Replica:
         return f"{self.number}" if actor_id is None else f"{self.number} (actor {actor_id.hex()})"
 
 
-class RayActors(Executor):
+class RayActors(PoolExecutor):
     """A pool of Ray actors, each running the model that `factory()` builds.
 
     Pass it as `Proxy(offload=RayActors(factory, num_replicas))`, without a
@@ -246,13 +245,6 @@ class RayActors(Executor):
             self._rotation.clear()
             self._retired.clear()
             self._close_done.set()
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
 
     # -- batches -----------------------------------------------------------------------
 
