@@ -17,7 +17,6 @@ fails the streams in it and the engine goes on with an empty batch.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Awaitable, Callable, Sequence
 from types import EllipsisType
 from typing import Any, Generic, TypeVar
@@ -25,13 +24,12 @@ from typing import Any, Generic, TypeVar
 from . import _validate
 from ._errors import BatchSizeMismatch, InferenceError
 from ._executor import Executor
-from ._proxy import Proxy, _caller_error, _cancel_requested, _closing_with_its_loop
+from ._proxy import Proxy
 from ._queue import Request
 from ._streaming import END
 
 __all__ = ["GenerationProxy", "Slot", "Step"]
 
-logger = logging.getLogger("batchproxy")
 
 In = TypeVar("In")
 Out = TypeVar("Out")
@@ -103,6 +101,8 @@ class GenerationProxy(Proxy[In, Out]):
     - `max_queue_size`, `timeout` (for the whole stream), `offload`, `name`: as
       for `Proxy`.
     """
+
+    _model_name = "_step"
 
     def __init__(
         self,
@@ -292,13 +292,9 @@ class _Engine(Generic[In]):
             if len(elements) != len(step.active):
                 error = BatchSizeMismatch(proxy.name, len(step.active), len(elements))
         except BaseException as exc:
-            if _closing_with_its_loop(exc, loop):
+            error = proxy._model_failure(exc, loop, None)  # (no watchdog on steps)
+            if error is None:  # the event loop is ending: so does the step
                 raise
-            if isinstance(exc, asyncio.CancelledError) and _cancel_requested():
-                raise
-            if not isinstance(exc, Exception):
-                logger.error("%s._step raised %r", proxy.name, exc)
-            error = _caller_error(proxy.name, exc)
         proxy._record_step(len(step.active), loop.time() - started, error)
         if error is not None:
             proxy._fail([slot._request for slot in step.active], error)

@@ -146,6 +146,7 @@ class Proxy(ABC, Generic[In, Out]):
     """
 
     _group_by_length = True  # TensorProxy(length_aware=False): costs without grouping
+    _model_name = "_inference"  # what the model is called in logs
 
     # class-level defaults, so a subclass that forgot super().__init__() reaches
     # _require_init() and its clear error instead of an AttributeError
@@ -209,7 +210,7 @@ class Proxy(ABC, Generic[In, Out]):
         self._isolate_errors = _validate.flag("isolate_errors", isolate_errors)
         self._batch_timeout = _validate.timeout("batch_timeout", batch_timeout)
         self._stop_on_overrun = _stops_on_overrun(on_batch_timeout)
-        self._overran_batches: dict[asyncio.Task[Any], BatchTimeout] = {}  # still running
+        self._overran_batches: dict[asyncio.Future[Any], BatchTimeout] = {}  # still running
         self._cap = BatchCap(self._batch_size)
         self._cost_model = CostModel("item" if length is None else "token")
 
@@ -980,19 +981,11 @@ class Proxy(ABC, Generic[In, Out]):
             try:
                 results, whole = await self._call_model([r.item for r in requests])
             except BaseException as exc:
-                if _closing_with_its_loop(exc, loop):
+                error = self._model_failure(exc, loop, task)
+                if error is None:  # the event loop is ending: so does the batch
+                    if isinstance(exc, asyncio.CancelledError):
+                        self._fail(requests, InferenceError(self.name, exc))
                     raise
-                overrun = self._overran_batches.get(task)
-                if overrun is not None and isinstance(exc, asyncio.CancelledError):
-                    _uncancel(task)  # our own watchdog cancelled it, not the event loop
-                    error = overrun
-                elif isinstance(exc, asyncio.CancelledError) and _cancel_requested():
-                    self._fail(requests, InferenceError(self.name, exc))
-                    raise
-                else:
-                    error = exc if isinstance(exc, Exception) else InferenceError(self.name, exc)
-                    if error is not exc:
-                        logger.error("%s._inference raised %r", self.name, exc)
             else:
                 # returned after the watchdog gave up on it
                 late = bool(self._overran_batches) and task in self._overran_batches
@@ -1096,17 +1089,10 @@ class Proxy(ABC, Generic[In, Out]):
             try:
                 elements = await steps.send(keep)
             except BaseException as exc:
-                if _closing_with_its_loop(exc, loop):
+                error = self._model_failure(exc, loop, task)
+                if error is None:  # the event loop is ending: so does the batch
                     raise
-                overrun = self._overran_batches.get(task)
-                if overrun is not None and isinstance(exc, asyncio.CancelledError):
-                    _uncancel(task)
-                    return True, overrun
-                if isinstance(exc, asyncio.CancelledError) and _cancel_requested():
-                    raise
-                if not isinstance(exc, Exception):
-                    logger.error("%s._inference raised %r", self.name, exc)
-                return True, _caller_error(self.name, exc)
+                return True, error
             finally:
                 if watchdog is not None:
                     watchdog.cancel()
@@ -1131,6 +1117,27 @@ class Proxy(ABC, Generic[In, Out]):
             told = [view[i] for i in keep]
             if not told:
                 return False, None
+
+    def _model_failure(
+        self,
+        exc: BaseException,
+        loop: asyncio.AbstractEventLoop,
+        batch: asyncio.Future[Any] | None,
+    ) -> Exception | None:
+        """What a model call (or step) of `batch` that raised `exc` means for its callers:
+        the error they get, or None when `exc` must propagate (the batch's event loop is
+        ending: its task was cancelled from outside, or closed after the loop was)."""
+        if _closing_with_its_loop(exc, loop):
+            return None
+        if isinstance(exc, asyncio.CancelledError):
+            if batch is not None and batch in self._overran_batches:
+                _uncancel(batch)  # our own watchdog cancelled it, not the event loop
+                return self._overran_batches[batch]
+            if _cancel_requested():
+                return None
+        if not isinstance(exc, Exception):
+            logger.error("%s.%s raised %r", self.name, self._model_name, exc)
+        return _caller_error(self.name, exc)
 
     def _stream_element(self, request: Request[In], element: object, now: float) -> None:
         """Hand one step's element to its streaming caller: a chunk, or the end."""
@@ -1454,7 +1461,7 @@ def _closing_with_its_loop(error: BaseException, loop: asyncio.AbstractEventLoop
     return isinstance(error, GeneratorExit) and loop.is_closed()
 
 
-def _uncancel(task: asyncio.Task[Any]) -> None:
+def _uncancel(task: asyncio.Future[Any]) -> None:
     """Withdraw a cancellation the proxy requested itself (Python 3.11+ keeps count)."""
     uncancel = getattr(task, "uncancel", None)
     if uncancel is not None:
