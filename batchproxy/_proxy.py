@@ -661,11 +661,10 @@ class Proxy(ABC, Generic[In, Out]):
             if request.deadline_timer is not None:
                 request.deadline_timer.cancel()
             if not over:
-                if not future.done():
-                    future.cancel()
-                    self._abandon(request)
-                elif not future.cancelled():  # it ended unread: the consumer left first
+                if future.done() and not future.cancelled():  # ended unread: the consumer left
                     self._recount_as_cancelled(future)
+                else:
+                    self._withdraw([request])
 
     @overload
     async def inference_many(
