@@ -26,7 +26,6 @@ from ._errors import BatchSizeMismatch, InferenceError
 from ._executor import Executor
 from ._proxy import Proxy
 from ._queue import Request
-from ._streaming import END
 
 __all__ = ["GenerationProxy", "Slot", "Step"]
 
@@ -248,10 +247,10 @@ class _Engine(Generic[In]):
                 continue
             now = loop.time()
             for slot, element in zip(self.active, elements, strict=True):
-                if not slot._request.future.done():
-                    proxy._stream_element(slot._request, element, now)
-                    if not (element is END or isinstance(element, BaseException)):
-                        slot.chunks += 1
+                if not slot._request.future.done() and proxy._stream_element(
+                    slot._request, element, now
+                ):
+                    slot.chunks += 1
 
     def _admit(self, active: int, now: float) -> list[Slot[In]]:
         """Newcomers, in queue order, while there is room; the rest keep waiting."""

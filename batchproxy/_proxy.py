@@ -1138,17 +1138,20 @@ class Proxy(ABC, Generic[In, Out]):
             logger.error("%s.%s raised %r", self.name, self._model_name, exc)
         return _caller_error(self.name, exc)
 
-    def _stream_element(self, request: Request[In], element: object, now: float) -> None:
-        """Hand one step's element to its streaming caller: a chunk, or the end."""
+    def _stream_element(self, request: Request[In], element: object, now: float) -> bool:
+        """Hand one step's element to its streaming caller: a chunk, or the end; whether
+        a chunk went (a plain one, or `Last`'s)."""
         assert isinstance(request, StreamRequest)
         if not is_closing(element):
             request.chunks.put_nowait(element)
-        elif isinstance(element, BaseException):
+            return True
+        if isinstance(element, BaseException):
             self._fail([request], _caller_error(self.name, element))
-        else:
-            if isinstance(element, Last):
-                request.chunks.put_nowait(element.chunk)
-            self._end_streams([request], now)
+            return False
+        if isinstance(element, Last):
+            request.chunks.put_nowait(element.chunk)
+        self._end_streams([request], now)
+        return isinstance(element, Last)
 
     def _end_streams(self, requests: list[Request[In]], now: float) -> None:
         """End the streams still open among `requests`, successfully."""

@@ -42,6 +42,7 @@ class Counting(GenerationProxy[Job, str]):
         for slot in step.active:
             name, n = slot.item
             index = slot.state = 0 if slot.state is None else slot.state + 1
+            assert slot.chunks == index  # one chunk went at each of its earlier steps
             chunk = f"{name}{index}"
             if name.startswith("bad") and index == 1:
                 out.append(ValueError(f"{name} broke"))
