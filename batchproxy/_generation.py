@@ -177,12 +177,8 @@ class GenerationProxy(Proxy[In, Out]):
         """A step is over (after `seconds`, with `error` if it failed)."""
         stats = self._stats
         stats.model_time.append(seconds)
-        if error is not None:
-            stats.failed_batches += 1
         if stats.listeners:
             stats.notify("batch_finished", size, seconds, error)
-            if error is not None:
-                stats.notify("error", error, size)
 
     def _cost(self, item: In) -> int:
         cost = super()._cost(item)
@@ -295,7 +291,7 @@ class _Engine(Generic[In]):
             if error is None:  # the event loop is ending: so does the step
                 raise
         proxy._record_step(len(step.active), loop.time() - started, error)
-        if error is not None:
-            proxy._fail([slot._request for slot in step.active], error)
+        if error is not None:  # counted, its streams failed, listeners told: as for a batch
+            proxy._batch_failed([slot._request for slot in step.active], error)
             return None
         return elements

@@ -194,7 +194,14 @@ async def test_an_error_in_a_slot_fails_that_stream_only() -> None:
 
 @pytest.mark.looptime
 async def test_a_raising_step_fails_its_streams_and_the_engine_serves_the_queue() -> None:
+    failures: list[tuple[str, int]] = []
+
+    class Errors(batchproxy.Listener):
+        def error(self, proxy: str, error: BaseException, size: int) -> None:
+            failures.append((str(error), size))
+
     proxy = Counting(batch_size=2)
+    proxy.add_listener(Errors())
     proxy.fail_step = 2
     calls = [asyncio.create_task(collect(proxy.stream((k, 3)))) for k in "abc"]
     await asyncio.wait(calls)
@@ -205,6 +212,7 @@ async def test_a_raising_step_fails_its_streams_and_the_engine_serves_the_queue(
     assert proxy.steps[2] == (["c"], ["c"], [], ["a", "b"])  # a fresh start
     stats = proxy.stats
     assert (stats.errors, stats.failed_batches, stats.succeeded) == (2, 1, 1)
+    assert failures == [("the step broke", 2)]  # a failed step, heard like a failed batch
     assert_settled(stats)
     await proxy.aclose()
 
