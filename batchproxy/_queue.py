@@ -12,10 +12,14 @@ busier level nor a stream of tighter deadlines holds it back for ever.
 A request leaves the queue exactly once, by whoever flips `queued` to False:
 a pop (dispatch), or `discard` (its caller cancelled, its deadline passed).
 Each level keeps every request in an arrival-order deque; a request that leaves
-out of order stays there as a dead entry until skipped at the head, and dead
-entries are compacted away when they outnumber the live ones, so memory stays
-flat under floods of cancellations. The deadline order is a sorted list of the
-live requests with a deadline, kept exact, so it can also count who is ahead.
+out of order (discarded, or popped in deadline order) stays there as a dead
+entry until skipped at the head. Every operation that leaves dead entries ends
+in `_collect`, which compacts them away once they outnumber the live ones: so
+the deque holds at most about twice the live requests, under floods of
+cancellations and under a steady backlog served in deadline order alike (a dead
+entry still holds its request's future, and so its result). The deadline order
+is a sorted list of the live requests with a deadline, kept exact, so it can
+also count who is ahead.
 """
 
 from __future__ import annotations
@@ -124,8 +128,7 @@ class RequestQueue(Generic[T]):
         if not request.queued:
             return False
         self._take_out(request)
-        if self._dead > _COMPACT_MIN_DEAD and self._dead > self.live:
-            self._compact()
+        self._collect()
         return True
 
     def pop_batch(self, limit: int, now: float = 0.0) -> list[Request[T]]:
@@ -147,9 +150,9 @@ class RequestQueue(Generic[T]):
                     if not request.future.done():
                         batch.append(request)
             fifo = level.fifo
-            while fifo and len(batch) < limit:
+            while fifo and (len(batch) < limit or not fifo[0].queued):
                 request = fifo.popleft()
-                if not request.queued:
+                if not request.queued:  # left earlier, out of order: a dead entry
                     self._dead -= 1
                     continue
                 if request.deadline != math.inf:
@@ -161,6 +164,7 @@ class RequestQueue(Generic[T]):
                 self._drop_level(-priority)
             if len(batch) >= limit:
                 break
+        self._collect()  # served out of arrival order: dead entries behind a live head
         return batch
 
     def pop_similar(
@@ -220,6 +224,7 @@ class RequestQueue(Generic[T]):
             if request.queued:
                 request.passed_over += 1
         self._clean_heads()
+        self._collect()
         return batch
 
     def count_ahead(self, priority: int, deadline: float) -> int:
@@ -328,6 +333,12 @@ class RequestQueue(Generic[T]):
             return
         del self._levels[-negated]
         self._order.remove(negated)
+
+    def _collect(self) -> None:
+        """Compact the deques once dead entries outnumber the live requests (amortised:
+        each compaction removes at least as many entries as it keeps)."""
+        if self._dead > _COMPACT_MIN_DEAD and self._dead > self.live:
+            self._compact()
 
     def _compact(self) -> None:
         for level in self._levels.values():

@@ -39,3 +39,48 @@ def test_aging_and_the_oldest_arrival_skip_an_empty_default_level() -> None:
         assert [r.item for r in queue.pop_batch(10, now=6.0)] == [2, 1]
     finally:
         loop.close()
+
+
+def test_served_requests_with_deadlines_leave_the_queue_under_a_steady_backlog() -> None:
+    # issue 16.1: full batches taken in deadline order left every served request in the
+    # arrival deque (with its future and result) while the queue never emptied
+    loop = asyncio.new_event_loop()
+    try:
+        queue: RequestQueue[int] = RequestQueue()
+        arrivals = 0
+
+        def arrive(count: int) -> None:
+            nonlocal arrivals
+            for _ in range(count):
+                arrivals += 1
+                at = float(arrivals)
+                queue.push(Request(arrivals, loop.create_future(), 0, at, deadline=at + 30.0))
+
+        arrive(256)
+        served = []
+        for _ in range(1000):
+            batch = queue.pop_batch(64)
+            served.extend(r.item for r in batch)
+            arrive(len(batch))  # closed loop: each answered caller calls again
+            entries = sum(len(level.fifo) for level in queue._levels.values())
+            assert entries <= 2 * queue.live + 64, entries
+        assert served == list(range(1, len(served) + 1))  # FIFO, nobody lost or repeated
+    finally:
+        loop.close()
+
+
+def test_mixed_deadlines_keep_dead_entries_bounded() -> None:
+    # requests without a deadline queue behind an endless stream of ones with a deadline
+    loop = asyncio.new_event_loop()
+    try:
+        queue: RequestQueue[int] = RequestQueue()
+        for i in range(10):
+            queue.push(Request(-i, loop.create_future(), 0, 0.0))  # no deadline: served last
+        for step in range(2000):
+            queue.push(Request(step, loop.create_future(), 0, float(step), deadline=step + 1e3))
+            if step % 2:
+                assert all(r.deadline != float("inf") for r in queue.pop_batch(2))
+            entries = len(queue._levels[0].fifo)
+            assert entries <= 2 * queue.live + 64, entries
+    finally:
+        loop.close()
