@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from typing_extensions import Self
 
+from . import _validate
 from ._fork import forget_threads_in_forked_children
 
 if TYPE_CHECKING:
@@ -108,6 +109,11 @@ class BackgroundLoop:
                 f"BackgroundLoop {self.name!r}: run() was called on the loop's own thread, "
                 f"where it would wait for itself; await the coroutine there instead"
             )
+        try:
+            timeout = _validate.timeout("timeout", timeout)
+        except BaseException:
+            coro.close()
+            raise
         future = self.submit(coro)
         if not _block_on(future, timeout):
             raise TimeoutError(f"BackgroundLoop {self.name!r}: no result within {timeout} s")
@@ -122,6 +128,7 @@ class BackgroundLoop:
                 f"BackgroundLoop {self.name!r}: close() was called on the loop's own thread, "
                 f"where it would wait for itself; call it from another thread"
             )
+        timeout = _validate.timeout("timeout", timeout)
         with self._lock:
             loop, thread, first = self._loop, self._thread, not self._closed
             self._closed = True
@@ -255,6 +262,8 @@ def _block_on(future: concurrent.futures.Future[Any], timeout: float | None) -> 
     """Wait for `future` up to `timeout` seconds; whether it is done. A wait that ends
     without it (timed out, or interrupted by `KeyboardInterrupt` and the like, which
     propagates) cancels it, so the call is withdrawn rather than left queued."""
+    if timeout is not None:
+        timeout = min(timeout, _validate.MAX_WAIT)  # a caller's margin may push it past
     try:
         done, _ = concurrent.futures.wait([future], timeout)
     except BaseException:

@@ -176,7 +176,9 @@ class Proxy(ABC, Generic[In, Out]):
         on_batch_timeout: Literal["serve", "stop"] = "serve",
     ) -> None:
         self._batch_size = _validate.count("batch_size", batch_size)
-        self._max_delay = _validate.duration("max_delay_ms", max_delay_ms, allow_zero=True) / 1e3
+        self._max_delay = _validate.duration(
+            "max_delay_ms", max_delay_ms, allow_zero=True, milliseconds=True
+        )
         self._max_queue_size = _validate.optional_count("max_queue_size", max_queue_size)
         self._timeout = _validate.timeout("timeout", timeout)
         concurrent = (
@@ -503,7 +505,9 @@ class Proxy(ABC, Generic[In, Out]):
         delay = (
             self._max_delay
             if max_delay_ms is ...
-            else _validate.duration("max_delay_ms", max_delay_ms, allow_zero=True) / 1e3
+            else _validate.duration(
+                "max_delay_ms", max_delay_ms, allow_zero=True, milliseconds=True
+            )
         )
         if max_concurrent_batches is ...:
             follow, slots = self._follow_capacity, self._max_concurrent
@@ -1450,7 +1454,7 @@ def _is_adaptive(window: object) -> bool:
 def _aging_seconds(aging_ms: object) -> float | None:
     if aging_ms is None:
         return None
-    return _validate.duration("aging_ms", aging_ms, allow_zero=False) / 1e3
+    return _validate.duration("aging_ms", aging_ms, allow_zero=False, milliseconds=True)
 
 
 def _stops_on_overrun(on_batch_timeout: object) -> bool:

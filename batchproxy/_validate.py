@@ -1,15 +1,32 @@
 """Argument checks shared by the constructor and the per-call options.
 
 Each raises `TypeError` for the wrong kind of value and `ValueError` for a value
-out of range, naming the argument and showing what it got.
+out of range, naming the argument and showing what it got. Every duration goes
+through `duration`, which clamps what it accepts to `MAX_WAIT`: the longest any
+wait in the library can be given, so no value accepted here fails later (an
+`OverflowError` in a thread's wait, say).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import threading
 
-__all__ = ["choice", "count", "duration", "flag", "optional_count", "priority", "timeout"]
+__all__ = [
+    "MAX_WAIT",
+    "choice",
+    "count",
+    "duration",
+    "flag",
+    "optional_count",
+    "priority",
+    "timeout",
+]
+
+MAX_WAIT = threading.TIMEOUT_MAX
+"""The longest duration in seconds (about 292 years on Linux): what `threading`'s
+waits accept, and far beyond any deadline that matters. Longer ones are clamped."""
 
 
 def count(name: str, value: object, *, minimum: int = 1) -> int:
@@ -40,9 +57,17 @@ def optional_count(name: str, value: object) -> int | None:
     return None if value is None else count(name, value)
 
 
-def duration(name: str, value: object, *, allow_zero: bool, allow_inf: bool = False) -> float:
-    """Seconds or milliseconds as a float: > 0 (or >= 0 with `allow_zero`), finite unless
-    `allow_inf`."""
+def duration(
+    name: str,
+    value: object,
+    *,
+    allow_zero: bool,
+    allow_inf: bool = False,
+    milliseconds: bool = False,
+) -> float:
+    """A duration in seconds (given in milliseconds with `milliseconds`): > 0 (or >= 0
+    with `allow_zero`), finite unless `allow_inf` (infinity is kept as it is), and at
+    most `MAX_WAIT` otherwise."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     try:
@@ -52,9 +77,11 @@ def duration(name: str, value: object, *, allow_zero: bool, allow_inf: bool = Fa
     if math.isnan(number) or number < 0 or (number == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name} must be {bound}, got {value!r}")
-    if number == math.inf and not allow_inf:
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return number
+    if number == math.inf:
+        if not allow_inf:
+            raise ValueError(f"{name} must be finite, got {value!r}")
+        return number
+    return min(number / 1e3 if milliseconds else number, MAX_WAIT)
 
 
 def timeout(name: str, value: object) -> float | None:

@@ -379,3 +379,13 @@ async def test_bad_scale_and_a_proxy_with_a_model_of_its_own() -> None:
     with pytest.raises(TypeError, match="runs a model of its own"):
         Own(offload=actors)
     await actors.aclose()
+
+
+async def test_aclose_checks_its_timeout() -> None:
+    actors = RayActors(slow_doubler, 1, num_cpus=CPU)
+    for bad, error in ((-1, ValueError), (float("nan"), ValueError), ("1", TypeError)):
+        with pytest.raises(error, match="timeout must be"):
+            await actors.aclose(timeout=bad)  # type: ignore[arg-type]
+    assert not actors.closed  # a refused call changes nothing
+    await actors.aclose(timeout=1e10)  # clamped like every duration
+    assert actors.closed

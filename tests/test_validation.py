@@ -259,3 +259,39 @@ def test_batch_decorator_checks_its_options():
 def test_batch_decorator_refuses_a_non_callable():
     with pytest.raises(TypeError, match="function or method"):
         batchproxy.batch()(42)  # type: ignore[call-overload]
+
+
+# -- durations beyond what the platform can wait (issue 16.7) ----------------------------------
+
+HUGE = [1e10, 10**30, 1e300]  # seconds, or ms: each beyond threading.TIMEOUT_MAX
+
+
+@pytest.mark.parametrize("value", HUGE, ids=repr)
+def test_a_huge_timeout_is_clamped_for_sync_callers(value):
+    proxy = Recorder()
+    try:
+        assert proxy.inference_sync(1, timeout=value) == ("out", 1)  # was an OverflowError
+        assert proxy.submit(2, timeout=value).result(10) == ("out", 2)
+    finally:
+        batchproxy.BackgroundLoop.default().close()
+
+
+@pytest.mark.parametrize("value", HUGE, ids=repr)
+async def test_huge_durations_are_accepted_and_clamped(value):
+    options = {"timeout": value, "batch_timeout": value, "max_delay_ms": value, "aging_ms": value}
+    async with Recorder(**options) as p:
+        assert await p.inference(1, timeout=value) == ("out", 1)
+        p.configure(**options)
+        assert await p.inference_many([2, 3], timeout=value) == [("out", 2), ("out", 3)]
+    limit = batchproxy._validate.MAX_WAIT
+    assert p._timeout == p._batch_timeout == limit
+    assert p._max_delay == p._aging == min(value / 1e3, limit)  # these are in ms
+
+
+def test_background_loop_waits_clamp_huge_timeouts():
+    async def answer() -> int:
+        return 7
+
+    with batchproxy.BackgroundLoop(name="huge-timeouts") as loop:
+        assert loop.run(answer(), timeout=1e10) == 7
+    loop.close(timeout=1e10)

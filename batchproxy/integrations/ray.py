@@ -69,6 +69,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from .. import _validate
 from .._errors import WorkerDied
 from .._executor import ModelFactory, ModelFn, PoolExecutor
 from .._validate import count, flag
@@ -230,6 +231,7 @@ class RayActors(PoolExecutor):
         Batches still running after `timeout` (None: no limit) fail with
         `RuntimeError`. Idempotent: a second call waits for the first to finish.
         """
+        timeout = _validate.timeout("timeout", timeout)
         if self._closed:
             await self._close_done.wait()
             return
