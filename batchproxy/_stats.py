@@ -7,6 +7,7 @@ batch-size histogram has at most `batch_size` keys.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from collections import deque
@@ -129,9 +130,12 @@ class Health:
 class Listener:
     """Base class for hooks into a proxy's life; override the methods you need.
 
-    Hooks run on the proxy's event loop and must be quick. An exception in a hook
-    is logged (logger ``batchproxy``) and otherwise ignored: it never reaches a
-    caller or stops the proxy. Register with `proxy.add_listener(listener)`.
+    Hooks run on the proxy's event loop and must be quick. What a hook raises is
+    logged (logger ``batchproxy``) and otherwise ignored, `CancelledError` and
+    `GeneratorExit` included: it never reaches a caller, changes an outcome or
+    stops the proxy. A `KeyboardInterrupt` or `SystemExit` still stops the event
+    loop, from a callback of its own once the calls being settled have their
+    outcomes. Register with `proxy.add_listener(listener)`.
     """
 
     def request_queued(self, proxy: str, queue_depth: int) -> None:
@@ -232,9 +236,33 @@ class StatsRecorder:
         return (padded - self.real_elements) / padded if padded else 0.0
 
     def notify(self, hook: str, *args: object) -> None:
-        """Call `hook` on every listener; log and swallow what they raise."""
+        """Call `hook` on every listener; whatever they raise never reaches the caller.
+
+        Hooks run in the middle of settling calls, so nothing they raise may cut that
+        short: an `Exception`, a `CancelledError` or a `GeneratorExit` is logged and
+        dropped (none of them is the proxy's own cancellation or closing); a
+        `KeyboardInterrupt` or `SystemExit` is logged and raised again from a callback
+        of its own on the event loop, once the settling is done.
+        """
         for listener in self.listeners:
             try:
                 getattr(listener, hook)(self.name, *args)
-            except Exception:
+            except (KeyboardInterrupt, SystemExit) as exc:
+                logger.error("batchproxy listener %r raised %r in %s", listener, exc, hook)
+                _raise_soon(exc)
+            except BaseException:
                 logger.exception("batchproxy listener %r failed in %s", listener, hook)
+
+
+def _raise_soon(exc: BaseException) -> None:
+    """Raise `exc` from a callback of its own on the running loop (it leaves the loop,
+    as a `KeyboardInterrupt` in any callback does), or at once with no loop running."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        raise exc from None
+
+    def reraise() -> None:
+        raise exc
+
+    loop.call_soon(reraise)

@@ -367,34 +367,40 @@ async def test_listener_sees_timeouts_and_cancellations(no_leftovers: None) -> N
 
 
 class Broken(batchproxy.Listener):
-    """Raises from every hook."""
+    """Raises `kind` from every hook."""
+
+    def __init__(self, kind: type[BaseException] = RuntimeError) -> None:
+        self.kind = kind
 
     def request_queued(self, proxy: str, queue_depth: int) -> None:
-        raise RuntimeError("listener broke in request_queued")
+        raise self.kind("listener broke in request_queued")
 
     def batch_started(self, proxy: str, size: int, queue_waits: Sequence[float]) -> None:
-        raise RuntimeError("listener broke in batch_started")
+        raise self.kind("listener broke in batch_started")
 
     def batch_finished(
         self, proxy: str, size: int, model_seconds: float, error: BaseException | None
     ) -> None:
-        raise RuntimeError("listener broke in batch_finished")
+        raise self.kind("listener broke in batch_finished")
 
     def request_finished(self, proxy: str, outcome: str, seconds: float) -> None:
-        raise RuntimeError("listener broke in request_finished")
+        raise self.kind("listener broke in request_finished")
 
     def error(self, proxy: str, error: BaseException, size: int) -> None:
-        raise RuntimeError("listener broke in error")
+        raise self.kind("listener broke in error")
 
 
 @pytest.mark.looptime
+@pytest.mark.parametrize("kind", [RuntimeError, asyncio.CancelledError, GeneratorExit])
 async def test_raising_listener_is_logged_and_harmless(
-    no_leftovers: None, caplog: pytest.LogCaptureFixture
+    no_leftovers: None, caplog: pytest.LogCaptureFixture, kind: type[BaseException]
 ) -> None:
+    # issue 16.6: a CancelledError or GeneratorExit from a hook reached a caller or hung
+    # the proxy (the hooks run inside settlement); it must be as harmless as an Exception
     caplog.set_level(logging.ERROR, logger="batchproxy")
     after = Log()
     proxy = Recorder(respond=_slot_or_batch_error, batch_size=4, name="lis")
-    proxy.add_listener(Broken())
+    proxy.add_listener(Broken(kind))
     proxy.add_listener(after)
 
     results = await asyncio.wait_for(
@@ -426,6 +432,36 @@ async def test_raising_listener_is_logged_and_harmless(
     assert (stats.succeeded, stats.errors, stats.failed_batches) == (3, 2, 1)
     assert_settled(stats)
     await proxy.aclose()
+
+
+@pytest.mark.parametrize("kind", [KeyboardInterrupt, SystemExit])
+def test_a_listener_raising_keyboard_interrupt_stops_the_loop_after_settling(
+    kind: type[BaseException],
+) -> None:
+    # the interrupt is not swallowed, but it never cuts a settlement short: it leaves the
+    # event loop from a callback of its own, and a loop run again carries on where it was
+    proxy = Recorder(batch_size=4, name="interrupted")
+    proxy.add_listener(Broken(kind))
+    loop = asyncio.new_event_loop()
+    messages: list[str] = []
+
+    def run(task: asyncio.Task[Any]) -> None:
+        while not task.done():
+            try:
+                loop.run_until_complete(task)
+            except kind as exc:
+                messages.append(str(exc))
+
+    tasks = [loop.create_task(proxy.inference(i)) for i in range(3)]
+    try:
+        run(loop.create_task(asyncio.wait(tasks)))
+        assert [task.result() for task in tasks] == [("out", i) for i in range(3)]
+        assert messages
+        assert all(message.startswith("listener broke") for message in messages)
+    finally:
+        run(loop.create_task(proxy.aclose()))
+        loop.close()
+    assert_settled(proxy.stats)
 
 
 async def test_add_listener_refuses_other_objects() -> None:
