@@ -101,16 +101,20 @@ class BatchTimeout(BatchProxyError, TimeoutError):
 
 
 class InferenceError(BatchProxyError):
-    """`_inference` raised or returned a `BaseException` that is not an `Exception`.
+    """The call could not be answered, for a reason that is not an `Exception`.
 
-    A stray `CancelledError`, `KeyboardInterrupt` or `SystemExit` from the model is
+    `_inference` raised or returned a `BaseException` that is not an `Exception`:
+    a stray `CancelledError`, `KeyboardInterrupt` or `SystemExit` from the model is
     not re-raised in the callers as-is (a caller would mistake it for its own
     cancellation, or stop its event loop); it arrives wrapped in this error, the
-    original as `__cause__`. The proxy keeps serving.
+    original as `__cause__`. Or the call's batch was cancelled from outside, or
+    the event loop serving the proxy ended, before it was answered (`detail` says
+    which). The proxy keeps serving.
     """
 
-    def __init__(self, proxy: str, cause: BaseException) -> None:
-        super().__init__(f"{proxy}._inference raised {type(cause).__name__}: {cause!r}")
+    def __init__(self, proxy: str, cause: BaseException, detail: str | None = None) -> None:
+        message = detail or f"{proxy}._inference raised {type(cause).__name__}: {cause!r}"
+        super().__init__(message if detail is None else f"{proxy}: {detail}")
         self.proxy = proxy
         self.__cause__ = cause
 

@@ -22,7 +22,7 @@ from types import EllipsisType
 from typing import Any, Generic, TypeVar
 
 from . import _validate
-from ._errors import BatchSizeMismatch, InferenceError
+from ._errors import BatchSizeMismatch
 from ._executor import Executor
 from ._proxy import Proxy
 from ._queue import Request
@@ -202,7 +202,7 @@ class GenerationProxy(Proxy[In, Out]):
         try:
             await engine.run()
         except asyncio.CancelledError as exc:  # from outside: the event loop is ending
-            self._fail(engine.open_requests(), InferenceError(self.name, exc))
+            self._fail(engine.open_requests(), self._cancelled_batch_error(exc))
             raise
         finally:
             if self._serves(scheduler):

@@ -27,6 +27,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import contextvars
+import functools
 import inspect
 import logging
 import threading
@@ -154,6 +155,12 @@ class Proxy(ABC, Generic[In, Out]):
     _loop: asyncio.AbstractEventLoop | None = None
     _closing: asyncio.Task[None] | None = None  # a close begun inside a batch
     _health = _HEALTHY  # until a batch overruns
+    # per-loop state, set by _unbind() (and only there reset)
+    _loop_thread: int | None
+    _scheduler: Scheduler[In] | None
+    _batch_tasks: set[asyncio.Task[None]]  # running, or about to
+    _not_started: set[asyncio.Task[None]]  # of those, the ones that have not run a step
+    _overran_batches: dict[asyncio.Future[Any], BatchTimeout]  # still running
 
     def __init__(
         self,
@@ -212,7 +219,6 @@ class Proxy(ABC, Generic[In, Out]):
         self._isolate_errors = _validate.flag("isolate_errors", isolate_errors)
         self._batch_timeout = _validate.timeout("batch_timeout", batch_timeout)
         self._stop_on_overrun = _stops_on_overrun(on_batch_timeout)
-        self._overran_batches: dict[asyncio.Future[Any], BatchTimeout] = {}  # still running
         self._cap = BatchCap(self._batch_size)
         self._cost_model = CostModel("item" if length is None else "token")
 
@@ -228,9 +234,7 @@ class Proxy(ABC, Generic[In, Out]):
             weakref.finalize(self, self._executor.close).atexit = False
 
         self._stats = StatsRecorder(self.name)
-        self._loop_thread: int | None = None
-        self._scheduler: Scheduler[In] | None = None
-        self._batch_tasks: set[asyncio.Task[None]] = set()
+        self._unbind()
         self._closed = False
         self._stopped_by: BatchProxyError | None = None  # closed itself, because of this
         forget_threads_in_forked_children(self)
@@ -459,18 +463,20 @@ class Proxy(ABC, Generic[In, Out]):
         """In a forked child the parent's event loop runs no more (its thread is gone,
         or it is the parent's): the next call binds to the child's loop. The parent's
         queued and running calls are the parent's."""
-        self._loop = self._loop_thread = self._scheduler = self._closing = None
-        self._batch_tasks, self._overran_batches = set(), {}
+        self._unbind()
 
     def _abandon_loop(self) -> None:
         """Forget an event loop that has ended; whatever waited on it is gone with it."""
         if self._scheduler is not None:
             self._scheduler.close()
             self._scheduler.queue.drain()
-        self._scheduler = None
-        self._loop = None
-        self._batch_tasks.clear()
-        self._overran_batches.clear()
+        self._unbind()
+
+    def _unbind(self) -> None:
+        """Forget the event loop and the state that lived on it: its scheduler (and
+        queue), batch tasks and overrun batches. The one place that resets them."""
+        self._loop = self._loop_thread = self._scheduler = self._closing = None
+        self._batch_tasks, self._not_started, self._overran_batches = set(), set(), {}
 
     def configure(
         self,
@@ -949,6 +955,13 @@ class Proxy(ABC, Generic[In, Out]):
     # -- batches -------------------------------------------------------------------------
 
     def _start_batch(self, requests: list[Request[In]] | None) -> None:
+        """Start a batch task for `requests` (None: it takes what is queued when it runs).
+
+        The scheduler counted the batch in flight. The task's coroutine settles its
+        requests and frees the slot however it ends, once it has started; a task
+        cancelled before its first step never runs a line of it, so its done
+        callback does that instead (`_batch_task_done`).
+        """
         assert self._loop is not None
         # a batch serves many callers: it starts from an empty contextvars context
         # rather than from whichever caller's context triggered the dispatch
@@ -957,19 +970,57 @@ class Proxy(ABC, Generic[In, Out]):
             self._loop.create_task, run, name=self._batch_task_name
         )  # named: a default name costs a counter and a format per batch
         self._batch_tasks.add(task)
-        task.add_done_callback(self._batch_tasks.discard)
+        self._not_started.add(task)
+        task.add_done_callback(functools.partial(self._batch_task_done, self._scheduler, requests))
+
+    def _batch_task_done(
+        self,
+        scheduler: Scheduler[In] | None,
+        requests: list[Request[In]] | None,
+        task: asyncio.Task[None],
+    ) -> None:
+        """A batch task ended. If it never started (cancelled before its first step:
+        "cancel every other task" at shutdown), fail its callers and free its slot."""
+        self._batch_tasks.discard(task)
+        if task not in self._not_started:
+            return  # it ran: it settled its requests and freed its slot itself
+        self._not_started.discard(task)
+        if scheduler is None or not self._serves(scheduler):
+            return  # its event loop is gone, and the slot with it
+        if requests is None:  # it was to take what is queued: that batch fails instead
+            requests = scheduler.take_reserved()
+            if not requests:
+                return  # nobody left: take_reserved freed the slot
+        self._fail(requests, self._cancelled_batch_error(asyncio.CancelledError()))
+        scheduler.batch_finished()
+
+    def _started(self) -> asyncio.Task[Any]:
+        """The batch task now running its first step (it settles its batch itself)."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._not_started.discard(task)
+        _current_batch.set(task)  # seen by the model, on any executor
+        return task
+
+    def _cancelled_batch_error(self, cancel: BaseException) -> InferenceError:
+        """What the callers of a batch cancelled from outside get (its event loop is
+        ending, or something cancelled every task)."""
+        return InferenceError(
+            self.name,
+            cancel,
+            "the batch task was cancelled from outside (the event loop ending, or every "
+            "task cancelled) before this call was answered",
+        )
 
     async def _run_batch(self, requests: list[Request[In]] | None) -> None:
         loop, scheduler = self._loop, self._scheduler
         assert loop is not None
         assert scheduler is not None
+        task = self._started()
         if requests is None:  # started by an arrival to an idle proxy: take the batch now
             requests = scheduler.take_reserved()
             if not requests:
                 return
-        task = asyncio.current_task()
-        assert task is not None
-        _current_batch.set(task)  # seen by the model, on any executor
         size = len(requests)
         started = loop.time()
         units = self._record_start(requests, started)
@@ -987,7 +1038,7 @@ class Proxy(ABC, Generic[In, Out]):
                 error = self._model_failure(exc, loop, task)
                 if error is None:  # the event loop is ending: so does the batch
                     if isinstance(exc, asyncio.CancelledError):
-                        self._fail(requests, InferenceError(self.name, exc))
+                        self._fail(requests, self._cancelled_batch_error(exc))
                     raise
             else:
                 # returned after the watchdog gave up on it
@@ -1030,7 +1081,7 @@ class Proxy(ABC, Generic[In, Out]):
                 with contextlib.suppress(Exception):
                     await steps.close()
         except asyncio.CancelledError as exc:  # not the watchdog's: the loop is ending
-            error = InferenceError(self.name, exc)
+            error = self._cancelled_batch_error(exc)
             raise
         finally:
             self._stream_batch_ended(task, scheduler, requests, error, started)
@@ -1042,13 +1093,11 @@ class Proxy(ABC, Generic[In, Out]):
         arrival to an idle proxy started it; None if every one left meanwhile) and the
         task, made the current batch for the model. (`_run_batch` does the same inline:
         it is the idle path's hot spot.)"""
+        task = self._started()
         if requests is None:
             requests = scheduler.take_reserved()
             if not requests:
                 return None
-        task = asyncio.current_task()
-        assert task is not None
-        _current_batch.set(task)
         return requests, task
 
     def _serves(self, scheduler: Scheduler[In]) -> bool:

@@ -299,6 +299,34 @@ async def test_the_engine_cancelled_from_outside_fails_its_streams() -> None:
     await proxy.aclose()
 
 
+@pytest.mark.looptime
+async def test_an_engine_cancelled_before_its_first_step_fails_its_streams_and_frees_the_slot() -> (
+    None
+):
+    """Issue 16.5: cancelled before it ran, the engine's coroutine never started, so
+    its streams hung and the one batch slot stayed taken for ever."""
+    proxy = Counting(batch_size=2)
+    start_batch = proxy._start_batch
+    cancelled: list[asyncio.Task[Any]] = []
+
+    def start_and_cancel(requests: Any) -> None:
+        before = set(proxy._batch_tasks)
+        start_batch(requests)
+        if not cancelled:
+            (engine,) = proxy._batch_tasks - before
+            engine.cancel()  # before its first step
+            cancelled.append(engine)
+
+    proxy._start_batch = start_and_cancel  # type: ignore[method-assign]
+    first, queued = (asyncio.create_task(collect(proxy.stream((name, 2)))) for name in "ab")
+    with pytest.raises(batchproxy.InferenceError, match="cancelled"):
+        await asyncio.wait_for(first, 5)  # the engine's own (the scheduler hands it one)
+    assert await asyncio.wait_for(queued, 5) == ["b0", "b1"]  # the next engine's
+    assert await asyncio.wait_for(collect(proxy.stream(("c", 2))), 5) == ["c0", "c1"]
+    assert_settled(proxy.stats)
+    await proxy.aclose()
+
+
 def test_misuse_is_refused_clearly() -> None:
     class NoStep(GenerationProxy[int, int]):
         pass

@@ -8,9 +8,19 @@ import gc
 import itertools
 import logging
 import threading
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
-from _support import LoopThread, Recorder, ThreadRecorder, tag_with_thread, thread_alive, wait_until
+from _support import (
+    LoopThread,
+    Recorder,
+    ThreadRecorder,
+    assert_settled,
+    tag_with_thread,
+    thread_alive,
+    wait_until,
+)
 
 import batchproxy
 from batchproxy import ProxyClosed
@@ -528,3 +538,65 @@ def test_a_batch_left_on_a_closed_loop_does_not_touch_the_next_loops_slots(
     gaps = [later - earlier for earlier, later in itertools.pairwise(starts)]
     assert all(gap >= 0.19 for gap in gaps), gaps  # one at a time: batch_size=1, one slot
     assert [r for r in caplog.records if r.name == "batchproxy"] == []
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["batch", "stream"])
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "busy"])
+async def test_a_batch_task_cancelled_before_its_first_step_settles_and_frees_its_slot(
+    busy: bool, streaming: bool, no_leftovers: None
+) -> None:
+    """Issue 16.5: "cancel every other task" reaching a batch task that has not run yet
+    (its coroutine never starts, so nothing in it runs) left its callers hanging, its
+    slot taken and every later call stuck. Both ways a batch starts: an arrival to an
+    idle proxy (its requests still queued) and a decision (its batch taken)."""
+    gate = asyncio.Event()
+
+    class Model(batchproxy.Proxy[int, int]):
+        async def _inference(self, items: list[int]) -> list[int]:
+            await gate.wait()
+            return [i * 10 for i in items]
+
+    class Streams(batchproxy.Proxy[int, int]):
+        async def _inference(self, items: list[int]) -> AsyncIterator[list[Any]]:
+            await gate.wait()
+            yield [batchproxy.Last(i * 10) for i in items]
+
+    proxy: batchproxy.Proxy[int, int] = (Streams if streaming else Model)(batch_size=4)
+    start_batch = proxy._start_batch
+    cancel_next = not busy
+
+    def start_and_cancel(requests: Any) -> None:
+        nonlocal cancel_next
+        before = set(proxy._batch_tasks)
+        start_batch(requests)
+        if cancel_next:
+            cancel_next = False
+            (task,) = proxy._batch_tasks - before
+            task.cancel()  # before it ever runs: "cancel every other task"
+
+    proxy._start_batch = start_and_cancel  # type: ignore[method-assign]
+
+    async def call(item: int) -> int:
+        if not streaming:
+            return await proxy.inference(item)
+        (chunk,) = [chunk async for chunk in proxy.stream(item)]
+        return chunk
+
+    first = None
+    if busy:  # a batch runs: the next one is formed by a decision when it ends
+        first = asyncio.create_task(call(0))
+        await asyncio.sleep(0.01)
+        cancel_next = True
+    calls = [asyncio.create_task(call(i)) for i in (1, 2)]
+    await asyncio.sleep(0.01)
+    gate.set()
+    outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 5)
+    for outcome in outcomes:
+        assert isinstance(outcome, batchproxy.InferenceError), outcome
+        assert "cancelled" in str(outcome)
+    if first is not None:
+        assert await first == 0
+    assert proxy.stats.in_flight == 0
+    assert await asyncio.wait_for(call(3), 5) == 30  # the proxy serves on
+    await proxy.aclose()
+    assert_settled(proxy.stats)
