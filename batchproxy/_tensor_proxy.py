@@ -1,7 +1,8 @@
 """`TensorProxy[In, Out]`: a `Proxy` whose model method sees one collated, padded batch.
 
-A batch runs as: `tensors.validate(items)`; an item that cannot be batched with
-the others gets its error as its result (that caller alone fails); the rest are
+A batch runs as: `tensors.validate(items)`, whose errors describe each item alone
+(not its position in the batch): an item that cannot be batched with the others
+gets its error as its result (that caller alone fails); the rest are
 collated (`tensors.collate`), moved to `device` if one is set, passed to
 `_forward`, and its outputs are split back to one per item (`tensors.split`),
 un-padded where they carry the padded sequence axis.
@@ -117,7 +118,7 @@ class TensorProxy(Proxy[In, Out]):
 
     def _prepare(self, items: list[In]) -> _Batch:
         """Validate, collate the valid items and move them to the device."""
-        errors = tensors.validate(items)
+        errors = tensors._problems(items)  # validate's errors, without batch positions
         results: list[Any] = list(errors)
         valid = [i for i, error in enumerate(errors) if error is None]
         if not valid:

@@ -199,37 +199,45 @@ def _signature(item: object) -> _Signature:
     return _Signature(kind, keys, leaves)
 
 
-def _kind_name(signature: _Signature, *, plural: bool) -> str:
+_LIKE_THE_OTHERS = "like the other items in its batch"
+
+
+def _kind_name(signature: _Signature) -> str:
     if signature.kind == "dict":
-        return "dicts" if plural else "a dict"
+        return f"a dict with keys {list(signature.keys)}"
     if signature.kind == "tuple":
         count = len(signature.leaves)
-        return f"tuples of {count}" if plural else f"a tuple of {count}"
-    if signature.leaves[0].library == "torch":
-        return "torch tensors" if plural else "a torch tensor"
-    return "NumPy arrays" if plural else "a NumPy array"
+        return f"a tuple of {count} array{'' if count == 1 else 's'}"
+    return _library_name(signature.leaves[0].library)
 
 
-def _subject(path: _Path, library: str) -> str:
+def _library_name(library: str) -> str:
+    return "a torch tensor" if library == "torch" else "a NumPy array"
+
+
+def _describe(leaf: Any) -> str:
+    """What one leaf is: `a NumPy array of dtype float64 and shape (3,)`."""
+    return f"{_library_name(_library(leaf))} of dtype {_dtype_name(leaf)} and shape {_shape(leaf)}"
+
+
+def _subject(path: _Path) -> str:
     if not path:
-        return "tensor" if library == "torch" else "array"
+        return ""
     if isinstance(path[0], str):
-        return f"key {path[0]!r}"
-    return f"element {path[0]}"
+        return f"key {path[0]!r}: "
+    return f"element {path[0]}: "
 
 
 def _mismatch(
-    index: int, item: object, signature: _Signature, reference: object, expected: _Signature
+    item: object, signature: _Signature, reference: object, expected: _Signature
 ) -> Exception:
-    """Why `item` (with `signature`) cannot join a batch of items like `reference`."""
-    prefix = f"item {index}: "
+    """Why `item` (with `signature`) cannot join a batch of items like `reference`: what
+    was expected and what the item is, without its position (the caller sent one item)."""
     if signature.kind != expected.kind or (
         signature.kind == "array" and signature.leaves[0].library != expected.leaves[0].library
     ):
-        return TypeError(
-            f"{prefix}{_kind_name(signature, plural=False)}, "
-            f"the batch has {_kind_name(expected, plural=True)}"
-        )
+        what = _describe(item) if signature.kind == "array" else _kind_name(signature)
+        return TypeError(f"expected {_kind_name(expected)} {_LIKE_THE_OTHERS}, got {what}")
     if signature.keys != expected.keys:
         missing = ", ".join(repr(key) for key in expected.keys if key not in signature.keys)
         extra = ", ".join(repr(key) for key in signature.keys if key not in expected.keys)
@@ -237,13 +245,12 @@ def _mismatch(
             part for part in (missing and f"missing {missing}", extra and f"extra {extra}") if part
         )
         return ValueError(
-            f"{prefix}dict keys {list(signature.keys)}, the batch has {list(expected.keys)} "
-            f"({details})"
+            f"expected {_kind_name(expected)} {_LIKE_THE_OTHERS}, "
+            f"got keys {list(signature.keys)} ({details})"
         )
     if len(signature.leaves) != len(expected.leaves):
         return ValueError(
-            f"{prefix}{_kind_name(signature, plural=False)} arrays, "
-            f"the batch has {_kind_name(expected, plural=True)}"
+            f"expected {_kind_name(expected)} {_LIKE_THE_OTHERS}, got {_kind_name(signature)}"
         )
     pairs = zip(
         _sorted_leaves(item),
@@ -253,29 +260,32 @@ def _mismatch(
         strict=True,
     )
     for (path, leaf), (_, reference_leaf), got, want in pairs:
-        subject = prefix + _subject(path, got.library)
-        shapes = f"(shape {_shape(leaf)} vs {_shape(reference_leaf)})"
+        subject = _subject(path)
         if got.library != want.library:
-            got_name = "a torch tensor" if got.library == "torch" else "a NumPy array"
-            want_name = "torch tensors" if want.library == "torch" else "NumPy arrays"
-            return TypeError(f"{subject} is {got_name}, the batch has {want_name} {shapes}")
+            return TypeError(
+                f"{subject}expected {_library_name(want.library)} {_LIKE_THE_OTHERS}, "
+                f"got {_describe(leaf)}"
+            )
         if got.device != want.device:
             return ValueError(
-                f"{subject} is on {got.device}, the batch is on {want.device} {shapes}"
+                f"{subject}expected a tensor on {want.device} {_LIKE_THE_OTHERS}, "
+                f"got {_describe(leaf)} on {got.device}"
             )
         if got.ndim != want.ndim:
             return ValueError(
-                f"{subject} has rank {got.ndim}, the batch has rank {want.ndim} {shapes}"
+                f"{subject}expected rank {want.ndim} {_LIKE_THE_OTHERS} "
+                f"(e.g. shape {_shape(reference_leaf)}), got rank {got.ndim}: {_describe(leaf)}"
             )
         if got.dtype != want.dtype:
             return TypeError(
-                f"{subject} has dtype {got.dtype}, the batch has {want.dtype} {shapes}"
+                f"{subject}expected dtype {want.dtype} {_LIKE_THE_OTHERS}, got {_describe(leaf)}"
             )
     raise AssertionError("signatures differ but no difference found")  # pragma: no cover
 
 
 def validate(items: Sequence[Any]) -> list[Exception | None]:
-    """Per item: `None` if it can be batched with the others, else the error saying why.
+    """Per item: `None` if it can be batched with the others, else the error saying why,
+    starting with the item's position in `items` (`item 2: ...`).
 
     Items are measured against the most common structure among them (ties: the
     earliest), so one odd item fails alone. `TypeError` for another type, library
@@ -283,12 +293,21 @@ def validate(items: Sequence[Any]) -> list[Exception | None]:
     tuple. Sizes never matter: every axis may be ragged.
     """
     _check_items("validate", items)
+    return [
+        None if error is None else type(error)(f"item {index}: {error}")
+        for index, error in enumerate(_problems(items))
+    ]
+
+
+def _problems(items: Sequence[Any]) -> list[Exception | None]:
+    """`validate` without the positions: each error describes the item alone, for a
+    caller that sent that one item (`TensorProxy`)."""
     signatures: list[_Signature | Exception] = []
-    for index, item in enumerate(items):
+    for item in items:
         try:
             signatures.append(_signature(item))
         except (TypeError, ValueError) as error:
-            signatures.append(type(error)(f"item {index}: {error}"))
+            signatures.append(error)
     counts = Counter(s for s in signatures if isinstance(s, _Signature))
     if not counts:
         return [s if isinstance(s, Exception) else None for s in signatures]
@@ -296,13 +315,13 @@ def validate(items: Sequence[Any]) -> list[Exception | None]:
     expected = next(s for s in signatures if isinstance(s, _Signature) and counts[s] == most)
     reference = items[signatures.index(expected)]
     errors: list[Exception | None] = []
-    for index, (item, signature) in enumerate(zip(items, signatures, strict=True)):
+    for item, signature in zip(items, signatures, strict=True):
         if isinstance(signature, Exception):
             errors.append(signature)
         elif signature == expected:
             errors.append(None)
         else:
-            errors.append(_mismatch(index, item, signature, reference, expected))
+            errors.append(_mismatch(item, signature, reference, expected))
     return errors
 
 

@@ -18,6 +18,7 @@ import asyncio
 import collections
 import math
 import numbers
+import re
 import sys
 import warnings
 from collections.abc import Callable, Coroutine, Iterator
@@ -1032,13 +1033,16 @@ UNMEASURABLE: dict[str, tuple[Any, str, str]] = {
 }
 
 
-def mismatch(got: tuple[str, int, str], want: tuple[str, int, str]) -> tuple[type[Exception], str]:
-    """The error for an array of signature `got` in a batch of `want` arrays."""
+def mismatch(
+    got: tuple[str, int, str], want: tuple[str, int, str]
+) -> tuple[type[Exception], tuple[str, ...]]:
+    """The error type and message fragments for an array of signature `got` in a batch
+    of `want` arrays."""
     if got[0] != want[0]:
-        return TypeError, "a torch tensor" if got[0] == "torch" else "a NumPy array"
+        return TypeError, ("got a torch tensor" if got[0] == "torch" else "got a NumPy array",)
     if got[1] != want[1]:
-        return ValueError, f"has rank {got[1]}, the batch has rank {want[1]}"
-    return TypeError, f"has dtype {got[2]}, the batch has {want[2]}"
+        return ValueError, (f"expected rank {want[1]} like the other", f"got rank {got[1]}:")
+    return TypeError, (f"expected dtype {want[2]} like the other", f"of dtype {got[2]} and")
 
 
 @st.composite
@@ -1079,9 +1083,9 @@ def test_validate_fails_exactly_the_items_that_cannot_join_the_majority(
             if got == want:
                 assert error is None
             else:
-                kinds, fragment = mismatch(got, want)
+                kinds, fragments = mismatch(got, want)
                 assert type(error) is kinds
-                assert_names(error, f"item {index}:", fragment)
+                assert_names(error, f"item {index}:", *fragments)
         elif kind in UNBATCHABLE:
             _, kinds, fragment = UNBATCHABLE[kind]
             assert type(error) is kinds
@@ -1119,6 +1123,8 @@ def test_a_tensor_proxy_fails_only_the_callers_of_odd_items(
 
     outcomes = run_virtual(scenario)
     for (kind, _), item, outcome in zip(members, items, outcomes, strict=True):
+        if isinstance(outcome, Exception):  # about the caller's item, not its batch slot
+            assert not re.search(r"\bitem \d", str(outcome)), outcome
         if kind in UNMEASURABLE:
             assert type(outcome) is TypeError
             assert_names(outcome, UNMEASURABLE[kind][1])
@@ -1131,9 +1137,9 @@ def test_a_tensor_proxy_fails_only_the_callers_of_odd_items(
             same(echo, to_numpy(item))
             assert int(nans) == 0
         else:
-            kinds, fragment = mismatch(ARRAY_KINDS[kind][0], want)
+            kinds, fragments = mismatch(ARRAY_KINDS[kind][0], want)
             assert type(outcome) is kinds
-            assert_names(outcome, fragment)
+            assert_names(outcome, *fragments)
 
 
 def test_empty_and_zero_dim_items_collate_and_split_back():

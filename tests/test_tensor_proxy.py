@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -203,6 +204,35 @@ async def test_a_mismatched_item_fails_only_its_caller(case: str) -> None:
     assert [len(batch.lengths) for batch in proxy.batches] == [4]  # the others ran together
     if case != "keys":
         torch.testing.assert_close(results[1], make_good(4))
+
+
+@pytest.mark.parametrize("path", ["inference", "inference_many"])
+async def test_a_mismatched_item_error_describes_the_item_not_its_place_in_the_batch(
+    path: str,
+) -> None:
+    """A caller sent one item: its error says what that item is and what was expected,
+    the same wherever the item landed in the internal batch."""
+    messages = set()
+    for position in (0, 3, 6):
+        items: list[Any] = [np.zeros(384) for _ in range(6)]
+        items.insert(position, np.zeros(()))  # rank 0 among rank-1 arrays
+        async with SyncModel(lambda b: b.data, batch_size=8) as proxy:
+            if path == "inference":
+                calls = (proxy.inference(item) for item in items)
+                results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 30)
+            else:
+                results = await asyncio.wait_for(
+                    proxy.inference_many(items, return_exceptions=True), 30
+                )
+        error = results[position]
+        assert isinstance(error, ValueError), error
+        assert [len(batch.lengths) for batch in proxy.batches] == [6]
+        messages.add(str(error))
+    assert len(messages) == 1, messages  # independent of the position
+    (message,) = messages
+    assert not re.search(r"\bitem \d", message), message
+    for fragment in ("expected rank 1", "shape (384,)", "got rank 0", "float64", "shape ()"):
+        assert fragment in message, (fragment, message)
 
 
 async def test_validation_messages_name_the_problem() -> None:

@@ -328,9 +328,9 @@ def test_torch_device_kept() -> None:
 
 def test_mixing_numpy_and_torch_raises_type_error() -> None:
     torch = pytest.importorskip("torch")
-    with pytest.raises(TypeError, match=r"torch tensor.*NumPy"):
+    with pytest.raises(TypeError, match=r"item 2: expected a NumPy array.*got a torch tensor"):
         collate([np.zeros(3), np.zeros(2), torch.zeros(3)])
-    with pytest.raises(TypeError, match="element 0 is a NumPy array, the batch has torch"):
+    with pytest.raises(TypeError, match=r"element 0: expected a torch tensor .*got a NumPy array"):
         collate([(torch.zeros(3),), (torch.zeros(3),), (np.zeros(3),)])
 
 
@@ -461,7 +461,7 @@ def feature(n: int, dtype: Any = np.int64) -> dict[str, np.ndarray]:
 def test_validate_dtype(odd: int) -> None:
     items = [feature(5), feature(6), feature(4)]
     items[odd] = feature(7, np.float32)
-    check_only_odd(items, odd, TypeError, "key 'input_ids'", "dtype float32", "int64", "(7,) vs")
+    check_only_odd(items, odd, TypeError, "key 'input_ids'", "dtype float32", "int64", "shape (7,)")
 
 
 @pytest.mark.parametrize("odd", [0, 1])
@@ -473,9 +473,11 @@ def test_validate_keys(odd: int) -> None:
 
 def test_validate_rank() -> None:
     items = [np.zeros(3), np.zeros((3, 2)), np.zeros(5)]
-    check_only_odd(items, 1, ValueError, "rank 2", "rank 1", "(3, 2) vs (3,)")
+    check_only_odd(items, 1, ValueError, "expected rank 1", "e.g. shape (3,)", "shape (3, 2)")
     dict_items = [feature(5), feature(6), {**feature(2), "attention_mask": np.ones((2, 2))}]
-    check_only_odd(dict_items, 2, ValueError, "key 'attention_mask'", "rank 2", "(2, 2) vs (5,)")
+    check_only_odd(
+        dict_items, 2, ValueError, "key 'attention_mask'", "got rank 2", "e.g. shape (5,)"
+    )
 
 
 def test_validate_type_and_library() -> None:
@@ -486,7 +488,11 @@ def test_validate_type_and_library() -> None:
     )
     torch = pytest.importorskip("torch")
     check_only_odd(
-        [torch.zeros(2), np.zeros(2), torch.zeros(3)], 1, TypeError, "NumPy array", "torch tensors"
+        [torch.zeros(2), np.zeros(2), torch.zeros(3)],
+        1,
+        TypeError,
+        "got a NumPy array",
+        "expected a torch tensor",
     )
     check_only_odd(
         [
