@@ -47,7 +47,10 @@ class TensorProxy(Proxy[In, Out]):
       mask are moved to before `_forward`, through pinned memory when the target
       is a CUDA device. Applies to torch data only: NumPy items with a `device`
       set fail their batch with `TypeError`. Outputs stay where `_forward` put
-      them; each caller gets its own slice of them.
+      them; each caller gets its own slice of them. A malformed device
+      (`"cuda:zz"`) is a `ValueError` here; a valid one this machine lacks
+      (`"cuda:0"` without CUDA) is accepted, and each batch then fails with
+      torch's error when it is moved there.
     - `length_aware`: form batches of items of similar length, so less padding
       is computed. Either way each item's cost is `tensors.length` (pass
       `length=` to change it), which `max_batch_tokens` and the padding stats use.
@@ -170,6 +173,9 @@ def _pad_value(value: Any) -> Any:
 
 
 def _torch_device(device: object) -> torch.device | None:
+    """`device` parsed (torch imported only when one is given): `TypeError` for another
+    type, `ValueError` for a string torch cannot parse. Whether the device exists on this
+    machine is not checked here: moving a batch there fails with torch's error."""
     if device is None:
         return None
     import torch
@@ -178,7 +184,13 @@ def _torch_device(device: object) -> torch.device | None:
         raise TypeError(
             f"device must be a str, a torch.device or None, got {type(device).__name__} {device!r}"
         )
-    return torch.device(device)
+    try:
+        return torch.device(device)
+    except RuntimeError as error:  # torch's parse error
+        raise ValueError(
+            f"device must be a torch device such as 'cpu', 'cuda' or 'cuda:0', "
+            f"got {device!r} ({error})"
+        ) from error
 
 
 def _move(data: Any, device: torch.device) -> Any:

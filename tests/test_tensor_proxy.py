@@ -345,8 +345,27 @@ def test_constructor_checks_its_options() -> None:
         SyncModel(pad_to_multiple_of=0)
     with pytest.raises(TypeError, match="device"):
         SyncModel(device=0)
-    with pytest.raises(RuntimeError):
-        SyncModel(device="no-such-device")
+
+
+@pytest.mark.parametrize("device", ["cuda:zz", "no-such-device", "", "cpu:x", "cuda:-1", "CPU"])
+def test_a_malformed_device_is_a_value_error_naming_it(device: str) -> None:
+    with pytest.raises(ValueError, match=f"device must be .*, got {re.escape(repr(device))}"):
+        SyncModel(device=device)
+
+
+def test_device_accepts_device_objects_and_refuses_other_types() -> None:
+    assert SyncModel(device=torch.device("cpu"))._device == torch.device("cpu")
+    assert SyncModel(device="cuda:1")._device == torch.device("cuda:1")  # checked per batch
+    with pytest.raises(TypeError, match=r"device must be .*, got float 3\.5"):
+        SyncModel(device=3.5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+async def test_a_valid_device_this_machine_lacks_fails_each_batch_not_construction() -> None:
+    async with SyncModel(batch_size=8, device="cuda:0") as proxy:
+        with pytest.raises(Exception, match="CUDA"):  # torch's own error, at the move
+            await asyncio.wait_for(proxy.inference(torch.zeros(3)), 30)
+    assert proxy.batches == []
 
 
 def test_tensor_proxy_is_abstract() -> None:
