@@ -806,6 +806,7 @@ class Proxy(ABC, Generic[In, Out]):
         self, method: str, item: In, timeout: float | None, priority: int
     ) -> concurrent.futures.Future[Out]:
         self._require_init()
+        self._refuse_own_model(method)
         loop = self._loop
         if loop is not None and not loop.is_closed() and loop.is_running():
             if threading.get_ident() == self._loop_thread:
@@ -822,6 +823,16 @@ class Proxy(ABC, Generic[In, Out]):
             raise self._would_deadlock(method)
         call = self.inference(item, timeout=timeout, priority=priority)
         return background.submit(call)  # the proxy binds there, and closes with it
+
+    def _refuse_own_model(self, method: str) -> None:
+        """Refuse a call made by this proxy's own model (in one of its batches, on the loop
+        or its worker thread): that call could only run after the batch waiting for it."""
+        if _current_batch.get() in self._batch_tasks:
+            raise RuntimeError(
+                f"{self.name}.{method}() was called from inside its own model: the model's "
+                f"batch would wait for a call that can only run after that batch, a "
+                f"deadlock. Call the model's code directly instead"
+            )
 
     def _would_deadlock(self, method: str) -> RuntimeError:
         return RuntimeError(
@@ -858,6 +869,7 @@ class Proxy(ABC, Generic[In, Out]):
             )
         if type(priority) is not int:
             priority = _validate.priority(priority)
+        self._refuse_own_model("stream" if stream else "inference")
         seconds = self._timeout if timeout is None else _validate.timeout("timeout", timeout)
         cost = 1 if self._length is None else self._cost(item)
         self._check_room(1)

@@ -197,6 +197,70 @@ async def test_aclose_of_a_never_used_proxy_closes_it(no_leftovers: None) -> Non
         await proxy.inference(1)
 
 
+SELF_CALLS = ["inference", "inference_many", "decorated", "inference_sync", "submit"]
+
+
+@pytest.mark.parametrize("how", SELF_CALLS)
+async def test_a_model_calling_its_own_proxy_gets_a_clear_error(
+    how: str, no_leftovers: None
+) -> None:
+    """Issue 16.8: a model awaiting its own proxy (or, on its worker thread, blocking on
+    it) waited for a batch that could only start once its own had ended: a silent
+    deadlock. The call now fails at once, inside the model; other callers are served."""
+    seen: list[BaseException] = []
+
+    @batchproxy.batch(batch_size=4, offload=how in ("inference_sync", "submit"))
+    def blocking(items: list[int]) -> list[int]:
+        if 0 in items:
+            try:
+                if how == "inference_sync":
+                    blocking.sync(99)
+                else:
+                    blocking.proxy.submit(99).result(5)
+            except RuntimeError as exc:
+                seen.append(exc)
+        return [i * 10 for i in items]
+
+    @batchproxy.batch(batch_size=4)
+    async def awaiting(items: list[int]) -> list[int]:
+        if 0 in items:
+            try:
+                if how == "inference":
+                    await awaiting.proxy.inference(99)
+                elif how == "inference_many":
+                    await awaiting.many([98, 99])
+                else:
+                    await awaiting(99)
+            except RuntimeError as exc:
+                seen.append(exc)
+        return [i * 10 for i in items]
+
+    model = blocking if how in ("inference_sync", "submit") else awaiting
+    results = await asyncio.wait_for(asyncio.gather(*(model(i) for i in range(3))), 10)
+    assert results == [0, 10, 20]
+    (error,) = seen
+    assert "its own model" in str(error)
+    assert "deadlock" in str(error)
+    assert model.stats.requests == 3  # the refused call was never accepted
+    await model.aclose()
+
+
+async def test_a_model_may_call_another_proxy() -> None:
+    """The check is about a proxy's own batch: a pipeline of two proxies still works."""
+
+    @batchproxy.batch(batch_size=4)
+    async def inner(items: list[int]) -> list[int]:
+        return [i + 1 for i in items]
+
+    @batchproxy.batch(batch_size=4)
+    async def outer(items: list[int]) -> list[int]:
+        return await inner.many(items)
+
+    assert await asyncio.wait_for(asyncio.gather(*(outer(i) for i in range(3))), 10) == [1, 2, 3]
+    await outer.aclose()
+    await inner.aclose()
+
+
 @pytest.mark.parametrize("offload", [False, True])
 async def test_aclose_inside_inference_completes_after_that_batch(
     offload: bool, no_leftovers: None
