@@ -6,7 +6,7 @@ BIN     = $(VENV)/bin
 # takes the CPU build on this machine and never resolves a newer torch with CUDA packages
 TORCH   = torch==2.13.0
 
-.PHONY: demo test lint typecheck unit bench bench-tensors bench-suite bench-scheduling bench-scaleout bench-soak bench-generation clean
+.PHONY: demo test lint typecheck unit bench bench-tensors bench-suite bench-scheduling bench-scaleout bench-soak bench-soak-deadlines bench-generation clean
 
 # the real model over HTTP, regular vs batched: the table, benchmarks/results/demo.{json,png}
 demo: $(VENV)/.installed-demo
@@ -45,6 +45,10 @@ bench-scaleout: $(VENV)/.installed-dev
 # a million requests with cancellations, deadlines, errors and reconfigurations: RSS, leaks, accounting
 bench-soak: $(VENV)/.installed
 	$(BIN)/python benchmarks/soak.py
+
+# every call with a deadline and a 10 KB result, the queue never empty (issue 16): live requests, RSS
+bench-soak-deadlines: $(VENV)/.installed
+	$(BIN)/python benchmarks/soak.py --deadlines
 
 # a GPT-2 (random weights) with no batching, static and continuous batching: tokens/s, TTFT
 bench-generation: $(VENV)/.installed-dev

@@ -34,8 +34,20 @@ Reported:
   runs; the growth is the highest later checkpoint minus the first, taken after
   the first tenth (the warm-up). Target: at most 20 MB;
 - live asyncio tasks and futures (found with `gc.get_objects()` after a
-  `gc.collect()`), and batchproxy requests, before the load, at each checkpoint,
-  after it and after `aclose()`: after must equal before.
+  `gc.collect()`), batchproxy requests and the queue depth, before the load, at
+  each checkpoint, after it and after `aclose()`: after must equal before; and the
+  requests beyond those queued (served, or dead entries left in the queue) must
+  stay within the calls in flight at every checkpoint.
+
+`--deadlines` runs the load of issue 16 instead (`STEADY`, written to
+`soak-deadlines.*`): every call carries a 30 s deadline (none expires) and gets a
+fresh 10 KB result, and 256 callers keep a proxy with `batch_size=64` and one
+batch slot busy, so that its queue never empties; nothing is cancelled, fails or
+is reconfigured. Served requests that stay in the queue then show as live
+requests and RSS growing with the calls (before the fix: 553 MB after 52,000). It
+also reports the smallest queue depth at a batch start, from the warm-up to the
+last call (the depth `Listener.request_queued` last told, less the batches
+started since).
 """
 
 from __future__ import annotations
@@ -47,10 +59,10 @@ import random
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from _report import environment, headline, quick_run_arguments, write_json
+from _report import environment, headline, run_arguments, write_json
 from typing_extensions import override
 
 import batchproxy
@@ -75,12 +87,39 @@ class Config:
     boom_rate: float = 0.0005  # the model raises for the job's batch
     short_rate: float = 0.0002  # the model returns one result too few
     slow_batch_rate: float = 0.2  # batches that take 0.2 to 3 ms instead of a loop turn
-    reconfigure_every_ms: tuple[float, float] = (5.0, 50.0)
+    priorities: int = 3  # 0 to 2
+    reconfigure_every_ms: tuple[float, float] | None = (5.0, 50.0)  # None: never
     rejected_backoff_ms: tuple[float, float] = (5.0, 20.0)  # a caller refused waits this long
+    timeout: float | None = None  # every call's deadline (deadline_rate's replace it)
+    result_bytes: int = 0  # each result carries a fresh bytes object of this size
+    # record the smallest queue depth at a batch start, told by listener hooks: exact
+    # only while requests leave the queue in batches alone (no cancellations, deadlines)
+    watch_depth: bool = False
+    # the proxy
+    batch_size: int = 64
+    max_delay_ms: float = 2.0
+    max_concurrent_batches: int | None = None
+    max_queue_size: int | None = 1_000
 
 
 FULL = Config()
-QUICK = Config(requests=20_000)
+QUICK = replace(FULL, requests=20_000)
+STEADY = Config(
+    concurrency=256,
+    cancel_rate=0.0,
+    deadline_rate=0.0,
+    bad_rate=0.0,
+    boom_rate=0.0,
+    short_rate=0.0,
+    priorities=1,  # as in issue 16 (the leak was slower with three: each level emptied at times)
+    reconfigure_every_ms=None,
+    timeout=30.0,
+    result_bytes=10_000,
+    watch_depth=True,
+    max_concurrent_batches=1,
+)
+"""Issue 16: every call with a deadline, none missed, the queue never empty."""
+STEADY_QUICK = replace(STEADY, requests=QUICK.requests)
 
 
 class Job:
@@ -93,17 +132,27 @@ class Job:
         self.kind = kind
 
 
-class Chaotic(batchproxy.Proxy[Job, int]):
-    """Answers job n with n, after a loop turn or a few ms; fails jobs and batches as
-    their kinds say."""
+Answer = tuple[int, bytes]
+"""Job n's result: n, and `result_bytes` bytes."""
+
+
+class Chaotic(batchproxy.Proxy[Job, Answer]):
+    """Answers job n with (n, payload), after a loop turn or a few ms; fails jobs and
+    batches as their kinds say."""
 
     def __init__(self, config: Config) -> None:
-        super().__init__(batch_size=64, max_delay_ms=2.0, max_queue_size=1_000, name="soak")
+        super().__init__(
+            batch_size=config.batch_size,
+            max_delay_ms=config.max_delay_ms,
+            max_concurrent_batches=config.max_concurrent_batches,
+            max_queue_size=config.max_queue_size,
+            name="soak",
+        )
         self.config = config
         self.random = random.Random(config.seed + 1)
 
     @override
-    async def _inference(self, items: list[Job]) -> list[int | Exception]:
+    async def _inference(self, items: list[Job]) -> list[Answer | Exception]:
         if self.random.random() < self.config.slow_batch_rate:
             await asyncio.sleep(self.random.uniform(0.0002, 0.003))
         else:
@@ -111,8 +160,9 @@ class Chaotic(batchproxy.Proxy[Job, int]):
         kinds = {job.kind for job in items}
         if "boom" in kinds:
             raise RuntimeError("boom")
-        results: list[int | Exception] = [
-            ValueError(job.n) if job.kind == "bad" else job.n for job in items
+        size = self.config.result_bytes
+        results: list[Answer | Exception] = [
+            ValueError(job.n) if job.kind == "bad" else (job.n, b"r" * size) for job in items
         ]
         return results[:-1] if "short" in kinds else results
 
@@ -145,6 +195,12 @@ class Census:
     futures: int  # asyncio futures that are not tasks
     pending_futures: int
     requests: int  # batchproxy requests (one per accepted call not yet forgotten)
+    queue_depth: int  # the live requests in the queue (proxy.stats.queue_depth)
+
+    @property
+    def unqueued(self) -> int:
+        """The requests not live in the queue: in batches, or dead entries left in it."""
+        return self.requests - self.queue_depth
 
 
 def rss_mb() -> float:
@@ -160,7 +216,7 @@ def rss_mb() -> float:
         return peak / 1e6 if sys.platform == "darwin" else peak / 1e3
 
 
-def census(issued: int, started: float) -> Census:
+def census(issued: int, started: float, queue_depth: int) -> Census:
     gc.collect()
     tasks = futures = pending = requests = 0
     for thing in gc.get_objects():
@@ -172,9 +228,8 @@ def census(issued: int, started: float) -> Census:
             pending += not thing.done()
         elif kind.__module__ == "batchproxy._queue" and kind.__name__ == "Request":
             requests += 1
-    return Census(
-        issued, time.perf_counter() - started, rss_mb(), tasks, futures, pending, requests
-    )
+    seconds = time.perf_counter() - started
+    return Census(issued, seconds, rss_mb(), tasks, futures, pending, requests, queue_depth)
 
 
 @dataclass
@@ -188,6 +243,7 @@ class Result:
     after: Census
     closed: Census
     reconfigurations: int
+    min_queue_depth: int | None  # at a batch start, from the warm-up to the last call
 
     @property
     def rss_growth_mb(self) -> float:
@@ -219,16 +275,17 @@ def plan(rng: random.Random, config: Config, n: int) -> tuple[Job, float | None,
         kind = "bad"
     else:
         kind = "ok"
-    timeout = cancel_after = None
+    timeout, cancel_after = config.timeout, None
     if rng.random() < config.deadline_rate:
         timeout = 0.0002 * 100 ** rng.random()  # 0.2 to 20 ms, log-uniform
     if rng.random() < config.cancel_rate:
         cancel_after = rng.uniform(0.00005, 0.003)
-    return Job(n, kind), timeout, cancel_after, rng.randrange(3)
+    return Job(n, kind), timeout, cancel_after, rng.randrange(config.priorities)
 
 
-class Load:
-    """The callers, the canceller and the reconfigurer around one proxy."""
+class Load(batchproxy.Listener):
+    """The callers, the canceller and the reconfigurer around one proxy (and, as its
+    listener, the watcher of its queue depth at batch starts)."""
 
     def __init__(self, config: Config, proxy: Chaotic, *, progress: bool) -> None:
         self.config = config
@@ -239,6 +296,8 @@ class Load:
         self.checkpoints: list[Census] = []
         self.every = max(1, config.requests // config.checkpoints)
         self.reconfigurations = 0
+        self.queue_depth = 0  # as the hooks tell it, when watched (watch_depth)
+        self.min_queue_depth: int | None = None
         self.started = time.perf_counter()
 
     async def run(self) -> float:
@@ -252,7 +311,21 @@ class Load:
         return seconds
 
     def census(self) -> Census:
-        return census(self.tally.issued, self.started)
+        return census(self.tally.issued, self.started, self.proxy.stats.queue_depth)
+
+    @override
+    def request_queued(self, proxy: str, queue_depth: int) -> None:
+        self.queue_depth = queue_depth
+
+    @override
+    def batch_started(self, proxy: str, size: int, queue_waits: Sequence[float]) -> None:
+        # the queue less the batch: exact while requests leave the queue only in batches
+        # (none cancelled or timed out); from the warm-up to the last call, as the queue
+        # fills from empty and drains after
+        self.queue_depth -= size
+        if 0 < len(self.checkpoints) < self.config.checkpoints:
+            low = self.min_queue_depth
+            self.min_queue_depth = min(self.queue_depth, self.queue_depth if low is None else low)
 
     async def caller(self) -> None:
         """Call after call; count how each ended."""
@@ -275,7 +348,7 @@ class Load:
             if outcome == "rejected":  # as a client told to retry later would, not at once
                 await asyncio.sleep(rng.uniform(*config.rejected_backoff_ms) / 1e3)
 
-    async def ended(self, call: asyncio.Task[int], job: Job) -> str:
+    async def ended(self, call: asyncio.Task[Answer], job: Job) -> str:
         """Await one call; count and return how it ended."""
         tally = self.tally
         try:
@@ -303,7 +376,7 @@ class Load:
             if not (type(exc) is RuntimeError and exc.args == ("boom",)):
                 tally.unexpected.append(repr(exc))
             return "failed"
-        if got != job.n:
+        if got[0] != job.n:
             tally.wrong += 1
             return "wrong"
         tally.succeeded += 1
@@ -311,6 +384,8 @@ class Load:
 
     async def reconfigure(self) -> None:
         rng = self.rng
+        if self.config.reconfigure_every_ms is None:
+            return
         low, high = self.config.reconfigure_every_ms
         while True:
             await asyncio.sleep(rng.uniform(low, high) / 1e3)
@@ -328,7 +403,8 @@ class Load:
         if self.progress:
             print(
                 f"  {last.issued:>9,} calls  {last.seconds:6.1f} s  RSS {last.rss_mb:6.1f} MB  "
-                f"tasks {last.tasks:,}  futures {last.futures:,}",
+                f"tasks {last.tasks:,}  futures {last.futures:,}  requests {last.requests:,}  "
+                f"queued {last.queue_depth:,}",
                 file=sys.stderr,
             )
 
@@ -338,6 +414,8 @@ async def soak(config: Config, *, progress: bool = False) -> Result:
     proxy = Chaotic(config)
     await proxy.start()
     load = Load(config, proxy, progress=progress)
+    if config.watch_depth:
+        proxy.add_listener(load)
     before = load.census()
     seconds = await load.run()
     await asyncio.sleep(0)  # a fresh loop turn: the callback that woke us is let go
@@ -355,6 +433,7 @@ async def soak(config: Config, *, progress: bool = False) -> Result:
         after=after,
         closed=closed,
         reconfigurations=load.reconfigurations,
+        min_queue_depth=load.min_queue_depth,
     )
 
 
@@ -376,10 +455,12 @@ def markdown(result: Result) -> str:
             for name, (mine, theirs) in agree.items()
         ),
     ]
-    growth = result.rss_growth_mb
+    growth, config = result.rss_growth_mb, result.config
     lines = [
-        f"{result.config.requests:,} requests, {result.config.concurrency:,} in flight, "
-        f"{result.seconds:.1f} s ({result.config.requests / result.seconds:,.0f} requests/s), "
+        f"{config.requests:,} requests, {config.concurrency:,} in flight, "
+        + (f"every call with a {config.timeout:g} s deadline, " if config.timeout else "")
+        + (f"{config.result_bytes:,}-byte results, " if config.result_bytes else "")
+        + f"{result.seconds:.1f} s ({config.requests / result.seconds:,.0f} requests/s), "
         f"{s['batches']:,} batches (mean {s['items'] / max(1, s['batches']):.1f} items, "
         f"{s['failed_batches']:,} failed), {result.reconfigurations:,} reconfigurations.",
         "",
@@ -395,31 +476,43 @@ def markdown(result: Result) -> str:
         census_row("live tasks", result, "tasks"),
         census_row("live futures", result, "futures"),
         census_row("batchproxy requests", result, "requests"),
+        census_row("queue depth", result, "queue_depth"),
+        census_row("requests not queued", result, "unqueued", bound=config.concurrency),
+        "",
+        "Smallest queue depth at a batch start, from the warm-up to the last call: "
+        + ("not watched" if result.min_queue_depth is None else f"{result.min_queue_depth:,}")
+        + ". Requests not queued: in a batch, answered, or dead entries left in the queue; at "
+        "most the calls in flight, so that requests ≤ queue depth + calls in flight.",
         "",
         "Checkpoints (one per tenth of the calls, while the load runs):",
         "",
-        "| calls issued | seconds | RSS (MB) | tasks | futures (pending) | requests |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| calls issued | seconds | RSS (MB) | tasks | futures (pending) | requests "
+        "| queue depth |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
         *(
             f"| {c.issued:,} | {c.seconds:.1f} | {c.rss_mb:.1f} | {c.tasks:,} "
-            f"| {c.futures:,} ({c.pending_futures:,}) | {c.requests:,} |"
+            f"| {c.futures:,} ({c.pending_futures:,}) | {c.requests:,} | {c.queue_depth:,} |"
             for c in result.checkpoints
         ),
     ]
     return "\n".join(lines)
 
 
-def census_row(label: str, result: Result, name: str) -> str:
+def census_row(label: str, result: Result, name: str, bound: int | None = None) -> str:
+    """A measure's row; its target: after = before (and a peak within `bound`)."""
     values = [
         getattr(c, name)
         for c in (result.before, result.checkpoints[0], result.after, result.closed)
     ]
     peak = max(getattr(c, name) for c in result.checkpoints)
     before, warm, after, closed = values
-    ok = after == before and closed <= before
+    ok = after == before and closed <= before and (bound is None or peak <= bound)
+    target = "after = before"
+    if bound is not None:
+        target = f"peak ≤ {bound:,} calls in flight, {target}"
     return (
         f"| {label} | {before:,} | {warm:,} | {peak:,} | {after:,} | {closed:,} "
-        f"| after = before: {verdict(ok)} |"
+        f"| {target}: {verdict(ok)} |"
     )
 
 
@@ -440,20 +533,29 @@ def to_json(result: Result) -> dict[str, Any]:
             "closed": asdict(result.closed),
         },
         "reconfigurations": result.reconfigurations,
+        "min_queue_depth": result.min_queue_depth,
+        "peak_unqueued_requests": max(c.unqueued for c in result.checkpoints),
     }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    quick, output = quick_run_arguments("soak", (__doc__ or "").splitlines()[0], argv)
-    config = QUICK if quick else FULL
+    quick, deadlines, output = run_arguments(
+        "soak",
+        (__doc__ or "").splitlines()[0],
+        argv,
+        ("deadlines", "every call with a deadline, the queue never empty (issue 16)"),
+    )
+    full, short = (STEADY, STEADY_QUICK) if deadlines else (FULL, QUICK)
+    config = short if quick else full
+    name = "soak-deadlines" if deadlines else "soak"
     env = environment()
-    print(headline("soak", env, quick=quick))
+    print(headline(name, env, quick=quick))
     print()
     result = asyncio.run(soak(config, progress=True))
     text = markdown(result)
     print(text)
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.with_suffix(".md").write_text(headline("soak", env, quick=quick) + "\n\n" + text + "\n")
+    output.with_suffix(".md").write_text(headline(name, env, quick=quick) + "\n\n" + text + "\n")
     write_json(output, {"environment": env, "quick": quick, **to_json(result)})
     return 0
 
