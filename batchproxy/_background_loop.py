@@ -18,12 +18,13 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from typing_extensions import Self
 
 from . import _validate
+from ._bridge import LoopBridge
 from ._fork import forget_threads_in_forked_children
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ class BackgroundLoop:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._proxies: weakref.WeakSet[Proxy[Any, Any]] = weakref.WeakSet()
+        self._bridge: LoopBridge | None = None  # for calls to proxies not bound here yet
         forget_threads_in_forked_children(self)
 
     def __repr__(self) -> str:
@@ -172,6 +174,16 @@ class BackgroundLoop:
             self._loop, self._thread = loop, thread
         return self._loop
 
+    def _route(
+        self, make: Callable[[], Coroutine[Any, Any, T]], ended_error: Callable[[], BaseException]
+    ) -> concurrent.futures.Future[T] | None:
+        """`LoopBridge.route` to this loop, started if need be: a proxy's call that binds
+        the proxy here. None if the loop closed meanwhile (it raises if closed before)."""
+        with self._lock:
+            self._start_locked()
+            bridge = self._bridge
+        return None if bridge is None else bridge.route(make, ended_error)
+
     def _adopt(self, proxy: Proxy[Any, Any]) -> None:
         """`proxy` bound itself to this loop: `close()` closes it too."""
         with self._lock:
@@ -183,6 +195,9 @@ class BackgroundLoop:
         self._lock = threading.Lock()
         self._loop = self._thread = None
         self._proxies = weakref.WeakSet()
+        if self._bridge is not None:
+            self._bridge.forget()
+        self._bridge = None
 
     def _on_loop_thread(self) -> bool:
         return self._thread is not None and threading.current_thread() is self._thread
@@ -190,7 +205,12 @@ class BackgroundLoop:
     def _main(self, loop: asyncio.AbstractEventLoop, running: threading.Event) -> None:
         _owners[loop] = self
         asyncio.set_event_loop(loop)
-        loop.call_soon(running.set)
+
+        def serving() -> None:
+            self._bridge = LoopBridge(loop)  # on the loop's thread, as it runs
+            running.set()
+
+        loop.call_soon(serving)
         try:
             loop.run_forever()
         finally:

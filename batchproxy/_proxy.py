@@ -30,7 +30,6 @@ import contextvars
 import functools
 import inspect
 import logging
-import threading
 import time
 import weakref
 from abc import ABC
@@ -39,6 +38,7 @@ from collections.abc import (
     AsyncIterator,
     Awaitable,
     Callable,
+    Coroutine,
     Iterable,
     Iterator,
     Mapping,
@@ -51,7 +51,8 @@ from typing import Any, Generic, Literal, NamedTuple, TypeVar, overload
 from typing_extensions import Self
 
 from . import _validate
-from ._background_loop import BackgroundLoop, _block_on, background_loop_of
+from ._background_loop import BackgroundLoop, background_loop_of
+from ._bridge import LoopBridge
 from ._cost_model import CostModel
 from ._errors import (
     BatchProxyError,
@@ -86,6 +87,7 @@ logger = logging.getLogger("batchproxy")
 
 In = TypeVar("In")
 Out = TypeVar("Out")
+T = TypeVar("T")
 
 
 _HEALTHY = Health(healthy=True, reason=None, since=None)
@@ -155,8 +157,8 @@ class Proxy(ABC, Generic[In, Out]):
     _loop: asyncio.AbstractEventLoop | None = None
     _closing: asyncio.Task[None] | None = None  # a close begun inside a batch
     _health = _HEALTHY  # until a batch overruns
+    _bridge: LoopBridge | None = None  # calls from other threads and loops (see _bridge)
     # per-loop state, set by _unbind() (and only there reset)
-    _loop_thread: int | None
     _scheduler: Scheduler[In] | None
     _batch_tasks: set[asyncio.Task[None]]  # running, or about to
     _not_started: set[asyncio.Task[None]]  # of those, the ones that have not run a step
@@ -358,8 +360,9 @@ class Proxy(ABC, Generic[In, Out]):
                 return
             if loop is asyncio.get_running_loop():
                 await self._drain()
-            elif loop.is_running():  # closing from another thread's loop
-                await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._drain(), loop))
+            elif (drain := self._route(self._drain)) is not None:  # from another loop
+                with contextlib.suppress(BatchProxyError):  # its loop ended meanwhile:
+                    await asyncio.wrap_future(drain)  # what was queued is settled
             else:  # its loop is paused: what is queued cannot run; what runs ends there
                 self._refuse_queued(loop, scheduler)
         self._executor.unwatch_capacity(self._capacity_watcher)
@@ -389,8 +392,9 @@ class Proxy(ABC, Generic[In, Out]):
     def _refuse_queued(self, loop: asyncio.AbstractEventLoop, scheduler: Scheduler[In]) -> None:
         """Fail every queued request with `ProxyClosed`, thread-safely, on its own loop."""
         scheduler.close()
-        for request in scheduler.queue.drain():
-            loop.call_soon_threadsafe(self._refuse, request)
+        with contextlib.suppress(RuntimeError):  # it closed meanwhile: nobody waits there
+            for request in scheduler.queue.drain():
+                loop.call_soon_threadsafe(self._refuse, request)
 
     def _closed_error(self) -> ProxyClosed:
         """What a call to this closed proxy gets: why it stopped, if it stopped itself."""
@@ -433,14 +437,14 @@ class Proxy(ABC, Generic[In, Out]):
             if old.is_running():
                 return False
             if self._scheduler is not None and not self._scheduler.idle:
-                raise RuntimeError(
+                raise _StillBusy(
                     f"{self.name} still has requests on an event loop that is not running; "
                     f"finish them there (or close that loop) before using it from another loop"
                 )
         if old is not None:
             self._abandon_loop()
         self._loop = loop
-        self._loop_thread = threading.get_ident()
+        self._bridge = LoopBridge(loop, self._loop_ending)
         background = background_loop_of(loop)
         if background is not None:  # however it got there, it closes with that loop
             background._adopt(self)
@@ -462,7 +466,10 @@ class Proxy(ABC, Generic[In, Out]):
     def _after_fork_in_child(self) -> None:
         """In a forked child the parent's event loop runs no more (its thread is gone,
         or it is the parent's): the next call binds to the child's loop. The parent's
-        queued and running calls are the parent's."""
+        queued, routed and running calls are the parent's."""
+        if self._bridge is not None:
+            self._bridge.forget()
+            self._bridge = None
         self._unbind()
 
     def _abandon_loop(self) -> None:
@@ -474,9 +481,41 @@ class Proxy(ABC, Generic[In, Out]):
 
     def _unbind(self) -> None:
         """Forget the event loop and the state that lived on it: its scheduler (and
-        queue), batch tasks and overrun batches. The one place that resets them."""
-        self._loop = self._loop_thread = self._scheduler = self._closing = None
+        queue), batch tasks and overrun batches; calls routed to it that are still open
+        get the "loop ended" error. The one place that resets them."""
+        if self._bridge is not None:
+            self._bridge.close()
+        self._loop = self._bridge = self._scheduler = self._closing = None
         self._batch_tasks, self._not_started, self._overran_batches = set(), set(), {}
+
+    async def _loop_ending(self) -> None:
+        """The bound loop is ending (in its `shutdown_asyncgens()`, once its tasks were
+        cancelled): fail what is queued, cancel the batches still running (their
+        callers get `InferenceError`), and unbind: the next call binds to its own loop."""
+        scheduler = self._scheduler
+        if scheduler is None or scheduler.loop is not asyncio.get_running_loop():
+            return  # moved on already
+        error = self._loop_ended_error()
+        while True:  # until nothing is left: a cancelled batch frees a slot for the next
+            self._fail(scheduler.queue.drain(), error)
+            tasks = list(self._batch_tasks)
+            if not tasks:
+                break
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks)
+        scheduler.close()
+        self._unbind()
+
+    def _loop_ended_error(self) -> BatchProxyError:
+        """What a call cut off by its event loop's end gets (it was not cancelled)."""
+        if self._closed:
+            return self._closed_error()
+        return InferenceError(
+            self.name,
+            asyncio.CancelledError(),
+            "the event loop serving it ended before this call was answered",
+        )
 
     def configure(
         self,
@@ -594,7 +633,8 @@ class Proxy(ABC, Generic[In, Out]):
         if loop is None or scheduler is None or loop.is_closed():
             return  # the next event loop's scheduler starts with these values
         limits = self._limits()
-        if threading.get_ident() == self._loop_thread:
+        bridge = self._bridge
+        if bridge is not None and bridge.on_loop_thread:
             scheduler.reconfigure(*limits)
         else:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
@@ -619,8 +659,10 @@ class Proxy(ABC, Generic[In, Out]):
         higher goes first, FIFO within a level.
         """
         loop = asyncio.get_running_loop()
-        if loop is not self._loop and not self._bind(loop):
-            return await asyncio.wrap_future(self.submit(item, timeout=timeout, priority=priority))
+        if loop is not self._loop:  # bind here, or route to the loop it runs in
+            return await self._from_another_loop(
+                lambda: self.inference(item, timeout=timeout, priority=priority)
+            )
         request = self._enqueue(loop, item, timeout, priority)
         try:
             result: Out = await request.future
@@ -723,12 +765,12 @@ class Proxy(ABC, Generic[In, Out]):
         if not batch:
             return []
         loop = asyncio.get_running_loop()
-        if loop is not self._loop and not self._bind(loop):
-            assert self._loop is not None
-            call = self.inference_many(
-                batch, timeout=timeout, priority=priority, return_exceptions=return_exceptions
+        if loop is not self._loop:
+            return await self._from_another_loop(
+                lambda: self.inference_many(
+                    batch, timeout=timeout, priority=priority, return_exceptions=return_exceptions
+                )
             )
-            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call, self._loop))
         self._check_room(len(batch))
         requests: list[Request[In]] = []
         try:
@@ -783,46 +825,98 @@ class Proxy(ABC, Generic[In, Out]):
         `BackgroundLoop`. Calling this from the proxy's own loop thread is
         refused: blocking on the future would deadlock.
         """
-        return self._submit_threadsafe("submit", item, timeout, priority)
+        future, _ = self._submit_threadsafe("submit", item, timeout, priority)
+        return future
 
     def inference_sync(self, item: In, *, timeout: float | None = None, priority: int = 0) -> Out:
         """Blocking `inference`, for plain threads (Flask, Django sync views, scripts).
 
         Goes through the proxy's loop like `submit()`. `timeout` bounds the whole
         call (`DeadlineExceeded`); a wait interrupted by `KeyboardInterrupt` or
-        the like withdraws the call. Refused on the proxy's own loop thread.
+        the like withdraws the call. If the proxy's loop ends first, the call gets
+        `InferenceError` (`ProxyClosed` if the proxy was closed): it never blocks
+        for ever. Refused on the proxy's own loop thread.
         """
         self._require_init()
         seconds = self._timeout if timeout is None else _validate.timeout("timeout", timeout)
-        future = self._submit_threadsafe("inference_sync", item, timeout, priority)
+        future, bridge = self._submit_threadsafe("inference_sync", item, timeout, priority)
         # the proxy's loop enforces the deadline; the extra wait here only guards
         # against a loop too busy to answer at all
-        if not _block_on(future, None if seconds is None else seconds + 0.5):
+        if bridge is not None and not bridge.wait(
+            future, None if seconds is None else seconds + 0.5
+        ):
             assert seconds is not None  # only a bounded wait ends without the result
             raise DeadlineExceeded(self.name, seconds)
         return future.result()
 
     def _submit_threadsafe(
         self, method: str, item: In, timeout: float | None, priority: int
-    ) -> concurrent.futures.Future[Out]:
+    ) -> tuple[concurrent.futures.Future[Out], LoopBridge | None]:
+        """Route a call from this thread to the proxy's loop (to the default
+        `BackgroundLoop`, where the proxy then binds, if it runs in none); the future
+        and the bridge it went through (None: refused at once)."""
         self._require_init()
         self._refuse_own_model(method)
-        loop = self._loop
-        if loop is not None and not loop.is_closed() and loop.is_running():
-            if threading.get_ident() == self._loop_thread:
+
+        def call() -> Coroutine[Any, Any, Out]:
+            return self.inference(item, timeout=timeout, priority=priority)
+
+        while True:  # each pass routes the call, or finds the loop it tried gone
+            bridge = self._bridge
+            if bridge is not None:
+                if bridge.on_loop_thread:
+                    raise self._would_deadlock(method)
+                future = bridge.route(call, self._loop_ended_error)
+                if future is not None:
+                    return future, bridge
+                if bridge.ending:  # the proxy leaves that loop in a moment: then bind anew
+                    bridge.done.result()
+                    continue
+            if self._closed:  # refused as ever, without starting a loop to say so
+                refused: concurrent.futures.Future[Out] = concurrent.futures.Future()
+                refused.set_exception(self._closed_error())
+                return refused, None
+            background = BackgroundLoop.default()
+            if background._on_loop_thread():  # where this proxy would now run
                 raise self._would_deadlock(method)
-            return asyncio.run_coroutine_threadsafe(
-                self.inference(item, timeout=timeout, priority=priority), loop
-            )
-        if self._closed:  # refused as ever, without starting a loop to say so
-            refused: concurrent.futures.Future[Out] = concurrent.futures.Future()
-            refused.set_exception(self._closed_error())
-            return refused
-        background = BackgroundLoop.default()
-        if background._on_loop_thread():  # where this proxy would now run
-            raise self._would_deadlock(method)
-        call = self.inference(item, timeout=timeout, priority=priority)
-        return background.submit(call)  # the proxy binds there, and closes with it
+            with contextlib.suppress(RuntimeError):  # it closed meanwhile: try the next one
+                future = background._route(call, self._loop_ended_error)
+                if future is not None:  # the proxy binds there, and closes with it
+                    return future, background._bridge
+
+    def _route(
+        self, make: Callable[[], Coroutine[Any, Any, T]]
+    ) -> concurrent.futures.Future[T] | None:
+        """Run `make()` on the proxy's loop for a caller elsewhere; None if that loop has
+        ended or does not run."""
+        bridge = self._bridge
+        return None if bridge is None else bridge.route(make, self._loop_ended_error)
+
+    async def _from_another_loop(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """Serve a call made on a loop this proxy is not bound to: bind to it and run
+        `make()` here if the proxy is free; else route `make()` to the loop the proxy
+        runs in (another thread's). A loop caught between the phases of its shutdown
+        (not running for a moment, calls still on it) is given `_PAUSED_GRACE` seconds
+        before the call is refused; one in its end hook, until the proxy has left it."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + _PAUSED_GRACE
+        while True:
+            bridge = self._bridge
+            if bridge is not None:
+                future = bridge.route(make, self._loop_ended_error)
+                if future is not None:
+                    return await asyncio.wrap_future(future)
+                if bridge.ending:  # the proxy leaves that loop in a moment
+                    await asyncio.wrap_future(bridge.done)
+                    continue
+            try:
+                if self._bind(loop):
+                    return await make()
+            except _StillBusy:
+                if loop.time() >= give_up:
+                    raise
+                await asyncio.sleep(_PAUSED_GRACE / 100)
+            # else its loop runs again: route to it
 
     def _refuse_own_model(self, method: str) -> None:
         """Refuse a call made by this proxy's own model (in one of its batches, on the loop
@@ -1494,6 +1588,15 @@ def _clean(results: object, size: int) -> bool:
         and len(results) == size
         and not any(isinstance(r, BaseException) for r in results)
     )
+
+
+class _StillBusy(RuntimeError):
+    """The proxy's loop is not running and still has its calls: it cannot move."""
+
+
+_PAUSED_GRACE = 0.1
+"""Seconds a call from another loop waits for the proxy's loop, stopped with calls
+still on it, to run again or end (between the phases of `asyncio.run`'s shutdown)."""
 
 
 class _Policies(NamedTuple):

@@ -320,7 +320,8 @@ def test_a_bad_configure_changes_nothing(changes: dict[str, object]):
             queue = changes.get("max_queue_size", ...)
             assert p._max_queue_size == (50 if queue is ... else queue)
             delay = changes.get("max_delay_ms", ...)
-            assert p._max_delay == (0.002 if delay is ... else float(delay) / 1e3)  # type: ignore[arg-type]
+            expected = 0.002 if delay is ... else float(delay) / 1e3  # type: ignore[arg-type]
+            assert p._max_delay == min(expected, batchproxy._validate.MAX_WAIT)  # clamped
             slots = changes.get("max_concurrent_batches", ...)
             assert p._max_concurrent == {...: 2, None: 1}.get(slots, slots)  # type: ignore[call-overload]
         assert await asyncio.gather(*running) == [own(i) for i in range(6)]

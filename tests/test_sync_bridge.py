@@ -314,3 +314,168 @@ def test_a_proxy_that_bound_to_a_background_loop_by_hand_closes_with_it() -> Non
     assert [future.result(0) for future in pending] == [("out", n) for n in range(2, 6)]
     assert proxy.closed
     assert not thread_names() & {"by-hand", "batchproxy-by-hand-model"}
+
+
+# -- the serving loop ending under callers from other threads and loops (issue 16.2, 16.3) ----
+
+
+class Hammer:
+    """Plain threads calling `inference_sync` one call after another until stopped; each
+    outcome is kept: a result, or the exception the call raised."""
+
+    def __init__(self, proxy: batchproxy.Proxy[Any, Any], threads: int) -> None:
+        self.proxy = proxy
+        self.outcomes: list[object] = []
+        self.stop = threading.Event()
+        self.threads = [
+            threading.Thread(target=self._call, args=(n,), name=f"hammer-{n}", daemon=True)
+            for n in range(threads)
+        ]
+
+    def _call(self, n: int) -> None:
+        while not self.stop.is_set():
+            try:
+                outcome: object = self.proxy.inference_sync(n)
+            except BaseException as exc:
+                outcome = exc
+            self.outcomes.append(outcome)
+
+    def start(self) -> None:
+        for thread in self.threads:
+            thread.start()
+
+    def finish(self) -> list[object]:
+        """Stop the callers; every one must return (none left blocked); the outcomes
+        that are neither a result nor ProxyClosed/InferenceError."""
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(15)
+        hung = [thread.name for thread in self.threads if thread.is_alive()]
+        assert hung == [], f"callers left blocked: {hung}"
+        assert any(not isinstance(o, BaseException) for o in self.outcomes)
+        return [
+            outcome
+            for outcome in self.outcomes
+            if isinstance(outcome, BaseException)
+            and not isinstance(outcome, (ProxyClosed, batchproxy.InferenceError))
+        ]
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["loop-model", "thread-model"])
+def test_sync_callers_never_hang_when_the_serving_asyncio_run_returns(offload: bool) -> None:
+    """Issue 16.2: threads calling `inference_sync` while `asyncio.run()` returned: calls
+    that reached the loop after its last iteration were dropped with it (their threads
+    blocked for ever), others got a message-less CancelledError."""
+
+    async def serve(proxy: batchproxy.Proxy[Any, Any], hammer: Hammer) -> None:
+        await proxy.start()
+        hammer.start()
+        await asyncio.sleep(0.1)
+
+    for _ in range(3):  # the race is in the loop's last moments: end it several times
+        proxy = Recorder(batch_size=8, delay=0.0005, offload=offload, name="served")
+        hammer = Hammer(proxy, 32)
+        try:
+            asyncio.run(serve(proxy, hammer))
+            time.sleep(0.05)  # the callers go on: the proxy moves to the default loop
+            assert hammer.finish() == []
+        finally:
+            hammer.stop.set()
+            BackgroundLoop.default().close()
+
+
+def test_sync_callers_never_hang_when_their_background_loop_closes() -> None:
+    """Issue 16.2, `BackgroundLoop.close()` while threads call: each gets its result or
+    ProxyClosed (the loop closes its proxies), and none is left blocked."""
+    for round_ in range(5):
+        background = BackgroundLoop(f"closing-{round_}")
+        proxy = Recorder(batch_size=8, delay=0.0005, name="background-served")
+        background.run(proxy.start())
+        hammer = Hammer(proxy, 32)
+        hammer.start()
+        time.sleep(0.1)
+        background.close()
+        assert hammer.finish() == []
+        assert proxy.closed
+
+
+def test_callers_on_another_loop_get_inference_error_not_cancelled_when_its_loop_ends() -> None:
+    """Issue 16.3: callers awaiting a proxy served by another thread's loop got a
+    CancelledError, in a task nobody cancelled, when that loop ended."""
+    proxy = Recorder(batch_size=8, delay=0.0005, name="elsewhere")
+    server = LoopThread("ending-server")
+    server.__enter__()
+    server.run(proxy.start())
+
+    async def callers() -> list[object]:
+        outcomes: list[object] = []
+        stop = asyncio.Event()
+
+        async def call(n: int) -> None:
+            while not stop.is_set():
+                try:
+                    outcomes.append(await proxy.inference(n))
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    assert task is not None
+                    outcomes.append(("CancelledError", task.cancelling()))
+                    if task.cancelling():
+                        raise
+                except Exception as exc:
+                    outcomes.append(exc)
+
+        tasks = [asyncio.create_task(call(n)) for n in range(32)]
+        await asyncio.sleep(0.1)
+        await asyncio.to_thread(server.__exit__)  # the serving loop ends under the calls
+        await asyncio.sleep(0.1)  # the callers go on: the proxy moves to this loop
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 15)
+        await proxy.aclose()
+        return outcomes
+
+    outcomes = asyncio.run(callers())
+
+    def wrong(outcome: object) -> bool:
+        if isinstance(outcome, tuple):
+            return outcome[0] == "CancelledError"
+        return isinstance(outcome, BaseException) and not isinstance(
+            outcome, (ProxyClosed, batchproxy.InferenceError)
+        )
+
+    assert [o for o in outcomes if wrong(o)] == []
+    assert sum(isinstance(o, tuple) and o[0] == "out" for o in outcomes) > 0
+
+
+def test_a_sync_caller_is_released_when_its_loop_is_closed_without_shutting_down() -> None:
+    """A loop closed by hand (no `shutdown_asyncgens()`, its tasks not cancelled) runs no
+    hook at its end: a thread blocked on a call there notices the closed loop itself."""
+    gate = threading.Event()
+    proxy = ThreadRecorder(gate=gate, name="abandoned")
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="closed-by-hand")
+    thread.start()
+    outcome: list[object] = []
+
+    def call() -> None:
+        try:
+            outcome.append(proxy.inference_sync(1))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    try:
+        asyncio.run_coroutine_threadsafe(proxy.start(), loop).result(10)
+        caller = threading.Thread(target=call)
+        caller.start()
+        assert proxy.entered.wait(10)  # its batch runs in the model
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()  # by hand: no hook runs, the batch task is left pending
+        caller.join(5)
+        assert not caller.is_alive()
+        (error,) = outcome
+        assert isinstance(error, batchproxy.InferenceError)
+        assert "event loop serving it ended" in str(error)
+    finally:
+        gate.set()
+    assert proxy.inference_sync(2, timeout=10) == ("out", 2)  # it moves on
+    BackgroundLoop.default().close()
