@@ -21,7 +21,7 @@ import sys
 from multiprocessing.connection import Connection
 from typing import Any
 
-__all__ = ["Frames", "decode", "encode", "receive", "send"]
+__all__ = ["Frames", "Unsent", "decode", "encode", "receive", "send"]
 
 Frames = list[Any]  # bytes-like: header, pickle, buffers
 _COUNT = struct.Struct("<Q")
@@ -41,8 +41,18 @@ def encode(obj: object) -> Frames:
     return [header, data, *views]
 
 
+class Unsent(OSError):
+    """None of the message was written: the other end was gone before it."""
+
+
 def send(conn: Connection, frames: Frames) -> None:
-    for frame in frames:
+    """Write one message's frames. Raises `Unsent` if the first write fails (the
+    header is small: written whole or not at all), or the OSError of a later one."""
+    try:
+        conn.send_bytes(frames[0])
+    except OSError as exc:
+        raise Unsent(exc.errno, exc.strerror) from exc
+    for frame in frames[1:]:
         conn.send_bytes(frame)
 
 

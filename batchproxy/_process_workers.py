@@ -15,7 +15,16 @@ Failure, written down:
 - A batch or its results cannot be pickled: that batch fails with a TypeError.
 - A worker process dies (killed, segfault, `os._exit`): exactly the batch it
   held fails with `WorkerDied`, or with `retry_on_crash=True` is rerun once on
-  another worker; the worker is restarted and batches queued for it wait.
+  another worker; the worker is restarted and batches queued for it wait. A
+  worker holds a batch once the first bytes of it are written to its pipe: a
+  death after that, while it reads the batch (out of memory for its arrays,
+  say) or runs it, cannot be told from one the batch caused. That includes a
+  death a moment before, while the process is still being torn down.
+- A worker process dies holding no batch: no batch fails. It is found dead
+  before its next batch is written (its process is checked, and a pipe that
+  refuses the first write is a death too), reaped, logged and replaced; that
+  batch goes to another worker that is up and idle, else waits for the new
+  process.
 - The factory raises in a worker: that worker takes no batches; when no worker
   is left, every batch fails at once with the factory's error.
 - `aclose()` (or `close()`): batches already handed over run to the end, then
@@ -227,6 +236,19 @@ class ProcessWorkers(PoolExecutor):
             worker.load += 1
         worker.jobs.put(job)
 
+    def _pass_on(self, job: _Job, source: _Worker) -> bool:
+        """Hand `job` to a worker other than `source` that is up and idle, if there is
+        one, rather than have it wait for `source`'s new process."""
+        with self._lock:
+            if self._closed:  # it could land behind that worker's stop and fail
+                return False
+            for worker in self._workers:
+                if worker is not source and worker.idle:
+                    worker.load += 1
+                    worker.jobs.put(job)  # under the lock: before any stop put there
+                    return True
+        return False
+
     def _raise_if_broken(self) -> None:
         with self._lock:
             if all(w.broken is not None for w in self._workers):
@@ -265,10 +287,7 @@ class _Worker:
                     self._refuse_left_over()
                     return
                 try:
-                    if self.broken is not None:
-                        self._reroute(job)
-                    elif not job.future.cancelled():  # its batch was abandoned meanwhile
-                        self._serve(job)
+                    self._take(job)
                 finally:
                     with self.owner._lock:
                         self.load -= 1
@@ -276,6 +295,24 @@ class _Worker:
             self._stop_process()
             _set(self.ready)
             _set(self.exited)
+
+    @property
+    def idle(self) -> bool:
+        """Up and holding no job (under the owner's lock)."""
+        return not (self.load or self.starting or self.stopped) and self.broken is None
+
+    def _take(self, job: _Job) -> None:
+        """Run `job` on this worker's process, or pass it on if this worker cannot."""
+        while self.broken is None:
+            if job.future.cancelled() or self._serve(job):  # cancelled: abandoned meanwhile
+                return
+            # The process had died before the batch reached it, and is stopped: the
+            # batch goes to a worker that is up, or waits here for a new process (it
+            # comes round again only if that one, too, dies before it is written to).
+            if self.owner._pass_on(job, self):
+                return
+            self._start_process()
+        self._reroute(job)
 
     def _refuse_left_over(self) -> None:
         """After the stop: a job that still came in (a crashed batch's rerun) fails."""
@@ -347,36 +384,51 @@ class _Worker:
         self.starting = False
         _set(self.ready)
 
-    def _serve(self, job: _Job) -> None:
-        conn = self._conn
+    def _serve(self, job: _Job) -> bool:
+        """Run `job` on the process and answer it. False if the process turned out to
+        have died before the batch reached it (it is then reaped and stopped): the
+        batch is still to run."""
+        process, conn = self._process, self._conn
+        assert process is not None
         assert conn is not None
         try:
             frames = _ipc.encode(job.items)
         except Exception as exc:
             job.fail(TypeError(f"{self.owner.name}: the batch could not be pickled: {exc!r}"))
-            return
+            return True
+        if not process.is_alive():  # it died while idle (nothing reads its pipe then)
+            self._died_idle()
+            return False
         with self.owner._lock:
             if job.abandoned:
-                return
+                return True
             job.served_by = self
         try:
             _ipc.send(conn, frames)
             frames = _ipc.receive(conn)
+        except _ipc.Unsent:
+            # It died after that check, before any of the batch was written: it never
+            # held it. (A death after the first write may have come from reading it.)
+            if self._finish_serving(job):
+                return True  # killed for it: nobody waits for it
+            self._died_idle()
+            return False
         except (EOFError, OSError):
             if not self._finish_serving(job):  # else killed for it: nobody waits for it
                 self._died(job)
-            return
+            return True
         if self._finish_serving(job):
-            return  # killed, or about to be, for nobody: the next batch gets a new process
+            return True  # killed, or about to be, for nobody: the next batch gets a new process
         try:
             reply = _ipc.decode(frames)
         except Exception as exc:
             job.fail(TypeError(f"{self.owner.name}: the results could not be unpickled: {exc!r}"))
-            return
+            return True
         if reply[0] == "ok":
             job.reply(reply[1])
         else:
             job.fail(_remote(reply[1], reply[2]))
+        return True
 
     def _finish_serving(self, job: _Job) -> bool:
         """The process is done with `job`; True (its process stopped) if it was abandoned
@@ -402,8 +454,7 @@ class _Worker:
     def _died(self, job: _Job) -> None:
         """The worker died holding `job`: fail it or rerun it once elsewhere; the
         process is restarted before this worker takes its next batch."""
-        pid, detail = self.pid, self._reap()
-        self._stop_process()
+        pid, detail = self._bury()
         owner = self.owner
         if owner.retry_on_crash and not job.retried:
             job.retried = True
@@ -411,6 +462,20 @@ class _Worker:
                 owner._dispatch(job, avoid=self)
                 return
         job.fail(WorkerDied(owner.name, f"{self.index} (pid {pid})", len(job.items), detail))
+
+    def _died_idle(self) -> None:
+        pid, detail = self._bury()
+        logger.warning(
+            "%s: worker %d (pid %s) died while idle (%s); starting a new one",
+            self.owner.name, self.index, pid, detail,
+        )  # fmt: skip
+
+    def _bury(self) -> tuple[int | None, str]:
+        """Reap the dead process and close its pipe; its pid and how it ended."""
+        pid, detail = self.pid, self._reap()
+        self.starting = True  # `_dispatch` prefers workers that are up meanwhile
+        self._stop_process()
+        return pid, detail
 
     def _reap(self) -> str:
         """Wait for a dead process; describe how it ended."""

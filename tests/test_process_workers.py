@@ -36,6 +36,17 @@ def gone(pid: int) -> bool:
     return not Path(f"/proc/{pid}").exists()
 
 
+def dead_unreaped(pid: int) -> bool:
+    """Exited, every thread of it, and not reaped yet (peeks without reaping)."""
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+
+async def kill_idle(pid: int) -> None:
+    """Kill a worker process that holds no batch, and wait until it really is dead."""
+    os.kill(pid, signal.SIGKILL)
+    await wait_until(lambda: dead_unreaped(pid))
+
+
 async def busy_worker_pid(workers: ProcessWorkers) -> int:
     """The pid of the worker holding a batch, once it has one."""
     for _ in range(500):
@@ -126,6 +137,53 @@ async def test_a_killed_worker_fails_exactly_its_batch_and_is_replaced() -> None
             results = await asyncio.gather(*calls)
         assert {p for p, _ in results} == set(workers.pids)  # both serve
         assert proxy.stats.errors == 3
+
+
+@pytest.mark.parametrize("n", [1, 2])
+async def test_a_worker_that_died_idle_is_replaced_and_the_next_batch_runs(
+    n: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 16: a worker process that dies while it holds no batch fails no batch; the
+    next one runs (with a second worker up, on that one, not held for the restart)."""
+    async with ProcessWorkers(_workers.tagging, n) as workers, Proxy(offload=workers) as proxy:
+        await proxy.inference("warm")
+        dead = workers.pids[0]
+        assert dead is not None
+        survivors = set(workers.pids) - {dead}
+        await kill_idle(dead)
+        served_by, item = await proxy.inference("next")
+        assert item == "next"
+        assert served_by != dead
+        if survivors:
+            assert served_by in survivors
+        assert gone(dead)  # reaped
+        await wait_until(lambda: None not in workers.pids, seconds=60)  # the replacement
+        assert dead not in workers.pids
+        assert len(set(workers.pids) - survivors) == 1
+        assert proxy.stats.errors == 0
+    assert any("died while idle" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_worker_that_dies_between_the_check_and_the_send_never_held_the_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The race behind the check: a process that dies after it was found alive but
+    before any of the batch was written to its pipe (the first write fails) never had
+    the batch, which then runs on a new process instead of failing."""
+    async with ProcessWorkers(_workers.tagging, 1) as workers, Proxy(offload=workers) as proxy:
+        await proxy.inference("warm")
+        (dead,) = workers.pids
+        assert dead is not None
+        process = workers._workers[0]._process
+        checks: list[bool] = []
+        monkeypatch.setattr(process, "is_alive", lambda: checks.append(True) or True)
+        await kill_idle(dead)  # and the check says it lives: it died just after
+        served_by, item = await proxy.inference("next")
+        assert item == "next"
+        assert served_by not in (dead, None)
+        assert checks  # the check was made, and missed the death
+        assert workers.pids == [served_by]
+        assert proxy.stats.errors == 0
 
 
 async def test_a_worker_whose_batch_the_watchdog_abandoned_is_killed_and_replaced(
