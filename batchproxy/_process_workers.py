@@ -29,9 +29,10 @@ Failure, written down:
   is left, every batch fails at once with the factory's error.
 - `aclose()` (or `close()`): batches already handed over run to the end, then
   each worker is told to stop, joined, and terminated or killed if it does not
-  exit within `stop_timeout`. Workers still open when the interpreter exits are
-  closed the same way, and a worker whose parent dies exits on its own (its
-  pipe closes). No process is left running or unreaped.
+  exit within `stop_timeout` (at most about 24.8 days: longer is cut to that).
+  Workers still open when the interpreter exits are closed the same way, and a
+  worker whose parent dies exits on its own (its pipe closes). No process is
+  left running or unreaped, even if stopping one raises.
 """
 
 from __future__ import annotations
@@ -62,6 +63,10 @@ __all__ = ["ProcessWorkers"]
 logger = logging.getLogger("batchproxy")
 
 _STOP = None
+
+# The longest `process.join` can wait: it polls the process's sentinel with
+# `select.poll`, which takes a C int of milliseconds (longer: OverflowError).
+_JOIN_MAX = (2**31 - 1) // 1000  # seconds, about 24.8 days
 
 
 class _RemoteTraceback(Exception):
@@ -127,7 +132,11 @@ class ProcessWorkers(PoolExecutor):
         self.name = name
         self.retry_on_crash = retry_on_crash
         self._factory = factory
-        self._stop_timeout = _validate.duration("stop_timeout", stop_timeout, allow_zero=True)
+        # Clamped rather than refused: a stop_timeout beyond what a join can wait means
+        # "let the batches finish", which about 24.8 days serves just as well.
+        self._stop_timeout = min(
+            _validate.duration("stop_timeout", stop_timeout, allow_zero=True), _JOIN_MAX
+        )
         self._lock = threading.Lock()
         self._workers = [_Worker(self, i) for i in range(_validate.count("n", n))]
         self._closed = False
@@ -292,9 +301,11 @@ class _Worker:
                     with self.owner._lock:
                         self.load -= 1
         finally:
-            self._stop_process()
-            _set(self.ready)
-            _set(self.exited)
+            try:
+                self._stop_process()
+            finally:  # even if that raised: `start()` and `aclose()` wait for these
+                _set(self.ready)
+                _set(self.exited)
 
     @property
     def idle(self) -> bool:
@@ -501,14 +512,16 @@ class _Worker:
             conn.close()
         if process is None:
             return
-        process.join(self.owner._stop_timeout)
-        if process.exitcode is None:
-            process.terminate()
-            process.join(1.0)
-        if process.exitcode is None:
-            process.kill()
-            process.join()
-        process.close()
+        try:
+            process.join(self.owner._stop_timeout)
+        finally:  # even if that wait raised: no process is left running or unreaped
+            if process.exitcode is None:
+                process.terminate()
+                process.join(1.0)
+            if process.exitcode is None:
+                process.kill()
+                process.join()
+            process.close()
 
 
 def _remote(exc: BaseException, text: str) -> BaseException:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -280,6 +282,54 @@ async def test_aclose_finishes_handed_over_batches_then_leaves_no_process() -> N
     await workers.aclose()  # idempotent
     assert all(gone(pid) for pid in pids if pid is not None)
     assert workers.pids == [None, None]
+
+
+async def closed_or_killed(workers: ProcessWorkers, pids: list[int | None]) -> None:
+    """`aclose()`, given 30 s (it takes well under one); on failure the processes
+    are killed so that none outlives the test."""
+    try:
+        await asyncio.wait_for(workers.aclose(), 30)
+    finally:
+        for pid in filter(None, pids):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+async def test_a_stop_timeout_longer_than_a_process_join_can_wait_still_closes() -> None:
+    """Issue 16: `stop_timeout=1e7` was accepted, then `process.join(1e7)` raised
+    OverflowError in the worker thread and `aclose()` never returned."""
+    workers = ProcessWorkers(_workers.tagging, 1, stop_timeout=1e7)
+    await workers.start()
+    pids = list(workers.pids)
+    await closed_or_killed(workers, pids)
+    assert all(gone(pid) for pid in pids if pid is not None)
+
+
+async def test_an_error_while_stopping_a_process_does_not_hang_aclose(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker thread reports the error, still stops its process, and says it
+    exited."""
+    workers = ProcessWorkers(_workers.tagging, 1)
+    await workers.start()
+    pids = list(workers.pids)
+    process = workers._workers[0]._process
+    assert process is not None
+    join = process.join
+    joins: list[float | None] = []
+
+    def failing_join(timeout: float | None = None) -> None:
+        joins.append(timeout)
+        if len(joins) == 1:
+            raise OverflowError("timeout is too large")
+        join(timeout)
+
+    monkeypatch.setattr(process, "join", failing_join)
+    reported: list[threading.ExceptHookArgs] = []
+    monkeypatch.setattr(threading, "excepthook", reported.append)
+    await closed_or_killed(workers, pids)
+    assert [type(r.exc_value) for r in reported] == [OverflowError]
+    assert all(gone(pid) for pid in pids if pid is not None)
 
 
 def test_workers_left_open_are_stopped_at_interpreter_exit(tmp_path: Path) -> None:
