@@ -50,8 +50,14 @@ class _Raised:
         self.exc = exc
 
 
+_Call = tuple[ModelFn, list[Any], contextvars.Context]
+"""The model, the batch's items, and the submitting task's context to call it in."""
+
+
 class _Job:
-    __slots__ = ("context", "fn", "future", "items", "loop")
+    """A batch for the thread: its call, until answered, and where the answer goes."""
+
+    __slots__ = ("call", "future", "loop")
 
     def __init__(
         self,
@@ -60,14 +66,15 @@ class _Job:
         loop: asyncio.AbstractEventLoop,
         future: asyncio.Future[Any],
     ) -> None:
-        self.fn = fn
-        self.items = items
+        self.call: _Call | None = (fn, items, contextvars.copy_context())
         self.loop = loop
         self.future = future
-        self.context = contextvars.copy_context()
 
     def reply(self, outcome: Any) -> None:
         """Hand the outcome to the caller's loop (from the worker thread)."""
+        # let go of the model (and, through the context, the batch) first: once answered,
+        # the caller may drop its proxy and gc.collect() before this thread has returned
+        self.call = None
         _answer(self.loop, self.future, outcome)
 
 
@@ -236,21 +243,23 @@ class WorkerThread(Executor):
     def _start_job(self, job: _Job) -> None:
         if job.future.cancelled():  # its batch was abandoned before it started
             return
+        assert job.call is not None  # answered only once started, or at shutdown
+        fn, items, context = job.call
         try:
-            fn = job.fn
             if self._factory is not None:
                 if self._hosted is None:
-                    self._hosted = job.context.run(self._factory)
+                    self._hosted = context.run(self._factory)
                 fn = self._hosted
-            outcome = job.context.run(fn, job.items)
+            outcome = context.run(fn, items)
             if inspect.isawaitable(outcome):
                 assert self._loop is not None  # the task copies the job's context:
-                task = job.context.run(self._loop.create_task, self._finish(job, outcome))
+                task = context.run(self._loop.create_task, self._finish(job, outcome))
                 self._running[task] = job
                 task.add_done_callback(self._running.pop)
                 return
         except BaseException as exc:
             outcome = _Raised(exc)
+        del fn, items, context  # like reply(): this frame is still here after the answer
         job.reply(outcome)
 
     @staticmethod
