@@ -16,6 +16,7 @@ from ._errors import (
     InferenceError,
     ProxyClosed,
     QueueFull,
+    StreamBufferFull,
     WorkerDied,
 )
 from ._executor import Executor, ModelFactory
@@ -53,6 +54,7 @@ __all__ = [
     "QueueFull",
     "Slot",
     "Step",
+    "StreamBufferFull",
     "StreamEnd",
     "TensorProxy",
     "WorkerDied",

@@ -199,6 +199,7 @@ def batch(
     isolate_errors: bool = False,
     batch_timeout: float | None = None,
     on_batch_timeout: Literal["serve", "stop"] = "serve",
+    stream_buffer: int | None = 1024,
 ) -> _Decorator:
     """Decorate `f(items: list[T]) -> list[U]` (function or method) to be awaited per item.
 
@@ -222,6 +223,7 @@ def batch(
         "isolate_errors": isolate_errors,
         "batch_timeout": batch_timeout,
         "on_batch_timeout": on_batch_timeout,
+        "stream_buffer": stream_buffer,
     }
     if name is not None:
         options["name"] = name

@@ -10,6 +10,7 @@ __all__ = [
     "InferenceError",
     "ProxyClosed",
     "QueueFull",
+    "StreamBufferFull",
     "WorkerDied",
 ]
 
@@ -33,14 +34,36 @@ class QueueFull(BatchProxyError):
 class ProxyClosed(BatchProxyError):
     """The proxy is closing or closed and takes no new calls.
 
-    `reason` says why when the proxy closed itself (`on_batch_timeout="stop"`).
+    `reason` says why when the proxy closed itself (`on_batch_timeout="stop"`);
+    `detail`, what became of a call the close cut short (a stream nobody read).
     """
 
-    def __init__(self, proxy: str, reason: str | None = None) -> None:
-        detail = "" if reason is None else f" (stopped: {reason})"
-        super().__init__(f"{proxy} is closed and accepts no new calls{detail}")
+    def __init__(self, proxy: str, reason: str | None = None, *, detail: str | None = None) -> None:
+        stopped = "" if reason is None else f" (stopped: {reason})"
+        message = f"{proxy} is closed and accepts no new calls{stopped}"
+        super().__init__(message if detail is None else f"{proxy} closed: {detail}")
         self.proxy = proxy
         self.reason = reason
+
+
+class StreamBufferFull(BatchProxyError):
+    """A stream's consumer left `stream_buffer` chunks unread: it was dropped from its
+    batch (the model stops computing it) rather than let chunks pile up without limit.
+
+    The consumer gets the chunks it left unread, then this error. A consumer that
+    stops early should close its stream (`contextlib.aclosing`); one that reads
+    slowly on purpose needs a larger `stream_buffer`.
+    """
+
+    def __init__(self, proxy: str, stream_buffer: int) -> None:
+        super().__init__(
+            f"{proxy}: this stream's consumer left {stream_buffer} chunks unread "
+            f"(stream_buffer={stream_buffer}), so it was dropped from its batch; read a "
+            f"stream to its end or close it (async with contextlib.aclosing(proxy.stream(x)) "
+            f"as chunks: ...), or raise stream_buffer"
+        )
+        self.proxy = proxy
+        self.stream_buffer = stream_buffer
 
 
 class BatchSizeMismatch(BatchProxyError):

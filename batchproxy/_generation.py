@@ -26,6 +26,7 @@ from ._errors import BatchSizeMismatch
 from ._executor import Executor
 from ._proxy import Proxy
 from ._queue import Request
+from ._streaming import let_consumers_read
 
 __all__ = ["GenerationProxy", "Slot", "Step"]
 
@@ -97,8 +98,8 @@ class GenerationProxy(Proxy[In, Out]):
       active sequences (say prompt length + max new tokens: the most KV cache a
       sequence can take). A request waits until its tokens fit; one whose tokens
       alone exceed the budget is refused at once with `ValueError`.
-    - `max_queue_size`, `timeout` (for the whole stream), `offload`, `name`: as
-      for `Proxy`.
+    - `max_queue_size`, `timeout` (for the whole stream), `offload`, `name`,
+      `stream_buffer`: as for `Proxy`.
     """
 
     _model_name = "_step"
@@ -113,6 +114,7 @@ class GenerationProxy(Proxy[In, Out]):
         timeout: float | None = None,
         offload: bool | Executor = False,
         name: str | None = None,
+        stream_buffer: int | None = 1024,
     ) -> None:
         if type(self)._step is GenerationProxy._step:
             raise TypeError(f"{type(self).__name__} must implement _step(step)")
@@ -127,6 +129,7 @@ class GenerationProxy(Proxy[In, Out]):
             offload=offload,
             name=name,
             length=tokens,
+            stream_buffer=stream_buffer,
         )
         self._max_tokens = _validate.optional_count("max_tokens", max_tokens)
         self._streaming = True
@@ -137,19 +140,25 @@ class GenerationProxy(Proxy[In, Out]):
         batch_size: int | EllipsisType = ...,
         max_queue_size: int | EllipsisType | None = ...,
         timeout: float | EllipsisType | None = ...,
+        stream_buffer: int | EllipsisType | None = ...,
         **others: Any,
     ) -> None:
         """Change `batch_size` (the most active sequences, from the next step),
-        `max_queue_size` or the default `timeout` while the proxy runs; see
+        `max_queue_size`, the default `timeout` or `stream_buffer` while it runs; see
         `Proxy.configure`. A generation proxy runs one step at a time and never
         waits for company, so the other options are refused."""
         refused = sorted(option for option, value in others.items() if value is not ...)
         if refused:
             raise TypeError(
-                f"{self.name}: a GenerationProxy takes only batch_size, max_queue_size and "
-                f"timeout, not {', '.join(refused)}"
+                f"{self.name}: a GenerationProxy takes only batch_size, max_queue_size, "
+                f"timeout and stream_buffer, not {', '.join(refused)}"
             )
-        super().configure(batch_size=batch_size, max_queue_size=max_queue_size, timeout=timeout)
+        super().configure(
+            batch_size=batch_size,
+            max_queue_size=max_queue_size,
+            timeout=timeout,
+            stream_buffer=stream_buffer,
+        )
 
     def _step(self, step: Step[In], /) -> Awaitable[StepResult] | StepResult:
         """Run one step over `step.active`; return one element per active sequence."""
@@ -237,6 +246,7 @@ class _Engine(Generic[In]):
                 return
             step = Step(self.active, joined, kept, left)
             left = []
+            await let_consumers_read(slot._request for slot in survivors)
             elements = await self._run_step(step)
             if elements is None:  # the step failed, and every stream in it
                 left, self.active = list(self.active), []

@@ -62,6 +62,7 @@ from ._errors import (
     InferenceError,
     ProxyClosed,
     QueueFull,
+    StreamBufferFull,
 )
 from ._executor import Executor, LoopExecutor
 from ._fork import forget_threads_in_forked_children
@@ -77,6 +78,7 @@ from ._streaming import (
     StreamEnd,
     StreamRequest,
     is_closing,
+    let_consumers_read,
     matching_view,
 )
 from ._worker_thread import WorkerThread
@@ -146,6 +148,10 @@ class Proxy(ABC, Generic[In, Out]):
       and marks the proxy unhealthy (`proxy.health`) until a later batch returns in
       time. `on_batch_timeout`: `"serve"` (default) keeps taking calls; `"stop"`
       stops intake, like `aclose()`: queued and new calls get `ProxyClosed`.
+    - `stream_buffer` (streams only): the most chunks a stream may hold unread. A
+      consumer that stops reading without closing its stream (a `break` while it
+      still holds the iterator) is dropped from its batch at that point with
+      `StreamBufferFull`, instead of chunks piling up; None: no bound.
     """
 
     _group_by_length = True  # TensorProxy(length_aware=False): costs without grouping
@@ -183,6 +189,7 @@ class Proxy(ABC, Generic[In, Out]):
         isolate_errors: bool = False,
         batch_timeout: float | None = None,
         on_batch_timeout: Literal["serve", "stop"] = "serve",
+        stream_buffer: int | None = 1024,
     ) -> None:
         self._batch_size = _validate.count("batch_size", batch_size)
         self._max_delay = _validate.duration(
@@ -221,6 +228,7 @@ class Proxy(ABC, Generic[In, Out]):
         self._isolate_errors = _validate.flag("isolate_errors", isolate_errors)
         self._batch_timeout = _validate.timeout("batch_timeout", batch_timeout)
         self._stop_on_overrun = _stops_on_overrun(on_batch_timeout)
+        self._stream_buffer = _validate.optional_count("stream_buffer", stream_buffer)
         self._cap = BatchCap(self._batch_size)
         self._cost_model = CostModel("item" if length is None else "token")
 
@@ -531,6 +539,7 @@ class Proxy(ABC, Generic[In, Out]):
         isolate_errors: bool | EllipsisType = ...,
         batch_timeout: float | EllipsisType | None = ...,
         on_batch_timeout: Literal["serve", "stop"] | EllipsisType = ...,
+        stream_buffer: int | EllipsisType | None = ...,
     ) -> None:
         """Change limits and policies while the proxy runs; `...` (the default) keeps a
         value. The options mean what they mean for the constructor.
@@ -542,8 +551,9 @@ class Proxy(ABC, Generic[In, Out]):
         are (a lower `max_queue_size` refuses new calls until the queue is below it;
         a new `timeout` or `shed_late` applies to calls made from now on, a new
         `batch_timeout` to batches started from now on, `isolate_errors` and
-        `on_batch_timeout` to failures and overruns from now on).
-        `max_concurrent_batches=None` follows the executor's capacity again.
+        `on_batch_timeout` to failures and overruns from now on, `stream_buffer`
+        to chunks from now on). `max_concurrent_batches=None` follows the
+        executor's capacity again.
         """
         self._require_init()
         size = self._batch_size if batch_size is ... else _validate.count("batch_size", batch_size)
@@ -566,12 +576,17 @@ class Proxy(ABC, Generic[In, Out]):
             if max_queue_size is ...
             else _validate.optional_count("max_queue_size", max_queue_size)
         )
+        buffer = (
+            self._stream_buffer
+            if stream_buffer is ...
+            else _validate.optional_count("stream_buffer", stream_buffer)
+        )
         new = self._configured_policies(
             timeout, window, aging_ms, shed_late, isolate_errors, batch_timeout, on_batch_timeout
         )
         self._batch_size, self._max_delay, self._max_concurrent = size, delay, slots
         self._follow_capacity = follow
-        self._max_queue_size = room
+        self._max_queue_size, self._stream_buffer = room, buffer
         self._timeout, self._shed_late = new.timeout, new.shed_late
         self._adaptive, self._aging = new.adaptive, new.aging
         self._isolate_errors = new.isolate_errors
@@ -1239,6 +1254,7 @@ class Proxy(ABC, Generic[In, Out]):
         told = unmarked = requests  # the callers in the last keep; those not ended by it
         keep: list[int] | None = None
         while True:
+            await let_consumers_read(told)
             watchdog = (
                 None
                 if self._batch_timeout is None
@@ -1302,6 +1318,8 @@ class Proxy(ABC, Generic[In, Out]):
         a chunk went (a plain one, or `Last`'s)."""
         assert isinstance(request, StreamRequest)
         if not is_closing(element):
+            if self._unread_too_long(request):
+                return False
             request.chunks.put_nowait(element)
             return True
         if isinstance(element, BaseException):
@@ -1311,6 +1329,21 @@ class Proxy(ABC, Generic[In, Out]):
             request.chunks.put_nowait(element.chunk)
         self._end_streams([request], now)
         return isinstance(element, Last)
+
+    def _unread_too_long(self, request: StreamRequest[In]) -> bool:
+        """Whether a stream's consumer has stopped reading (see `_streaming`): if so, fail
+        it, which takes it out of its batch at the next step."""
+        unread = request.chunks.qsize()
+        if self._closed and unread >= 2:  # a chunk unread for a whole step, and a turn
+            error: BatchProxyError = ProxyClosed(
+                self.name, detail="it closed while this stream's consumer was not reading it"
+            )
+        elif self._stream_buffer is not None and unread >= self._stream_buffer:
+            error = StreamBufferFull(self.name, self._stream_buffer)
+        else:
+            return False
+        self._fail([request], error)
+        return True
 
     def _end_streams(self, requests: list[Request[In]], now: float) -> None:
         """End the streams still open among `requests`, successfully."""

@@ -6,6 +6,15 @@ also gets `_CLOSED` when the future settles, for any reason (end, error,
 deadline, refusal, cancellation), so a consumer never waits on a stream that is
 over. The consumer side is `Proxy.stream`; the producers are `Proxy` with a
 generator `_inference` (static batches) and `GenerationProxy` (continuous ones).
+
+A consumer may stop reading without closing its stream (it `break`s out of its
+loop but still holds the iterator, which Python does not close until it is
+dropped). So the chunks a stream holds unread are bounded: before each step the
+batch lets consumers with unread chunks take them (`let_consumers_read`: one
+turn of the event loop, so a model that never awaits cannot starve them), and a
+stream that still holds `stream_buffer` unread chunks leaves its batch with
+`StreamBufferFull` (two, once the proxy is closing: `aclose()` does not wait for
+consumers that do not read).
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ import asyncio
 import enum
 import inspect
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -68,6 +78,15 @@ class StreamRequest(Request[T]):
 
     def _close(self, _: asyncio.Future[Any]) -> None:
         self.chunks.put_nowait(_CLOSED)
+
+
+async def let_consumers_read(requests: Iterable[Request[Any]]) -> None:
+    """Before a step: if a stream among `requests` holds unread chunks, give the event
+    loop one turn, so the consumers waiting for chunks take them first."""
+    for request in requests:
+        if isinstance(request, StreamRequest) and request.chunks.qsize():
+            await asyncio.sleep(0)
+            return
 
 
 def is_closing(element: object) -> bool:

@@ -617,10 +617,11 @@ async def demo(model: GPT2LMHeadModel, prompts: Sequence[Prompt] = DEMO_PROMPTS)
         print(f"{(time.perf_counter() - start) * 1e3:7.1f} ms  #{index} {what}")
 
     async def consume(proxy: Gpt2Generator, index: int) -> None:
-        async for token in proxy.stream(prompts[index]):
-            if not streams[index]:
-                log(index, f"first token (step {proxy.steps})")
-            streams[index].append(token)
+        async with aclosing(proxy.stream(prompts[index])) as tokens:  # closed however it ends
+            async for token in tokens:
+                if not streams[index]:
+                    log(index, f"first token (step {proxy.steps})")
+                streams[index].append(token)
         log(index, f"done, {len(streams[index])} tokens (step {proxy.steps})")
 
     async with Gpt2Generator(model, batch_size=3) as proxy:

@@ -338,7 +338,8 @@ def test_misuse_is_refused_clearly() -> None:
     with pytest.raises(ValueError, match="max_tokens"):
         Counting(max_tokens=0, tokens=len)
     proxy = Counting()
-    with pytest.raises(TypeError, match="takes only batch_size, max_queue_size and timeout"):
+    only = "takes only batch_size, max_queue_size, timeout and stream_buffer"
+    with pytest.raises(TypeError, match=only):
         proxy.configure(max_delay_ms=1)
     with pytest.raises(TypeError, match="not batch_timeout, window"):
         proxy.configure(window="fixed", batch_timeout=1.0)

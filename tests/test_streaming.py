@@ -439,3 +439,130 @@ async def test_a_generator_raising_a_base_exception_fails_its_streams(
     assert await collect(proxy.stream(99)) == [99, "fine"]
     assert_settled(proxy.stats)
     await proxy.aclose()
+
+
+# -- consumers that stop reading (issue 16.9) -------------------------------------------------
+
+
+class Endless(batchproxy.Proxy[int, Any]):
+    """Each caller's stream never ends by itself; a step takes `delay` seconds (0: a
+    generator that never awaits). Counts the steps."""
+
+    def __init__(self, delay: float = 1.0, **options: Any) -> None:
+        options.setdefault("max_delay_ms", 0)
+        super().__init__(**options)
+        self.delay = delay
+        self.steps = 0
+
+    @override
+    async def _inference(self, items: list[int]) -> AsyncIterator[list[Element]]:
+        active = list(items)
+        while active:
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            self.steps += 1
+            keep = yield [(n, self.steps) for n in active]
+            assert keep is not None
+            active = [active[i] for i in keep]
+
+
+@pytest.mark.looptime
+async def test_a_stream_held_but_not_read_is_dropped_once_its_buffer_is_full() -> None:
+    """A consumer that `break`s while it still holds the iterator (or just stops
+    reading) used to keep its batch running with its chunks piling up without limit."""
+    proxy = Endless()  # the default bound: 1,024 unread chunks
+    held = proxy.stream(1)
+    async for _ in held:
+        break  # `held` is still referenced: Python does not close it
+    await asyncio.sleep(5000)
+    assert proxy.steps == 1026  # 1 read, 1,024 filled the buffer, the next found it full
+    assert proxy.stats.in_flight == 0  # it left the batch, which then ended
+    chunks: list[Any] = []
+    with pytest.raises(batchproxy.StreamBufferFull, match="stream_buffer=1024"):
+        await collect(held, into=chunks)
+    assert chunks == [(1, step) for step in range(2, 1026)]  # what it held, then the error
+    stats = proxy.stats
+    assert stats.errors == 1
+    assert_settled(stats)
+    await proxy.aclose()
+
+
+async def test_a_reading_consumer_keeps_up_with_a_generator_that_never_awaits() -> None:
+    """The bound counts unread chunks, not steps: a consumer that reads is never cut off,
+    even when the model never yields to the event loop between steps."""
+
+    class Burst(batchproxy.Proxy[int, int]):
+        async def _inference(self, items: list[int]) -> AsyncIterator[list[Any]]:
+            for step in range(items[0] - 1):
+                yield [step]
+            yield [Last(items[0] - 1)]
+
+    proxy = Burst(stream_buffer=4)
+    assert await asyncio.wait_for(collect(proxy.stream(1000)), 10) == list(range(1000))
+    await proxy.aclose()
+
+
+@pytest.mark.looptime
+async def test_aclose_ends_a_stream_its_consumer_stopped_reading() -> None:
+    """aclose() waits for the streams being read; one whose consumer holds it without
+    reading is ended at once (ProxyClosed after what it holds), so aclose() returns."""
+    proxy = Endless()
+    held = proxy.stream(1)
+    assert await anext(held) == (1, 1)
+    reader = asyncio.create_task(collect(proxy.stream(2)))
+    await asyncio.sleep(3.5)
+    assert proxy.steps == 4
+    closing = asyncio.create_task(proxy.aclose())
+    await asyncio.sleep(10)
+    # the held stream is cut within two steps; the read one runs on: Endless never ends
+    chunks: list[Any] = []
+    with pytest.raises(batchproxy.ProxyClosed, match="not reading"):
+        await collect(held, into=chunks)
+    assert chunks == [(1, 2), (1, 3)]  # the next step after aclose() found two unread
+    assert not closing.done()
+    assert not reader.done()  # the reading consumer is served on
+    reader.cancel()  # it leaves: the batch is over
+    await asyncio.wait_for(closing, 5)
+    assert_settled(proxy.stats)
+
+
+@pytest.mark.looptime
+async def test_a_smaller_stream_buffer_drops_a_stream_sooner() -> None:
+    proxy = Endless(stream_buffer=8)
+    held = proxy.stream(1)
+    assert await anext(held) == (1, 1)
+    await asyncio.sleep(100)
+    assert proxy.steps == 10  # 1 read, 8 filled the buffer, the 10th found it full
+    with pytest.raises(batchproxy.StreamBufferFull, match="stream_buffer=8"):
+        await collect(held)
+    assert_settled(proxy.stats)
+    await proxy.aclose()
+
+
+@pytest.mark.looptime
+async def test_a_generation_stream_held_but_not_read_is_dropped_once_its_buffer_is_full() -> None:
+    class Forever(batchproxy.GenerationProxy[int, int]):
+        async def _step(self, step: batchproxy.Step[int]) -> list[int]:
+            await asyncio.sleep(1)
+            return [slot.item for slot in step.active]
+
+    proxy = Forever(stream_buffer=4)
+    held = proxy.stream(7)
+    assert await anext(held) == 7
+    reader = asyncio.create_task(collect(proxy.stream(8)))
+    await asyncio.sleep(50)
+    assert proxy.stats.errors == 1  # the held one left; the read one runs on
+    with pytest.raises(batchproxy.StreamBufferFull):
+        await collect(held)
+    reader.cancel()
+    await proxy.aclose()
+    assert_settled(proxy.stats)
+
+
+def test_stream_buffer_is_checked() -> None:
+    for bad, error in ((0, ValueError), (-1, ValueError), (1.5, TypeError), ("8", TypeError)):
+        with pytest.raises(error, match="stream_buffer"):
+            Endless(stream_buffer=bad)
+        with pytest.raises(error, match="stream_buffer"):
+            Endless().configure(stream_buffer=bad)
+    Endless(stream_buffer=None)  # unbounded, by choice
