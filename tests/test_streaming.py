@@ -518,7 +518,8 @@ async def test_aclose_ends_a_stream_its_consumer_stopped_reading() -> None:
     chunks: list[Any] = []
     with pytest.raises(batchproxy.ProxyClosed, match="not reading"):
         await collect(held, into=chunks)
-    assert chunks == [(1, 2), (1, 3)]  # the next step after aclose() found two unread
+    # steps 2 to 4 came before aclose(); step 5 found them unread, and ended the stream
+    assert chunks == [(1, 2), (1, 3), (1, 4)]
     assert not closing.done()
     assert not reader.done()  # the reading consumer is served on
     reader.cancel()  # it leaves: the batch is over
