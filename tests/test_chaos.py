@@ -2,7 +2,10 @@
 
 Random arrivals, priorities, deadlines, caller cancellations, per-item errors,
 batch errors (Exception, BaseException, a stray CancelledError), wrong result
-counts, a bounded queue, and `aclose()` mid-stream. Whatever happens, every call
+counts, a bounded queue, and `aclose()` mid-stream; and from outside the proxy,
+batch tasks cancelled at random moments (also before their first step, as
+"cancel every other task" does) and listeners that raise (`Exception`,
+`CancelledError`, `GeneratorExit`) from every hook. Whatever happens, every call
 ends exactly once, with its own result or an error its batch explains; nothing
 is dispatched after its caller left; nothing hangs; nothing is left running; the
 counters add up.
@@ -96,13 +99,61 @@ def batch_error(batch: list[Call]) -> type[BaseException] | None:
 
 
 @dataclass(frozen=True)
+class Sabotage:
+    """What happens to the proxy from outside: a listener that raises `listener` from
+    every hook; the batch tasks started `cancel_starts`-th (0-based) cancelled before
+    their first step; every batch task in flight cancelled at `cancel_at` seconds."""
+
+    listener: type[BaseException] | None = None
+    cancel_starts: frozenset[int] = frozenset()
+    cancel_at: tuple[float, ...] = ()
+
+    @property
+    def cancels_batches(self) -> bool:
+        return bool(self.cancel_starts or self.cancel_at)
+
+
+NO_SABOTAGE = Sabotage()
+
+
+class Raising(batchproxy.Listener):
+    def __init__(self, kind: type[BaseException]) -> None:
+        self.kind = kind
+
+    def request_queued(self, proxy: str, queue_depth: int) -> None:
+        raise self.kind("request_queued")
+
+    def request_rejected(self, proxy: str, count: int) -> None:
+        raise self.kind("request_rejected")
+
+    def request_shed(self, proxy: str) -> None:
+        raise self.kind("request_shed")
+
+    def batch_started(self, proxy: str, size: int, queue_waits: Sequence[float]) -> None:
+        raise self.kind("batch_started")
+
+    def batch_finished(
+        self, proxy: str, size: int, model_seconds: float, error: BaseException | None
+    ) -> None:
+        raise self.kind("batch_finished")
+
+    def request_finished(self, proxy: str, outcome: str, seconds: float) -> None:
+        raise self.kind("request_finished")
+
+    def error(self, proxy: str, error: BaseException, size: int) -> None:
+        raise self.kind("error")
+
+
+@dataclass(frozen=True)
 class Case:
-    """One chaos run: the calls, the proxy's options, the model's delay, when to close."""
+    """One chaos run: the calls, the proxy's options, the model's delay, when to close,
+    and what is done to the proxy from outside."""
 
     calls: list[Call]
     options: dict[str, Any]
     model_delay: float
     close_at: float | None
+    sabotage: Sabotage = NO_SABOTAGE
 
 
 def cases(horizon: float, max_calls: int, delays: list[float]) -> st.SearchStrategy[Case]:
@@ -126,6 +177,12 @@ def cases(horizon: float, max_calls: int, delays: list[float]) -> st.SearchStrat
             "shed_late": st.booleans(),
         }
     )
+    sabotage = st.builds(
+        Sabotage,
+        st.sampled_from([None, RuntimeError, asyncio.CancelledError, GeneratorExit]),
+        st.frozensets(st.integers(0, 10), max_size=3),
+        st.lists(st.floats(0, horizon * 1.5), max_size=3).map(tuple),
+    )
     return st.builds(
         Case,
         st.lists(call, min_size=1, max_size=max_calls).map(
@@ -134,6 +191,7 @@ def cases(horizon: float, max_calls: int, delays: list[float]) -> st.SearchStrat
         options,
         st.sampled_from(delays),
         st.none() | st.floats(0, horizon * 1.5),
+        st.just(NO_SABOTAGE) | sabotage,
     )
 
 
@@ -157,23 +215,47 @@ def test_every_call_ends_once_with_its_own_outcome(case: Case) -> None:
                     case.calls,
                     Recorder(respond, delay=case.model_delay, **case.options),
                     case.close_at,
+                    case.sabotage,
                 ),
                 timeout=3600,  # virtual seconds: a hang fails here, fast
             )
         )
     finally:
         loop.close()
-    check(case.calls, proxy, outcomes, closed_at, case.options["batch_size"])
+    check(case.calls, proxy, outcomes, closed_at, case.options["batch_size"], case.sabotage)
+
+
+def sabotage_proxy(proxy: Model, sabotage: Sabotage) -> None:
+    """Add the listener and the cancellations before first steps (before the proxy
+    binds: the scheduler keeps the `_start_batch` it finds then)."""
+    if sabotage.listener is not None:
+        proxy.add_listener(Raising(sabotage.listener))
+    if not sabotage.cancel_starts:
+        return
+    start_batch = proxy._start_batch
+    started = 0
+
+    def start_and_cancel(requests: Any) -> None:
+        nonlocal started
+        before = set(proxy._batch_tasks)
+        start_batch(requests)
+        if started in sabotage.cancel_starts:
+            for task in proxy._batch_tasks - before:
+                task.cancel()  # before it ever runs
+        started += 1
+
+    proxy._start_batch = start_and_cancel  # type: ignore[method-assign]
 
 
 async def scenario(
-    calls: list[Call], proxy: Model, close_at: float | None
+    calls: list[Call], proxy: Model, close_at: float | None, sabotage: Sabotage = NO_SABOTAGE
 ) -> tuple[Model, dict[int, list[Any]], float | None]:
     loop = asyncio.get_running_loop()
     start = loop.time()
     tasks_before = asyncio.all_tasks()
     outcomes: dict[int, list[Any]] = {c.id: [] for c in calls}
     closed_at: list[float] = []
+    sabotage_proxy(proxy, sabotage)
 
     async def caller(call: Call) -> None:
         try:
@@ -199,6 +281,11 @@ async def scenario(
         closed_at.append(loop.time() - start)
         await proxy.aclose()
 
+    async def batch_canceller(at: float) -> None:
+        await asyncio.sleep(at)
+        for task in list(proxy._batch_tasks):
+            task.cancel()  # running, or not started yet
+
     tasks = []
     helpers = []
     for call in calls:
@@ -208,6 +295,7 @@ async def scenario(
             helpers.append(asyncio.create_task(canceller(task, call.at + call.cancel_after)))
     if close_at is not None:
         helpers.append(asyncio.create_task(closer(close_at)))
+    helpers += [asyncio.create_task(batch_canceller(at)) for at in sabotage.cancel_at]
     await asyncio.gather(*tasks, *helpers, return_exceptions=True)
     await proxy.aclose()
     leftover = asyncio.all_tasks() - tasks_before
@@ -222,6 +310,7 @@ def check(
     outcomes: dict[int, list[Any]],
     closed_at: float | None,
     batch_size: int,
+    sabotage: Sabotage = NO_SABOTAGE,
     *,
     exact_clock: bool = True,
 ) -> None:
@@ -248,6 +337,11 @@ def check(
                 assert call.at <= closed_at + EPS  # accepted before the close
         if outcome is NEVER_CALLED:
             assert index is None
+        elif isinstance(outcome, batchproxy.InferenceError) and "batch task was cancelled" in str(
+            outcome
+        ):  # its batch task was cancelled from outside, maybe before it ran
+            assert sabotage.cancels_batches
+            assert isinstance(outcome.__cause__, asyncio.CancelledError)
         elif isinstance(outcome, tuple):
             assert outcome == ("out", call.id), "cross-talk"
             assert index is not None
@@ -273,7 +367,17 @@ def check(
             else:
                 assert type(outcome) is expected
 
-    stats = proxy.stats
+    check_stats(proxy.stats, outcomes, len(calls), len(batch_of), sabotage)
+
+
+def check_stats(
+    stats: batchproxy.ProxyStats,
+    outcomes: dict[int, list[Any]],
+    calls: int,
+    items_run: int,
+    sabotage: Sabotage,
+) -> None:
+    """The counters add up to what the callers saw."""
     assert stats.queue_depth == 0
     assert stats.in_flight == 0
     assert stats.requests == stats.succeeded + stats.errors + stats.timed_out + stats.cancelled
@@ -283,13 +387,16 @@ def check(
         or (isinstance(o[0], batchproxy.DeadlineExceeded) and o[0].predicted is not None)
         for o in outcomes.values()
     )
-    assert stats.requests + refused == len(calls)
+    assert stats.requests + refused == calls
     event("some calls shed" if stats.shed else "none shed")
     assert stats.shed == sum(
         isinstance(o[0], batchproxy.DeadlineExceeded) and o[0].predicted is not None
         for o in outcomes.values()
     )
-    assert stats.items == len(batch_of)
+    if sabotage.cancels_batches:  # a batch cancelled while its items wait for the thread
+        assert stats.items >= items_run  # was sent, though the model never saw them
+    else:
+        assert stats.items == items_run
 
 
 @chaos_settings("CHAOS_EXAMPLES_THREADED", 25)
@@ -299,7 +406,15 @@ def test_every_call_ends_once_with_a_model_on_the_worker_thread(case: Case) -> N
     BaseExceptions carried back, shutdown of the owned thread)."""
     model = ThreadedModel(delay=case.model_delay, name="chaos-threaded", **case.options)
     proxy, outcomes, closed_at = asyncio.run(
-        asyncio.wait_for(scenario(case.calls, model, case.close_at), timeout=30)
+        asyncio.wait_for(scenario(case.calls, model, case.close_at, case.sabotage), timeout=30)
     )
-    check(case.calls, proxy, outcomes, closed_at, case.options["batch_size"], exact_clock=False)
+    check(
+        case.calls,
+        proxy,
+        outcomes,
+        closed_at,
+        case.options["batch_size"],
+        case.sabotage,
+        exact_clock=False,
+    )
     assert not [t for t in threading.enumerate() if t.name == "batchproxy-chaos-threaded"]
