@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -164,6 +165,35 @@ async def test_a_worker_that_died_idle_is_replaced_and_the_next_batch_runs(
         assert len(set(workers.pids) - survivors) == 1
         assert proxy.stats.errors == 0
     assert any("died while idle" in r.getMessage() for r in caplog.records)
+
+
+async def test_random_kills_fail_only_the_batches_they_hit() -> None:
+    """Chaos for issue 16: rounds of calls, with workers killed at random between rounds
+    (idle: the next round must not see a single failure) and during them (only the
+    calls of a batch held by the killed worker may fail, with WorkerDied)."""
+    rng = random.Random(16)
+    async with (
+        ProcessWorkers(_workers.tagging, 2) as workers,
+        Proxy(offload=workers, batch_size=4, max_delay_ms=1) as proxy,
+    ):
+        for round_ in range(6):
+            for pid in rng.sample([p for p in workers.pids if p is not None], rng.randint(0, 2)):
+                await kill_idle(pid)  # between rounds: nobody holds a batch
+            items = [("sleep", 0.02) if rng.random() < 0.3 else i for i in range(12)]
+            calls = [asyncio.create_task(proxy.inference(item)) for item in items]
+            busy_kill = rng.random() < 0.5
+            if busy_kill:
+                os.kill(await busy_worker_pid(workers), signal.SIGKILL)
+            outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 60)
+            failed = [o for o in outcomes if isinstance(o, BaseException)]
+            assert all(isinstance(o, WorkerDied) for o in failed), failed
+            if not busy_kill:
+                assert failed == [], f"round {round_}: killed idle, yet {failed}"
+            assert len(failed) <= 4  # one batch at most: the one the killed worker held
+            for item, outcome in zip(items, outcomes, strict=True):
+                if not isinstance(outcome, BaseException):
+                    assert outcome[1] == item
+            await wait_until(lambda: None not in workers.pids, seconds=60)
 
 
 async def test_a_worker_that_dies_between_the_check_and_the_send_never_held_the_batch(
