@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from typing_extensions import override
 
@@ -49,6 +49,39 @@ class Recorder(batchproxy.Proxy[Any, Any]):
         if self.delay:
             await asyncio.sleep(self.delay)
         return self.respond(items)
+
+
+class RaisingListener(batchproxy.Listener):
+    """Raises `kind("listener broke in <hook>")` from every hook."""
+
+    def __init__(self, kind: type[BaseException] = RuntimeError) -> None:
+        self.kind = kind
+
+    def _broke(self, hook: str) -> NoReturn:
+        raise self.kind(f"listener broke in {hook}")
+
+    def request_queued(self, proxy: str, queue_depth: int) -> None:
+        self._broke("request_queued")
+
+    def request_rejected(self, proxy: str, count: int) -> None:
+        self._broke("request_rejected")
+
+    def request_shed(self, proxy: str) -> None:
+        self._broke("request_shed")
+
+    def batch_started(self, proxy: str, size: int, queue_waits: Sequence[float]) -> None:
+        self._broke("batch_started")
+
+    def batch_finished(
+        self, proxy: str, size: int, model_seconds: float, error: BaseException | None
+    ) -> None:
+        self._broke("batch_finished")
+
+    def request_finished(self, proxy: str, outcome: str, seconds: float) -> None:
+        self._broke("request_finished")
+
+    def error(self, proxy: str, error: BaseException, size: int) -> None:
+        self._broke("error")
 
 
 class ThreadRecorder(batchproxy.Proxy[Any, Any]):

@@ -23,7 +23,7 @@ from typing import Any
 
 import looptime
 import pytest
-from _support import Recorder
+from _support import RaisingListener, Recorder
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from typing_extensions import override
@@ -116,34 +116,6 @@ class Sabotage:
 NO_SABOTAGE = Sabotage()
 
 
-class Raising(batchproxy.Listener):
-    def __init__(self, kind: type[BaseException]) -> None:
-        self.kind = kind
-
-    def request_queued(self, proxy: str, queue_depth: int) -> None:
-        raise self.kind("request_queued")
-
-    def request_rejected(self, proxy: str, count: int) -> None:
-        raise self.kind("request_rejected")
-
-    def request_shed(self, proxy: str) -> None:
-        raise self.kind("request_shed")
-
-    def batch_started(self, proxy: str, size: int, queue_waits: Sequence[float]) -> None:
-        raise self.kind("batch_started")
-
-    def batch_finished(
-        self, proxy: str, size: int, model_seconds: float, error: BaseException | None
-    ) -> None:
-        raise self.kind("batch_finished")
-
-    def request_finished(self, proxy: str, outcome: str, seconds: float) -> None:
-        raise self.kind("request_finished")
-
-    def error(self, proxy: str, error: BaseException, size: int) -> None:
-        raise self.kind("error")
-
-
 @dataclass(frozen=True)
 class Case:
     """One chaos run: the calls, the proxy's options, the model's delay, when to close,
@@ -229,7 +201,7 @@ def sabotage_proxy(proxy: Model, sabotage: Sabotage) -> None:
     """Add the listener and the cancellations before first steps (before the proxy
     binds: the scheduler keeps the `_start_batch` it finds then)."""
     if sabotage.listener is not None:
-        proxy.add_listener(Raising(sabotage.listener))
+        proxy.add_listener(RaisingListener(sabotage.listener))
     if not sabotage.cancel_starts:
         return
     start_batch = proxy._start_batch

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from _support import Recorder, assert_settled
+from _support import RaisingListener, Recorder, assert_settled
 
 import batchproxy
 from batchproxy import BatchSizeMismatch, DeadlineExceeded, Percentiles, QueueFull
@@ -366,30 +366,6 @@ async def test_listener_sees_timeouts_and_cancellations(no_leftovers: None) -> N
     await proxy.aclose()
 
 
-class Broken(batchproxy.Listener):
-    """Raises `kind` from every hook."""
-
-    def __init__(self, kind: type[BaseException] = RuntimeError) -> None:
-        self.kind = kind
-
-    def request_queued(self, proxy: str, queue_depth: int) -> None:
-        raise self.kind("listener broke in request_queued")
-
-    def batch_started(self, proxy: str, size: int, queue_waits: Sequence[float]) -> None:
-        raise self.kind("listener broke in batch_started")
-
-    def batch_finished(
-        self, proxy: str, size: int, model_seconds: float, error: BaseException | None
-    ) -> None:
-        raise self.kind("listener broke in batch_finished")
-
-    def request_finished(self, proxy: str, outcome: str, seconds: float) -> None:
-        raise self.kind("listener broke in request_finished")
-
-    def error(self, proxy: str, error: BaseException, size: int) -> None:
-        raise self.kind("listener broke in error")
-
-
 @pytest.mark.looptime
 @pytest.mark.parametrize("kind", [RuntimeError, asyncio.CancelledError, GeneratorExit])
 async def test_raising_listener_is_logged_and_harmless(
@@ -400,7 +376,7 @@ async def test_raising_listener_is_logged_and_harmless(
     caplog.set_level(logging.ERROR, logger="batchproxy")
     after = Log()
     proxy = Recorder(respond=_slot_or_batch_error, batch_size=4, name="lis")
-    proxy.add_listener(Broken(kind))
+    proxy.add_listener(RaisingListener(kind))
     proxy.add_listener(after)
 
     results = await asyncio.wait_for(
@@ -441,7 +417,7 @@ def test_a_listener_raising_keyboard_interrupt_stops_the_loop_after_settling(
     # the interrupt is not swallowed, but it never cuts a settlement short: it leaves the
     # event loop from a callback of its own, and a loop run again carries on where it was
     proxy = Recorder(batch_size=4, name="interrupted")
-    proxy.add_listener(Broken(kind))
+    proxy.add_listener(RaisingListener(kind))
     loop = asyncio.new_event_loop()
     messages: list[str] = []
 
