@@ -978,7 +978,8 @@ class Proxy(ABC, Generic[In, Out]):
             )
         if type(priority) is not int:
             priority = _validate.priority(priority)
-        self._refuse_own_model("stream" if stream else "inference")
+        if _current_batch.get() is not None:  # (inline: every call passes here)
+            self._refuse_own_model("stream" if stream else "inference")
         seconds = self._timeout if timeout is None else _validate.timeout("timeout", timeout)
         cost = 1 if self._length is None else self._cost(item)
         self._check_room(1)
