@@ -176,13 +176,15 @@ class BackgroundLoop:
 
     def _route(
         self, make: Callable[[], Coroutine[Any, Any, T]], ended_error: Callable[[], BaseException]
-    ) -> concurrent.futures.Future[T] | None:
-        """`LoopBridge.route` to this loop, started if need be: a proxy's call that binds
-        the proxy here. None if the loop closed meanwhile (it raises if closed before)."""
+    ) -> tuple[concurrent.futures.Future[T], LoopBridge] | None:
+        """`LoopBridge.route` to this loop, started if need be (a proxy's call that binds
+        the proxy here): the future and the bridge. None if the loop ended meanwhile; a
+        `RuntimeError` if it was closed before."""
         with self._lock:
             self._start_locked()
             bridge = self._bridge
-        return None if bridge is None else bridge.route(make, ended_error)
+        future = None if bridge is None else bridge.route(make, ended_error)
+        return None if future is None or bridge is None else (future, bridge)
 
     def _adopt(self, proxy: Proxy[Any, Any]) -> None:
         """`proxy` bound itself to this loop: `close()` closes it too."""

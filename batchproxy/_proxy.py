@@ -895,9 +895,9 @@ class Proxy(ABC, Generic[In, Out]):
             if background._on_loop_thread():  # where this proxy would now run
                 raise self._would_deadlock(method)
             with contextlib.suppress(RuntimeError):  # it closed meanwhile: try the next one
-                future = background._route(call, self._loop_ended_error)
-                if future is not None:  # the proxy binds there, and closes with it
-                    return future, background._bridge
+                routed = background._route(call, self._loop_ended_error)
+                if routed is not None:  # the proxy binds there, and closes with it
+                    return routed
 
     def _route(
         self, make: Callable[[], Coroutine[Any, Any, T]]
