@@ -21,9 +21,11 @@ from ._errors import (
 )
 from ._executor import Executor, ModelFactory
 from ._generation import GenerationProxy, Slot, Step
+from ._listeners import Listener
+from ._options import Options
 from ._process_workers import ProcessWorkers
 from ._proxy import Proxy
-from ._stats import Health, Listener, Percentiles, ProxyStats
+from ._stats import Health, Percentiles, ProxyStats
 from ._streaming import END, Last, StreamEnd
 from ._tensor_proxy import TensorProxy
 from ._worker_thread import WorkerThread
@@ -46,6 +48,7 @@ __all__ = [
     "Last",
     "Listener",
     "ModelFactory",
+    "Options",
     "Percentiles",
     "ProcessWorkers",
     "Proxy",

@@ -19,7 +19,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from typing_extensions import Self
 
@@ -27,14 +27,19 @@ from . import _validate
 from ._bridge import LoopBridge
 from ._fork import forget_threads_in_forked_children
 
-if TYPE_CHECKING:
-    from ._proxy import Proxy
-
 __all__ = ["BackgroundLoop"]
 
 logger = logging.getLogger("batchproxy")
 
 T = TypeVar("T")
+
+
+class _Closable(Protocol):
+    """A proxy, as a `BackgroundLoop` closes it."""
+
+    name: str
+
+    async def aclose(self) -> None: ...
 
 
 class BackgroundLoop:
@@ -58,7 +63,7 @@ class BackgroundLoop:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._proxies: weakref.WeakSet[Proxy[Any, Any]] = weakref.WeakSet()
+        self._proxies: weakref.WeakSet[_Closable] = weakref.WeakSet()  # bound here now
         self._bridge: LoopBridge | None = None  # for calls to proxies not bound here yet
         forget_threads_in_forked_children(self)
 
@@ -186,10 +191,15 @@ class BackgroundLoop:
         future = None if bridge is None else bridge.route(make, ended_error)
         return None if future is None or bridge is None else (future, bridge)
 
-    def _adopt(self, proxy: Proxy[Any, Any]) -> None:
+    def _adopt(self, proxy: _Closable) -> None:
         """`proxy` bound itself to this loop: `close()` closes it too."""
         with self._lock:
             self._proxies.add(proxy)
+
+    def _release(self, proxy: _Closable) -> None:
+        """`proxy` left this loop (it ended, or the proxy moved on)."""
+        with self._lock:
+            self._proxies.discard(proxy)
 
     def _after_fork_in_child(self) -> None:
         """In a forked child: the parent's thread and loop are gone; a new thread
@@ -260,14 +270,12 @@ def _close_default() -> None:
 
 
 async def _close_proxies_of(background: BackgroundLoop) -> None:
-    """`aclose()` the proxies still bound to its loop (one may have moved to another).
+    """`aclose()` the proxies bound to its loop (a proxy is released when it moves on).
     Run on that loop, after what was submitted before: those calls have bound theirs."""
-    loop = asyncio.get_running_loop()
     with background._lock:
         proxies = list(background._proxies)
-    mine = [proxy for proxy in proxies if proxy._loop is loop]
-    outcomes = await asyncio.gather(*(proxy.aclose() for proxy in mine), return_exceptions=True)
-    for proxy, outcome in zip(mine, outcomes, strict=True):
+    outcomes = await asyncio.gather(*(proxy.aclose() for proxy in proxies), return_exceptions=True)
+    for proxy, outcome in zip(proxies, outcomes, strict=True):
         if isinstance(outcome, Exception):
             logger.error("closing %s raised %r", proxy.name, outcome)
 

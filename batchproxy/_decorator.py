@@ -19,10 +19,10 @@ from collections.abc import (
 )
 from typing import Any, Generic, Literal, Protocol, TypeVar, overload
 
-from typing_extensions import Self
+from typing_extensions import Self, Unpack
 
 from ._executor import Executor
-from ._oom import OomPredicate
+from ._options import ProxyOptions
 from ._proxy import Proxy
 from ._stats import Health, ProxyStats
 
@@ -184,22 +184,9 @@ class _Decorator(Protocol):
 def batch(
     batch_size: int = 64,
     *,
-    max_delay_ms: float = 5.0,
-    max_queue_size: int | None = None,
-    timeout: float | None = None,
-    max_concurrent_batches: int | None = None,
     offload: bool | Executor = False,
     name: str | None = None,
-    length: Callable[[Any], int] | None = None,
-    max_batch_tokens: int | None = None,
-    oom_backoff: bool | OomPredicate = False,
-    window: Literal["adaptive", "fixed"] = "adaptive",
-    aging_ms: float | None = None,
-    shed_late: bool = False,
-    isolate_errors: bool = False,
-    batch_timeout: float | None = None,
-    on_batch_timeout: Literal["serve", "stop"] = "serve",
-    stream_buffer: int | None = 1024,
+    **options: Unpack[ProxyOptions],
 ) -> _Decorator:
     """Decorate `f(items: list[T]) -> list[U]` (function or method) to be awaited per item.
 
@@ -207,30 +194,13 @@ def batch(
     """
     if callable(batch_size):
         raise TypeError("use @batch() or @batch(batch_size=...), with parentheses")
-    options: dict[str, Any] = {
-        "batch_size": batch_size,
-        "max_delay_ms": max_delay_ms,
-        "max_queue_size": max_queue_size,
-        "timeout": timeout,
-        "max_concurrent_batches": max_concurrent_batches,
-        "offload": offload,
-        "length": length,
-        "max_batch_tokens": max_batch_tokens,
-        "oom_backoff": oom_backoff,
-        "window": window,
-        "aging_ms": aging_ms,
-        "shed_late": shed_late,
-        "isolate_errors": isolate_errors,
-        "batch_timeout": batch_timeout,
-        "on_batch_timeout": on_batch_timeout,
-        "stream_buffer": stream_buffer,
-    }
+    settings: dict[str, Any] = {"batch_size": batch_size, "offload": offload, **options}
     if name is not None:
-        options["name"] = name
+        settings["name"] = name
 
     def decorate(fn: Callable[..., Any]) -> Batched[Any, Any]:
         if not callable(fn):
             raise TypeError(f"@batch decorates a function or method, got {fn!r}")
-        return Batched(fn, options)
+        return Batched(fn, settings)
 
     return decorate

@@ -17,16 +17,21 @@ fails the streams in it and the engine goes on with an empty batch.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable, Sequence
-from types import EllipsisType
 from typing import Any, Generic, TypeVar
 
+from typing_extensions import Unpack
+
 from . import _validate
+from ._binding import Binding
 from ._errors import BatchSizeMismatch
 from ._executor import Executor
+from ._options import ConfigurableOptions
 from ._proxy import Proxy
 from ._queue import Request
-from ._streaming import let_consumers_read
+from ._runs import RunKind, Runner
+from ._streaming import hand_element, let_consumers_read
 
 __all__ = ["GenerationProxy", "Slot", "Step"]
 
@@ -81,6 +86,8 @@ class Step(Generic[In]):
 
 StepResult = Sequence[Any]
 
+_CHANGEABLE = frozenset({"batch_size", "max_queue_size", "timeout", "stream_buffer"})
+
 
 class GenerationProxy(Proxy[In, Out]):
     """Continuous batching for generation: implement `_step(step)`; callers use
@@ -120,6 +127,7 @@ class GenerationProxy(Proxy[In, Out]):
             raise TypeError(f"{type(self).__name__} must implement _step(step)")
         if (max_tokens is None) != (tokens is None):
             raise TypeError("max_tokens and tokens go together: give both or neither")
+        self._max_tokens = _validate.optional_count("max_tokens", max_tokens)
         super().__init__(
             batch_size,
             max_delay_ms=0,
@@ -131,34 +139,21 @@ class GenerationProxy(Proxy[In, Out]):
             length=tokens,
             stream_buffer=stream_buffer,
         )
-        self._max_tokens = _validate.optional_count("max_tokens", max_tokens)
-        self._streaming = True
 
-    def configure(
-        self,
-        *,
-        batch_size: int | EllipsisType = ...,
-        max_queue_size: int | EllipsisType | None = ...,
-        timeout: float | EllipsisType | None = ...,
-        stream_buffer: int | EllipsisType | None = ...,
-        **others: Any,
-    ) -> None:
+    def configure(self, **changes: Unpack[ConfigurableOptions]) -> None:
         """Change `batch_size` (the most active sequences, from the next step),
         `max_queue_size`, the default `timeout` or `stream_buffer` while it runs; see
         `Proxy.configure`. A generation proxy runs one step at a time and never
         waits for company, so the other options are refused."""
-        refused = sorted(option for option, value in others.items() if value is not ...)
+        refused = sorted(
+            name for name, value in changes.items() if name not in _CHANGEABLE and value is not ...
+        )
         if refused:
             raise TypeError(
                 f"{self.name}: a GenerationProxy takes only batch_size, max_queue_size, "
                 f"timeout and stream_buffer, not {', '.join(refused)}"
             )
-        super().configure(
-            batch_size=batch_size,
-            max_queue_size=max_queue_size,
-            timeout=timeout,
-            stream_buffer=stream_buffer,
-        )
+        super().configure(**changes)
 
     def _step(self, step: Step[In], /) -> Awaitable[StepResult] | StepResult:
         """Run one step over `step.active`; return one element per active sequence."""
@@ -167,27 +162,12 @@ class GenerationProxy(Proxy[In, Out]):
     def _model_function(self) -> Callable[[Any], Any]:
         return self._step
 
-    def _dispatch_size(self) -> int:
-        return 1  # the engine admits the rest itself, between steps
-
-    def _record_step_start(self, step: Step[In], now: float) -> None:
-        """Count a step as a batch of its active sequences; the queue waits are those
-        of the newcomers (listeners hear `batch_started` with them)."""
-        stats, size = self._stats, len(step.active)
-        stats.batches += 1
-        stats.items += size
-        stats.batch_sizes[size] = stats.batch_sizes.get(size, 0) + 1
-        waits = [now - slot._request.enqueued_at for slot in step.joined]
-        stats.queue_wait.extend(waits)
-        if stats.listeners:
-            stats.notify("batch_started", size, waits)
-
-    def _record_step(self, size: int, seconds: float, error: BaseException | None) -> None:
-        """A step is over (after `seconds`, with `error` if it failed)."""
-        stats = self._stats
-        stats.model_time.append(seconds)
-        if stats.listeners:
-            stats.notify("batch_finished", size, seconds, error)
+    def _run_kind(self, model: Callable[..., Any], offload: object) -> RunKind:
+        return RunKind(
+            functools.partial(_run_engine, max_tokens=self._max_tokens),
+            streams=True,
+            admits_itself=True,
+        )
 
     def _cost(self, item: In) -> int:
         cost = super()._cost(item)
@@ -198,31 +178,45 @@ class GenerationProxy(Proxy[In, Out]):
             )
         return cost
 
-    # -- the engine --------------------------------------------------------------------
 
-    async def _run_stream(self, requests: list[Request[In]] | None) -> None:
-        """Run steps while anything is active or queued (the batch slot is the engine's)."""
-        scheduler = self._scheduler
-        assert scheduler is not None
-        claimed = self._claim_batch(scheduler, requests)
-        if claimed is None:
-            return
-        engine = _Engine(self, claimed[0])
-        try:
-            await engine.run()
-        except asyncio.CancelledError as exc:  # from outside: the event loop is ending
-            self._fail(engine.open_requests(), self._cancelled_batch_error(exc))
-            raise
-        finally:
-            if self._serves(scheduler):
-                scheduler.batch_finished()
+# -- the engine --------------------------------------------------------------------
+
+
+async def _run_engine(
+    runner: Runner[In],
+    binding: Binding[In],
+    requests: list[Request[In]] | None,
+    *,
+    max_tokens: int | None,
+) -> None:
+    """Run steps while anything is active or queued (the batch slot is the engine's)."""
+    claimed = runner.claim(binding, requests)
+    if claimed is None:
+        return
+    engine = _Engine(runner, binding, claimed[0], max_tokens)
+    try:
+        await engine.run()
+    except asyncio.CancelledError as exc:  # from outside: the event loop is ending
+        runner.settlement.fail(engine.open_requests(), runner.cancelled_batch_error(exc))
+        raise
+    finally:
+        if runner.serves(binding):
+            binding.scheduler.batch_finished()
 
 
 class _Engine(Generic[In]):
     """The steps of one busy spell of a `GenerationProxy`."""
 
-    def __init__(self, proxy: GenerationProxy[In, Any], first: list[Request[In]]) -> None:
-        self.proxy = proxy
+    def __init__(
+        self,
+        runner: Runner[In],
+        binding: Binding[In],
+        first: list[Request[In]],
+        max_tokens: int | None,
+    ) -> None:
+        self.runner = runner
+        self.binding = binding
+        self.max_tokens = max_tokens
         self.waiting = list(first)  # taken from the queue by the scheduler: join first
         self.active: list[Slot[In]] = []
         self.used = 0  # tokens held by the active sequences
@@ -231,9 +225,7 @@ class _Engine(Generic[In]):
         return [slot._request for slot in self.active] + self.waiting
 
     async def run(self) -> None:
-        proxy = self.proxy
-        loop = proxy._loop
-        assert loop is not None
+        loop = self.binding.loop
         left: list[Slot[In]] = []
         while True:
             kept = [i for i, slot in enumerate(self.active) if not slot._request.future.done()]
@@ -253,21 +245,18 @@ class _Engine(Generic[In]):
                 continue
             now = loop.time()
             for slot, element in zip(self.active, elements, strict=True):
-                if not slot._request.future.done() and proxy._stream_element(
-                    slot._request, element, now
+                if not slot._request.future.done() and hand_element(
+                    self.runner, slot._request, element, now
                 ):
                     slot.chunks += 1
 
     def _admit(self, active: int, now: float) -> list[Slot[In]]:
         """Newcomers, in queue order, while there is room; the rest keep waiting."""
-        proxy = self.proxy
-        scheduler = proxy._scheduler
-        assert scheduler is not None
-        queue = scheduler.queue
+        queue = self.binding.scheduler.queue
         joined: list[Slot[In]] = []
-        budget = proxy._max_tokens
+        budget = self.max_tokens
         waiting = [r for r in self.waiting if not r.future.done()]
-        while active + len(joined) < proxy._batch_size:
+        while active + len(joined) < self.runner.options.batch_size:
             request = waiting[0] if waiting else queue.peek(now)
             if request is None:
                 break
@@ -284,24 +273,27 @@ class _Engine(Generic[In]):
 
     async def _run_step(self, step: Step[In]) -> Sequence[Any] | None:
         """Run the model's step; its elements, or None if it failed (its streams too)."""
-        proxy = self.proxy
-        loop = proxy._loop
-        assert loop is not None
+        runner = self.runner
+        loop = self.binding.loop
         started = loop.time()
-        proxy._record_step_start(step, started)
+        # a step counts as a batch of its active sequences; the queue waits are those
+        # of the newcomers (listeners hear `batch_started` with them)
+        runner.count_batch(
+            len(step.active), [started - s._request.enqueued_at for s in step.joined]
+        )
         error: BaseException | None = None
         elements: Sequence[Any] | None = None
         try:
-            results = await proxy._executor.run(proxy._model, step)  # type: ignore[arg-type]
-            elements = proxy._result_sequence(results)
+            results = await runner.executor.run(runner.model, step)  # type: ignore[arg-type]
+            elements = runner.result_sequence(results)
             if len(elements) != len(step.active):
-                error = BatchSizeMismatch(proxy.name, len(step.active), len(elements))
+                error = BatchSizeMismatch(runner.name, len(step.active), len(elements))
         except BaseException as exc:
-            error = proxy._model_failure(exc, loop, None)  # (no watchdog on steps)
+            error = runner.model_failure(exc, self.binding, None)  # (no watchdog on steps)
             if error is None:  # the event loop is ending: so does the step
                 raise
-        proxy._record_step(len(step.active), loop.time() - started, error)
+        runner.count_end(len(step.active), loop.time() - started, error)
         if error is not None:  # counted, its streams failed, listeners told: as for a batch
-            proxy._batch_failed([slot._request for slot in step.active], error)
+            runner.batch_failed([slot._request for slot in step.active], error)
             return None
         return elements

@@ -1,4 +1,4 @@
-"""Counters, latency windows and listener hooks; `ProxyStats` is the public snapshot.
+"""Counters and latency windows; `ProxyStats` is the public snapshot.
 
 Memory is bounded: latencies are kept in fixed-size windows of the most recent
 samples (percentiles describe recent behaviour, as an operator wants), and the
@@ -7,8 +7,6 @@ batch-size histogram has at most `batch_size` keys.
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -17,9 +15,7 @@ from types import MappingProxyType
 
 from ._cost_model import CostEstimate
 
-__all__ = ["Health", "Listener", "Percentiles", "ProxyStats", "StatsRecorder"]
-
-logger = logging.getLogger("batchproxy")
+__all__ = ["Health", "Percentiles", "ProxyStats", "StatsRecorder"]
 
 WINDOW = 4096
 """How many recent samples each latency window keeps."""
@@ -107,6 +103,9 @@ class ProxyStats:
     (`isolate_errors`); each cost two more model calls."""
     timed_out_batches: int = 0
     """Batches the watchdog stopped after `batch_timeout`."""
+    max_in_flight: int = 0
+    """How many batches may run at once now: `max_concurrent_batches`, or the
+    executor's capacity."""
 
     @property
     def mean_batch_size(self) -> float:
@@ -125,46 +124,6 @@ class Health:
 
     def __bool__(self) -> bool:
         return self.healthy
-
-
-class Listener:
-    """Base class for hooks into a proxy's life; override the methods you need.
-
-    Hooks run on the proxy's event loop and must be quick. What a hook raises is
-    logged (logger ``batchproxy``) and otherwise ignored, `CancelledError` and
-    `GeneratorExit` included: it never reaches a caller, changes an outcome or
-    stops the proxy. A `KeyboardInterrupt` or `SystemExit` still stops the event
-    loop, from a callback of its own once the calls being settled have their
-    outcomes. Register with `proxy.add_listener(listener)`.
-    """
-
-    def request_queued(self, proxy: str, queue_depth: int) -> None:
-        """A call was accepted; `queue_depth` includes it."""
-
-    def request_rejected(self, proxy: str, count: int) -> None:
-        """`count` requests were refused with `QueueFull` (never accepted)."""
-
-    def request_shed(self, proxy: str) -> None:
-        """A call was refused at once: it was predicted to miss its deadline."""
-
-    def batch_started(self, proxy: str, size: int, queue_waits: Sequence[float]) -> None:
-        """A batch of `size` items goes to the model; seconds each waited in the queue."""
-
-    def batch_finished(
-        self, proxy: str, size: int, model_seconds: float, error: BaseException | None
-    ) -> None:
-        """The model returned (or raised `error`) after `model_seconds`."""
-
-    def request_finished(self, proxy: str, outcome: str, seconds: float) -> None:
-        """A call ended: `outcome` is succeeded, error, timed_out or cancelled.
-
-        Called once per call, when the proxy settles it. A caller cancelled in the
-        instant after that, before it resumed, sees `CancelledError`: `stats` then
-        counts the call as cancelled, but this hook is not called again.
-        """
-
-    def error(self, proxy: str, error: BaseException, size: int) -> None:
-        """A batch of `size` failed as a whole with `error`."""
 
 
 class StatsRecorder:
@@ -192,7 +151,6 @@ class StatsRecorder:
         self.real_elements = 0
         self.padded_elements = 0
         self.tracks_padding = False
-        self.listeners: list[Listener] = []
 
     def record_padding(self, real: int, padded: int) -> None:
         """One batch: `real` elements of data in a padded batch of `padded` elements."""
@@ -201,7 +159,12 @@ class StatsRecorder:
         self.padded_elements += padded
 
     def snapshot(
-        self, queue_depth: int, in_flight: int, batch_cap: int, cost_model: CostEstimate | None
+        self,
+        queue_depth: int,
+        in_flight: int,
+        batch_cap: int,
+        cost_model: CostEstimate | None,
+        max_in_flight: int,
     ) -> ProxyStats:
         return ProxyStats(
             name=self.name,
@@ -227,6 +190,7 @@ class StatsRecorder:
             padding_waste=self._padding_waste(),
             isolation_splits=self.isolation_splits,
             timed_out_batches=self.timed_out_batches,
+            max_in_flight=max_in_flight,
         )
 
     def _padding_waste(self) -> float | None:
@@ -234,35 +198,3 @@ class StatsRecorder:
             return None
         padded = self.padded_elements
         return (padded - self.real_elements) / padded if padded else 0.0
-
-    def notify(self, hook: str, *args: object) -> None:
-        """Call `hook` on every listener; whatever they raise never reaches the caller.
-
-        Hooks run in the middle of settling calls, so nothing they raise may cut that
-        short: an `Exception`, a `CancelledError` or a `GeneratorExit` is logged and
-        dropped (none of them is the proxy's own cancellation or closing); a
-        `KeyboardInterrupt` or `SystemExit` is logged and raised again from a callback
-        of its own on the event loop, once the settling is done.
-        """
-        for listener in self.listeners:
-            try:
-                getattr(listener, hook)(self.name, *args)
-            except (KeyboardInterrupt, SystemExit) as exc:
-                logger.error("batchproxy listener %r raised %r in %s", listener, exc, hook)
-                _raise_soon(exc)
-            except BaseException:
-                logger.exception("batchproxy listener %r failed in %s", listener, hook)
-
-
-def _raise_soon(exc: BaseException) -> None:
-    """Raise `exc` from a callback of its own on the running loop (it leaves the loop,
-    as a `KeyboardInterrupt` in any callback does), or at once with no loop running."""
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        raise exc from None
-
-    def reraise() -> None:
-        raise exc
-
-    loop.call_soon(reraise)

@@ -1,11 +1,13 @@
-"""Streams: end markers, the request that carries chunks, and stepping a streaming model.
+"""Streams: end markers, the request that carries chunks, and the static stream run.
 
 A streaming call is a request whose future settles when the stream ends (a
 result of None) or fails; its chunks travel through a queue of their own, which
 also gets `_CLOSED` when the future settles, for any reason (end, error,
 deadline, refusal, cancellation), so a consumer never waits on a stream that is
 over. The consumer side is `Proxy.stream`; the producers are `Proxy` with a
-generator `_inference` (static batches) and `GenerationProxy` (continuous ones).
+generator `_inference` (static batches: `STREAMS`, `run_stream` below) and
+`GenerationProxy` (continuous ones); both hand out elements with
+`hand_element`.
 
 A consumer may stop reading without closing its stream (it `break`s out of its
 loop but still holds the iterator, which Python does not close until it is
@@ -20,6 +22,7 @@ consumers that do not read).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import inspect
 import math
@@ -27,10 +30,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from ._binding import Binding
+from ._errors import BatchProxyError, BatchSizeMismatch, ProxyClosed, StreamBufferFull
 from ._executor import Executor
 from ._queue import Request
+from ._runs import RunKind, Runner
+from ._settle import caller_error
 
-__all__ = ["END", "Last", "StreamEnd", "StreamRequest"]
+__all__ = ["END", "STREAMS", "Last", "StreamEnd", "StreamRequest", "hand_element", "run_stream"]
 
 T = TypeVar("T")
 
@@ -146,3 +153,123 @@ def matching_view(views: tuple[list[T], ...], count: int) -> list[T] | None:
         if len(view) == count:
             return view
     return None
+
+
+def hand_element(runner: Runner[Any], request: Request[Any], element: object, now: float) -> bool:
+    """Hand one step's element to its streaming caller: a chunk, or the end; whether a
+    chunk went (a plain one, or `Last`'s)."""
+    assert isinstance(request, StreamRequest)
+    settlement = runner.settlement
+    if not is_closing(element):
+        if _unread_too_long(runner, request):
+            return False
+        request.chunks.put_nowait(element)
+        return True
+    if isinstance(element, BaseException):
+        settlement.fail([request], caller_error(runner.name, element))
+        return False
+    if isinstance(element, Last):
+        request.chunks.put_nowait(element.chunk)
+    settlement.end_streams([request], now)
+    return isinstance(element, Last)
+
+
+def _unread_too_long(runner: Runner[Any], request: StreamRequest[Any]) -> bool:
+    """Whether a stream's consumer has stopped reading (see the module docstring): if so,
+    fail it, which takes it out of its batch at the next step."""
+    unread = request.chunks.qsize()
+    limit = runner.options.stream_buffer
+    if not runner.lifecycle.open and unread >= 2:  # a chunk unread for a step, and a turn
+        error: BatchProxyError = ProxyClosed(
+            runner.name, detail="it closed while this stream's consumer was not reading it"
+        )
+    elif limit is not None and unread >= limit:
+        error = StreamBufferFull(runner.name, limit)
+    else:
+        return False
+    runner.settlement.fail([request], error)
+    return True
+
+
+async def run_stream(
+    runner: Runner[T], binding: Binding[T], requests: list[Request[T]] | None
+) -> None:
+    """A streaming batch: step the generator, hand each step's elements to the callers
+    still there, until it returns or nobody is left. `batch_timeout` bounds each step."""
+    claimed = runner.claim(binding, requests)
+    if claimed is None:
+        return
+    requests, task = claimed
+    loop = binding.loop
+    started = loop.time()
+    runner.record_start(requests, started)
+    steps = Steps(runner.model([r.item for r in requests]), runner.executor)
+    error: BaseException | None = None
+    try:
+        finished, error = await _step_through(runner, binding, steps, requests, task)
+        if not finished:  # everybody left, or the batch failed: the generator is not done
+            with contextlib.suppress(Exception):
+                await steps.close()
+    except asyncio.CancelledError as exc:  # not the watchdog's: the loop is ending
+        error = runner.cancelled_batch_error(exc)
+        raise
+    finally:
+        if runner.serves(binding):  # else closed as garbage after its loop ended
+            now = loop.time()
+            if error is not None:
+                runner.batch_failed(requests, error)
+            else:
+                runner.settlement.end_streams(requests, now)
+            runner.batch_ended(binding, task, len(requests), now - started, error)
+
+
+async def _step_through(
+    runner: Runner[T],
+    binding: Binding[T],
+    steps: Steps,
+    requests: list[Request[T]],
+    task: asyncio.Task[Any],
+) -> tuple[bool, BaseException | None]:
+    """The steps of a streaming batch: (whether the generator returned, the error that
+    ended the batch, if one did)."""
+    loop = binding.loop
+    told = unmarked = requests  # the callers in the last keep; those not ended by it
+    keep: list[int] | None = None
+    while True:
+        await let_consumers_read(told)
+        watchdog = runner.watch(binding, task, told)
+        try:
+            elements = await steps.send(keep)
+        except BaseException as exc:
+            error = runner.model_failure(exc, binding, task)
+            if error is None:  # the event loop is ending: so does the batch
+                raise
+            return True, error
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
+        if elements is _FINISHED:
+            return True, None
+        try:
+            elements = runner.result_sequence(elements)
+        except BaseException as exc:
+            return False, caller_error(runner.name, exc)
+        view = matching_view((told, unmarked, requests), len(elements))
+        if view is None:
+            return False, BatchSizeMismatch(runner.name, len(told), len(elements))
+        now = loop.time()
+        marked = set()  # ended by the model itself, this step
+        for request, element in zip(view, elements, strict=True):
+            if is_closing(element):
+                marked.add(request)
+            if not request.future.done():
+                hand_element(runner, request, element, now)
+        unmarked = [r for r in unmarked if r not in marked]
+        keep = [i for i, r in enumerate(view) if not r.future.done()]
+        told = [view[i] for i in keep]
+        if not told:
+            return False, None
+
+
+STREAMS = RunKind(run_stream, streams=True)
+"""The run kind of a proxy whose `_inference` is a generator (static batches)."""

@@ -51,6 +51,42 @@ class Recorder(batchproxy.Proxy[Any, Any]):
         return self.respond(items)
 
 
+def batch_tasks(proxy: batchproxy.Proxy[Any, Any]) -> set[asyncio.Task[Any]]:
+    """The proxy's batch tasks still running (by their name), on this loop."""
+    name = f"batchproxy-{proxy.name}-batch"
+    return {t for t in asyncio.all_tasks() if t.get_name() == name and not t.done()}
+
+
+def cancel_batches_before_they_run(
+    proxy: batchproxy.Proxy[Any, Any], which: Callable[[int], bool]
+) -> None:
+    """Cancel the proxy's n-th batch task (counting from 0) right after it is created,
+    before its first step, for every n with `which(n)`: "cancel every other task"
+    reaching a batch task that has not run yet. Call before the proxy's first call
+    (a binding's scheduler keeps the start callback it finds when it is made)."""
+    runner = proxy._runner
+    start_batch = runner.start_batch
+    started = 0
+
+    def start_and_cancel(binding: Any, requests: Any) -> None:
+        nonlocal started
+        before = set(binding.batch_tasks)
+        start_batch(binding, requests)
+        if which(started):
+            for task in binding.batch_tasks - before:
+                task.cancel()  # before it ever runs
+        started += 1
+
+    runner.start_batch = start_and_cancel  # type: ignore[method-assign]
+
+
+def scheduler_of(proxy: batchproxy.Proxy[Any, Any]) -> Any:
+    """The scheduler of the proxy's current binding (for white-box scheduler tests)."""
+    binding = proxy._binder.current
+    assert binding is not None
+    return binding.scheduler
+
+
 class RaisingListener(batchproxy.Listener):
     """Raises `kind("listener broke in <hook>")` from every hook."""
 

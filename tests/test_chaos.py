@@ -23,7 +23,7 @@ from typing import Any
 
 import looptime
 import pytest
-from _support import RaisingListener, Recorder
+from _support import RaisingListener, Recorder, batch_tasks, cancel_batches_before_they_run
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from typing_extensions import override
@@ -202,21 +202,8 @@ def sabotage_proxy(proxy: Model, sabotage: Sabotage) -> None:
     binds: the scheduler keeps the `_start_batch` it finds then)."""
     if sabotage.listener is not None:
         proxy.add_listener(RaisingListener(sabotage.listener))
-    if not sabotage.cancel_starts:
-        return
-    start_batch = proxy._start_batch
-    started = 0
-
-    def start_and_cancel(requests: Any) -> None:
-        nonlocal started
-        before = set(proxy._batch_tasks)
-        start_batch(requests)
-        if started in sabotage.cancel_starts:
-            for task in proxy._batch_tasks - before:
-                task.cancel()  # before it ever runs
-        started += 1
-
-    proxy._start_batch = start_and_cancel  # type: ignore[method-assign]
+    if sabotage.cancel_starts:
+        cancel_batches_before_they_run(proxy, sabotage.cancel_starts.__contains__)
 
 
 async def scenario(
@@ -255,7 +242,7 @@ async def scenario(
 
     async def batch_canceller(at: float) -> None:
         await asyncio.sleep(at)
-        for task in list(proxy._batch_tasks):
+        for task in batch_tasks(proxy):
             task.cancel()  # running, or not started yet
 
     tasks = []

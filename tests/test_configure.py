@@ -103,7 +103,7 @@ async def test_a_bad_value_is_refused_and_changes_nothing(limits: dict, error: t
             proxy.configure(**valid, **limits)
         await asyncio.gather(*(proxy.inference(i) for i in range(6)))
         assert max(len(b) for b in proxy.batches) == 3  # the valid change was not applied
-        assert (proxy._batch_size, proxy._max_concurrent) == (3, 1)
+        assert (proxy.options.batch_size, proxy.stats.max_in_flight) == (3, 1)
 
 
 def test_unknown_options_and_construction_only_ones_are_refused() -> None:
@@ -222,7 +222,7 @@ def test_a_streaming_proxy_refuses_error_isolation() -> None:
     proxy = Streams()
     with pytest.raises(TypeError, match="isolate_errors reruns parts of a batch"):
         proxy.configure(isolate_errors=True, batch_size=2)
-    assert proxy._batch_size == 64  # nothing applied
+    assert proxy.options.batch_size == 64  # nothing applied
 
 
 @pytest.mark.looptime

@@ -279,14 +279,7 @@ def test_several_options_at_once_name_a_bad_one(options: dict[str, object]):
 
 
 def limits(proxy: batchproxy.Proxy[Any, Any]) -> tuple[Any, ...]:
-    return (
-        proxy._batch_size,
-        proxy._max_delay,
-        proxy._max_concurrent,
-        proxy._follow_capacity,
-        proxy._max_queue_size,
-        proxy.stats.batch_cap,
-    )
+    return (proxy.options, proxy.stats.max_in_flight, proxy.stats.batch_cap)
 
 
 @pytest.mark.virtual_clock
@@ -318,12 +311,12 @@ def test_a_bad_configure_changes_nothing(changes: dict[str, object]):
             size = changes.get("batch_size", ...)
             assert p.stats.batch_cap == (4 if size is ... else size)
             queue = changes.get("max_queue_size", ...)
-            assert p._max_queue_size == (50 if queue is ... else queue)
+            assert p.options.max_queue_size == (50 if queue is ... else queue)
             delay = changes.get("max_delay_ms", ...)
             expected = 0.002 if delay is ... else float(delay) / 1e3  # type: ignore[arg-type]
-            assert p._max_delay == min(expected, batchproxy._validate.MAX_WAIT)  # clamped
+            assert p.options.max_delay == min(expected, batchproxy._validate.MAX_WAIT)  # clamped
             slots = changes.get("max_concurrent_batches", ...)
-            assert p._max_concurrent == {...: 2, None: 1}.get(slots, slots)  # type: ignore[call-overload]
+            assert p.stats.max_in_flight == {...: 2, None: 1}.get(slots, slots)  # type: ignore[call-overload]
         assert await asyncio.gather(*running) == [own(i) for i in range(6)]
         assert await p.inference("after") == own("after")
         await p.aclose()

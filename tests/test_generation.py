@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pytest
-from _support import assert_settled
+from _support import assert_settled, batch_tasks, cancel_batches_before_they_run
 from typing_extensions import override
 
 import batchproxy
@@ -265,7 +265,7 @@ async def test_the_engine_stops_when_idle_and_a_plain_step_runs_on_the_worker_th
     proxy = Threaded(name="gen")
     assert await collect(proxy.stream(1)) == ["batchproxy-gen"]
     await asyncio.sleep(0.05)
-    assert not proxy._batch_tasks  # no engine while idle
+    assert not batch_tasks(proxy)  # no engine while idle
     assert proxy.stats.in_flight == 0
     assert await collect(proxy.stream(2)) == ["batchproxy-gen"]  # a new one starts
     await proxy.aclose()
@@ -290,7 +290,7 @@ async def test_the_engine_cancelled_from_outside_fails_its_streams() -> None:
     active = asyncio.create_task(collect(proxy.stream(("a", 50))))
     queued = asyncio.create_task(collect(proxy.stream(("b", 2))))
     await asyncio.sleep(1.5)
-    (engine,) = proxy._batch_tasks
+    (engine,) = batch_tasks(proxy)
     engine.cancel()
     with pytest.raises(batchproxy.InferenceError):
         await active
@@ -306,18 +306,7 @@ async def test_an_engine_cancelled_before_its_first_step_fails_its_streams_and_f
     """Issue 16.5: cancelled before it ran, the engine's coroutine never started, so
     its streams hung and the one batch slot stayed taken for ever."""
     proxy = Counting(batch_size=2)
-    start_batch = proxy._start_batch
-    cancelled: list[asyncio.Task[Any]] = []
-
-    def start_and_cancel(requests: Any) -> None:
-        before = set(proxy._batch_tasks)
-        start_batch(requests)
-        if not cancelled:
-            (engine,) = proxy._batch_tasks - before
-            engine.cancel()  # before its first step
-            cancelled.append(engine)
-
-    proxy._start_batch = start_and_cancel  # type: ignore[method-assign]
+    cancel_batches_before_they_run(proxy, lambda n: n == 0)  # the first engine
     first, queued = (asyncio.create_task(collect(proxy.stream((name, 2)))) for name in "ab")
     with pytest.raises(batchproxy.InferenceError, match="cancelled"):
         await asyncio.wait_for(first, 5)  # the engine's own (the scheduler hands it one)
@@ -344,7 +333,7 @@ def test_misuse_is_refused_clearly() -> None:
     with pytest.raises(TypeError, match="not batch_timeout, window"):
         proxy.configure(window="fixed", batch_timeout=1.0)
     proxy.configure(batch_size=4, max_queue_size=10, timeout=30.0)
-    assert proxy._timeout == 30.0
+    assert proxy.options.timeout == 30.0
 
     async def call() -> None:
         await proxy.inference(("a", 1))

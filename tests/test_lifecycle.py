@@ -17,6 +17,8 @@ from _support import (
     Recorder,
     ThreadRecorder,
     assert_settled,
+    batch_tasks,
+    cancel_batches_before_they_run,
     tag_with_thread,
     thread_alive,
     wait_until,
@@ -558,7 +560,7 @@ async def test_batch_task_cancelled_from_outside_fails_its_callers() -> None:
     proxy = Recorder(delay=10.0, batch_size=2)
     calls = [asyncio.create_task(proxy.inference(i)) for i in range(2)]
     await asyncio.sleep(0.01)
-    (batch_task,) = proxy._batch_tasks
+    (batch_task,) = batch_tasks(proxy)
     batch_task.cancel()
     outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 5)
     assert all(isinstance(o, batchproxy.InferenceError) for o in outcomes)
@@ -590,10 +592,9 @@ def test_a_batch_left_on_a_closed_loop_does_not_touch_the_next_loops_slots(
         left_behind.clear()
         with caplog.at_level(logging.ERROR, logger="batchproxy"):
             gc.collect()  # closes the old batch's coroutine (GeneratorExit)
-        assert proxy._scheduler is not None
-        assert proxy._scheduler.in_flight == 0
+        assert proxy.stats.in_flight == 0
         results = await asyncio.wait_for(asyncio.gather(*map(proxy.inference, range(3))), 10)
-        assert proxy._scheduler.in_flight == 0
+        assert proxy.stats.in_flight == 0
         await proxy.aclose()
         return results
 
@@ -626,19 +627,8 @@ async def test_a_batch_task_cancelled_before_its_first_step_settles_and_frees_it
             yield [batchproxy.Last(i * 10) for i in items]
 
     proxy: batchproxy.Proxy[int, int] = (Streams if streaming else Model)(batch_size=4)
-    start_batch = proxy._start_batch
-    cancel_next = not busy
-
-    def start_and_cancel(requests: Any) -> None:
-        nonlocal cancel_next
-        before = set(proxy._batch_tasks)
-        start_batch(requests)
-        if cancel_next:
-            cancel_next = False
-            (task,) = proxy._batch_tasks - before
-            task.cancel()  # before it ever runs: "cancel every other task"
-
-    proxy._start_batch = start_and_cancel  # type: ignore[method-assign]
+    # idle: the first batch task; busy: the second, which a decision starts with its batch
+    cancel_batches_before_they_run(proxy, lambda n: n == (1 if busy else 0))
 
     async def call(item: int) -> int:
         if not streaming:
@@ -650,7 +640,6 @@ async def test_a_batch_task_cancelled_before_its_first_step_settles_and_frees_it
     if busy:  # a batch runs: the next one is formed by a decision when it ends
         first = asyncio.create_task(call(0))
         await asyncio.sleep(0.01)
-        cancel_next = True
     calls = [asyncio.create_task(call(i)) for i in (1, 2)]
     await asyncio.sleep(0.01)
     gate.set()

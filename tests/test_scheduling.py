@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from _support import Recorder
+from _support import Recorder, scheduler_of
 
 pytestmark = pytest.mark.looptime
 
@@ -222,8 +222,7 @@ async def test_timer_is_disarmed_as_soon_as_the_queue_empties() -> None:
         waiting = [asyncio.create_task(proxy.inference(i)) for i in range(2)]
         for _ in range(3):  # the callers queue, then the decision runs
             await asyncio.sleep(0)
-        scheduler = proxy._scheduler
-        assert scheduler is not None
+        scheduler = scheduler_of(proxy)
         assert scheduler._timer is not None  # two requests wait for company
         waiting.append(asyncio.create_task(proxy.inference(2)))  # fills the batch
         for _ in range(3):

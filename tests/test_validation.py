@@ -284,8 +284,9 @@ async def test_huge_durations_are_accepted_and_clamped(value):
         p.configure(**options)
         assert await p.inference_many([2, 3], timeout=value) == [("out", 2), ("out", 3)]
     limit = batchproxy._validate.MAX_WAIT
-    assert p._timeout == p._batch_timeout == limit
-    assert p._max_delay == p._aging == min(value / 1e3, limit)  # these are in ms
+    options = p.options
+    assert options.timeout == options.batch_timeout == limit
+    assert options.max_delay == options.aging == min(value / 1e3, limit)  # these are in ms
 
 
 def test_background_loop_waits_clamp_huge_timeouts():

@@ -59,8 +59,8 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from typing_extensions import override
 
 from .._decorator import Batched
+from .._listeners import Listener
 from .._proxy import Proxy
-from .._stats import Listener
 
 __all__ = [
     "BATCH_SIZE_BUCKETS",

@@ -1,0 +1,229 @@
+"""Loop binding: which event loop serves a proxy, and how calls made elsewhere reach it.
+
+A proxy serves from one event loop at a time: the first that calls it (or
+`start()`s it). A `Binding` is the state that lives on that loop: its scheduler
+(and queue), its batch tasks, the batches the watchdog gave up on, the bridge
+for calls from other threads. `Binder` owns the current binding and makes every
+decision about loops in one place:
+
+- A call on the bound loop is served there (the caller checks `current.loop`).
+- A call on another loop (`serve_elsewhere`): the proxy binds to that loop if it
+  is free (unbound, or its loop closed, or stopped and idle), else the call is
+  routed to the loop it runs in. A loop caught between the phases of its
+  shutdown (not running for a moment, calls still on it) gets `_PAUSED_GRACE`
+  seconds before the call is refused; one in its end hook, until the proxy has
+  left it.
+- A call from a plain thread (`from_thread`): routed to the bound loop, or, if
+  it runs in none, to the default `BackgroundLoop`, where the proxy then binds.
+- The bound loop ends (`asyncio.run` returning, `BackgroundLoop.close()`): its
+  bridge's hook (`_loop_ending`) fails what is queued with the "loop ended"
+  error, cancels the batches still running there, and unbinds: the next call
+  binds anew. A loop closed without that hook is noticed when the proxy binds
+  next (`abandon`).
+
+Everything here runs on the bound loop except where a method says "any thread".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+from collections.abc import Callable, Coroutine
+from typing import Any, Generic, TypeVar
+
+from ._background_loop import BackgroundLoop, background_loop_of
+from ._bridge import LoopBridge
+from ._errors import BatchProxyError, BatchTimeout, InferenceError
+from ._lifecycle import Lifecycle
+from ._scheduler import Scheduler
+from ._settle import Settlement
+
+__all__ = ["Binder", "Binding", "StillBusy"]
+
+T = TypeVar("T")
+In = TypeVar("In")
+
+_PAUSED_GRACE = 0.1
+"""Seconds a call from another loop waits for the proxy's loop, stopped with calls
+still on it, to run again or end (between the phases of `asyncio.run`'s shutdown)."""
+
+
+class StillBusy(RuntimeError):
+    """The proxy's loop is not running and still has its calls: the proxy cannot move."""
+
+
+class Binding(Generic[In]):
+    """The state of a proxy that lives on one event loop. Reset only by making a new one."""
+
+    __slots__ = ("batch_tasks", "bridge", "closing", "loop", "not_started", "overran", "scheduler")
+
+    scheduler: Scheduler[In]  # set right after construction (it starts this binding's batches)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, bridge: LoopBridge) -> None:
+        self.loop = loop
+        self.bridge = bridge
+        self.batch_tasks: set[asyncio.Task[None]] = set()  # running, or about to
+        self.not_started: set[asyncio.Task[None]] = set()  # of those, not run a step yet
+        self.overran: dict[asyncio.Future[Any], BatchTimeout] = {}  # the watchdog gave up
+        self.closing: asyncio.Task[None] | None = None  # an aclose() begun inside a batch
+
+
+class Binder(Generic[In]):
+    """Binds one proxy to the loop that calls it; routes calls from elsewhere."""
+
+    def __init__(
+        self,
+        owner: Any,
+        lifecycle: Lifecycle,
+        settlement: Settlement,
+        new_scheduler: Callable[[Binding[In]], Scheduler[In]],
+    ) -> None:
+        self._owner = owner  # adopted by the BackgroundLoop it binds to (closed with it)
+        self._lifecycle = lifecycle
+        self._settlement = settlement
+        self._new_scheduler = new_scheduler
+        self.current: Binding[In] | None = None
+
+    @property
+    def name(self) -> str:
+        return self._lifecycle.name
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> Binding[In] | None:
+        """Bind to `loop` (the running one); None if the proxy still runs on another loop.
+        `StillBusy` if that loop is stopped with calls on it; `ProxyClosed` if closed."""
+        if not self._lifecycle.open:
+            raise self._lifecycle.closed_error()
+        old = self.current
+        if old is not None:
+            if old.loop is loop:
+                return old
+            if not old.loop.is_closed():
+                if old.loop.is_running():
+                    return None
+                if not old.scheduler.idle:
+                    raise StillBusy(
+                        f"{self.name} still has requests on an event loop that is not "
+                        f"running; finish them there (or close that loop) before using it "
+                        f"from another loop"
+                    )
+            self.abandon()
+        binding = Binding[In](loop, LoopBridge(loop, self._loop_ending))
+        binding.scheduler = self._new_scheduler(binding)
+        self.current = binding
+        background = background_loop_of(loop)
+        if background is not None:  # however it got there, it closes with that loop
+            background._adopt(self._owner)
+        return binding
+
+    def abandon(self) -> None:
+        """Leave the current loop, which has ended or is left behind: what was queued there
+        is dropped with it (its callers were on it), calls routed to it get the "loop
+        ended" error."""
+        binding, self.current = self.current, None
+        if binding is not None:
+            binding.scheduler.close()
+            binding.scheduler.queue.drain()
+            binding.bridge.close()
+            background = background_loop_of(binding.loop)
+            if background is not None:
+                background._release(self._owner)
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: the parent's loop and calls are the parent's."""
+        binding, self.current = self.current, None
+        if binding is not None:
+            binding.bridge.forget()
+
+    def ended_error(self) -> BatchProxyError:
+        """What a call cut off by its loop's end gets (any thread): it was not cancelled."""
+        if not self._lifecycle.open:
+            return self._lifecycle.closed_error()
+        return InferenceError(
+            self.name,
+            asyncio.CancelledError(),
+            "the event loop serving it ended before this call was answered",
+        )
+
+    def route(
+        self, make: Callable[[], Coroutine[Any, Any, T]]
+    ) -> concurrent.futures.Future[T] | None:
+        """Run `make()` on the bound loop for a caller elsewhere (any thread); None if the
+        proxy runs in no loop, or its loop has ended or does not run."""
+        binding = self.current
+        return None if binding is None else binding.bridge.route(make, self.ended_error)
+
+    async def serve_elsewhere(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """Serve a call made on a loop the proxy is not bound to (see the module doc):
+        `make()` runs here once bound, or on the proxy's loop."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + _PAUSED_GRACE
+        while True:
+            binding = self.current
+            if binding is not None:
+                future = binding.bridge.route(make, self.ended_error)
+                if future is not None:
+                    return await asyncio.wrap_future(future)
+                if binding.bridge.ending:  # the proxy leaves that loop in a moment
+                    await asyncio.wrap_future(binding.bridge.done)
+                    continue
+            try:
+                if self.bind(loop) is not None:
+                    return await make()
+            except StillBusy:
+                if loop.time() >= give_up:
+                    raise
+                await asyncio.sleep(_PAUSED_GRACE / 100)
+            # else its loop runs again: route to it
+
+    def from_thread(
+        self, method: str, make: Callable[[], Coroutine[Any, Any, T]]
+    ) -> tuple[concurrent.futures.Future[T], LoopBridge | None]:
+        """Route a call from a plain thread (any thread but the loop's): the future, and
+        the bridge it went through (None: refused at once, the proxy is closed)."""
+        while True:  # each pass routes the call, or finds the loop it tried gone
+            binding = self.current
+            if binding is not None:
+                if binding.bridge.on_loop_thread:
+                    raise self.would_deadlock(method)
+                future = binding.bridge.route(make, self.ended_error)
+                if future is not None:
+                    return future, binding.bridge
+                if binding.bridge.ending:  # the proxy leaves that loop in a moment
+                    binding.bridge.done.result()
+                    continue
+            if not self._lifecycle.open:  # refused as ever, without starting a loop to say so
+                refused: concurrent.futures.Future[T] = concurrent.futures.Future()
+                refused.set_exception(self._lifecycle.closed_error())
+                return refused, None
+            background = BackgroundLoop.default()
+            if background._on_loop_thread():  # where this proxy would now run
+                raise self.would_deadlock(method)
+            with contextlib.suppress(RuntimeError):  # it closed meanwhile: try the next one
+                routed = background._route(make, self.ended_error)
+                if routed is not None:  # the proxy binds there, and closes with it
+                    return routed
+
+    def would_deadlock(self, method: str) -> RuntimeError:
+        return RuntimeError(
+            f"{self.name}.{method}() was called on the proxy's own event-loop thread, where "
+            f"waiting for its result would deadlock; use await proxy.inference(item)"
+        )
+
+    async def _loop_ending(self) -> None:
+        """The bound loop is ending (in its `shutdown_asyncgens()`, once its tasks were
+        cancelled): fail what is queued, cancel the batches still running (their callers
+        get `InferenceError`), and unbind: the next call binds to its own loop."""
+        binding = self.current
+        if binding is None or binding.loop is not asyncio.get_running_loop():
+            return  # moved on already
+        error = self.ended_error()
+        while True:  # until nothing is left: a cancelled batch frees a slot for the next
+            self._settlement.fail(binding.scheduler.queue.drain(), error)
+            tasks = list(binding.batch_tasks)
+            if not tasks:
+                break
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks)
+        self.abandon()

@@ -1,0 +1,157 @@
+"""Intake: how a call becomes a queued request, and how one leaves the queue early.
+
+`admit` checks a call (its own model calling the proxy, priority, timeout, cost,
+room in the queue, a deadline it cannot meet with `shed_late`), makes its
+request (a future, the arrival time, a deadline timer if it has a deadline) and
+hands it to the scheduler. A request leaves before dispatch when its deadline
+passes (`expire`) or its caller leaves (`abandon`, `withdraw`); settling it is
+`Settlement`'s, taking it out of the queue is the queue's, and timers are
+cancelled here. A call pays only for what it uses: no timer without a deadline,
+no cost without a `length`, no listener call without listeners.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Generic, TypeVar
+
+from . import _validate
+from ._binding import Binding
+from ._errors import DeadlineExceeded, QueueFull
+from ._lifecycle import Lifecycle
+from ._options import Options
+from ._queue import Request
+from ._runs import current_batch
+from ._settle import Settlement
+from ._streaming import StreamRequest
+
+__all__ = ["Intake"]
+
+In = TypeVar("In")
+
+
+class Intake(Generic[In]):
+    """Admits one proxy's calls into the queue of its current binding."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        options: Options,
+        lifecycle: Lifecycle,
+        settlement: Settlement,
+        cost: Callable[[In], int] | None,
+        streams: bool,
+    ) -> None:
+        self.name = name
+        self.options = options  # the proxy's, current (it sets this when they change)
+        self._lifecycle = lifecycle
+        self._settlement = settlement
+        self._cost = cost  # None: every request costs 1 (no length)
+        self._streams = streams
+
+    def admit(
+        self,
+        binding: Binding[In],
+        item: In,
+        timeout: object,
+        priority: object,
+        *,
+        stream: bool = False,
+    ) -> Request[In]:
+        """Queue one call on `binding` (its loop is running this): its request."""
+        if stream is not self._streams:
+            raise TypeError(
+                f"{self.name} streams its results (its _inference is a generator): "
+                f"use `async for chunk in proxy.stream(item)`"
+            )
+        if current_batch.get() is not None:  # (this test only: every call passes here)
+            self.refuse_own_model(binding, "stream" if stream else "inference")
+        if type(priority) is not int:
+            priority = _validate.priority(priority)
+        options = self.options
+        seconds = options.timeout if timeout is None else _validate.timeout("timeout", timeout)
+        cost = 1 if self._cost is None else self._cost(item)
+        self.check_room(binding, 1)
+        loop, scheduler = binding.loop, binding.scheduler
+        now = loop.time()
+        kind = StreamRequest if stream else Request
+        if seconds is None:
+            request: Request[In] = kind(item, loop.create_future(), priority, now, cost)
+        else:
+            deadline = now + seconds
+            if options.shed_late:
+                self._shed_if_late(binding, priority, deadline, cost, seconds)
+            request = kind(item, loop.create_future(), priority, now, cost, deadline)
+            request.deadline_timer = loop.call_at(deadline, self.expire, binding, request, seconds)
+        scheduler.submit(request)
+        settlement = self._settlement
+        settlement.stats.requests += 1
+        if settlement.listeners:
+            settlement.listeners.request_queued(scheduler.queue.live)
+        return request
+
+    def check_room(self, binding: Binding[In], wanted: int) -> None:
+        """Refuse `wanted` more calls at once: the proxy is closed (`ProxyClosed`), or the
+        queue has no room for them (`QueueFull`)."""
+        if not self._lifecycle.open:
+            raise self._lifecycle.closed_error()
+        limit = self.options.max_queue_size
+        if limit is not None and binding.scheduler.queue.live + wanted > limit:
+            settlement = self._settlement
+            settlement.stats.rejected += wanted
+            if settlement.listeners:
+                settlement.listeners.request_rejected(wanted)
+            raise QueueFull(self.name, limit)
+
+    def refuse_own_model(self, binding: Binding[In] | None, method: str) -> None:
+        """Refuse a call made by this proxy's own model (in one of its batches, on the
+        loop or its worker thread): it could only run after the batch waiting for it."""
+        if binding is not None and current_batch.get() in binding.batch_tasks:
+            raise RuntimeError(
+                f"{self.name}.{method}() was called from inside its own model: the model's "
+                f"batch would wait for a call that can only run after that batch, a "
+                f"deadlock. Call the model's code directly instead"
+            )
+
+    def _shed_if_late(
+        self, binding: Binding[In], priority: int, deadline: float, cost: int, seconds: float
+    ) -> None:
+        """Refuse a call at once when even the soonest predicted answer misses its deadline."""
+        expected = binding.scheduler.expected_finish(priority, deadline, cost)
+        if expected is not None and expected > deadline:
+            settlement = self._settlement
+            settlement.stats.shed += 1
+            if settlement.listeners:
+                settlement.listeners.request_shed()
+            raise DeadlineExceeded(self.name, seconds, expected - (deadline - seconds))
+
+    def expire(self, binding: Binding[In], request: Request[In], seconds: float) -> None:
+        """Deadline timer: fail the call; a queued request leaves without reaching the model."""
+        if self._settlement.expire(request, DeadlineExceeded(self.name, seconds)):
+            binding.scheduler.queue.discard(request)
+
+    def abandon(self, binding: Binding[In], request: Request[In]) -> None:
+        """The caller was cancelled (its future with it): a queued request leaves; the
+        call counts as cancelled, once."""
+        if not request.future.cancelled():
+            return
+        binding.scheduler.queue.discard(request)
+        _cancel_timer(request)
+        self._settlement.count_cancelled(request)
+
+    def withdraw(self, binding: Binding[In], requests: Iterable[Request[In]]) -> None:
+        """The caller leaves: cancel its calls not answered yet (queued ones leave the
+        queue, running ones are dropped from their batch); cancel every deadline timer."""
+        queue = binding.scheduler.queue
+        for request in requests:
+            if self._settlement.withdraw(request):
+                queue.discard(request)
+            _cancel_timer(request)
+
+
+def _cancel_timer(request: Request[Any]) -> None:
+    timer = request.deadline_timer
+    if timer is not None:
+        timer.cancel()
+        request.deadline_timer = None

@@ -1,0 +1,91 @@
+"""Re-runs of a batch whose model call raised, for the two opt-in defences.
+
+- `oom_backoff`: the call ran out of memory. Lower the batch cap (`BatchCap`) and
+  run the items in chunks of the cap, each chunk lowering it further if need be;
+  after enough batches succeed at the cap it creeps back up.
+- `isolate_errors`: the call raised. Run each half on its own, down to single
+  items, so only the items that make the model raise fail (at most 2n - 2 extra
+  calls for a batch of n; about 2 log2(n) for one bad item).
+
+Either way an item that fails alone gets the error in its own slot, so only its
+caller fails. Only a proxy with one of these options on comes here
+(`Runner.call_model`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from ._executor import Executor
+from ._oom import BatchCap
+from ._options import Options
+from ._stats import StatsRecorder
+
+__all__ = ["call_with_reruns"]
+
+logger = logging.getLogger("batchproxy")
+
+
+class _Runner(Protocol):
+    """What a re-run needs of the proxy's `Runner`."""
+
+    name: str
+    model: Callable[[list[Any]], Any]
+    executor: Executor
+    options: Options
+    cap: BatchCap
+    stats: StatsRecorder
+    on_cap_change: Callable[[], None]
+
+    def result_sequence(self, results: object) -> list[Any] | tuple[Any, ...]: ...
+
+
+async def call_with_reruns(
+    runner: _Runner, items: list[Any], *, top: bool = True
+) -> tuple[Any, bool]:
+    """Run the model on `items`: (its results, whether one call on all of them made
+    them, as opposed to calls on pieces)."""
+    options, cap = runner.options, runner.cap
+    try:
+        results = await runner.executor.run(runner.model, items)
+    except Exception as exc:
+        oom = options.is_oom is not None and options.is_oom(exc)
+        if not (oom or options.isolate_errors):
+            raise
+        if len(items) == 1:
+            return [exc], False
+        half = (len(items) + 1) // 2
+        if oom:
+            _back_off(runner, len(items), exc)
+        else:
+            runner.stats.isolation_splits += 1
+            if top:
+                logger.warning(
+                    "%s: a batch of %d raised %r; re-running it in halves to find the "
+                    "items that fail", runner.name, len(items), exc,
+                )  # fmt: skip
+        pieces: list[Any] = []
+        start = 0
+        while start < len(items):  # by index: a piece answered with a wrong count
+            piece = cap.cap if oom else half  # the cap may drop meanwhile
+            chunk = items[start : start + piece]  # shows up as a mismatch
+            results, _ = await call_with_reruns(runner, chunk, top=False)
+            pieces.extend(runner.result_sequence(results))
+            start += len(chunk)
+        return pieces, False
+    if cap.cap < cap.limit and cap.succeeded(len(items)):  # backed off: creep back up
+        runner.on_cap_change()
+    return results, True
+
+
+def _back_off(runner: _Runner, size: int, exc: Exception) -> None:
+    """A batch of `size` ran out of memory: lower the cap."""
+    runner.cap.out_of_memory(size)
+    runner.stats.oom_splits += 1
+    runner.on_cap_change()
+    logger.warning(
+        "%s: out of memory on a batch of %d (%r); retrying in chunks of %d",
+        runner.name, size, exc, runner.cap.cap,
+    )  # fmt: skip

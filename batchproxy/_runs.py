@@ -1,0 +1,411 @@
+"""Batch runs: a batch task, from the scheduler's decision to its slot's release.
+
+The scheduler decides that a batch leaves and calls `Runner.start_batch`, which
+starts a task for it in a fresh `contextvars` context (a batch serves many
+callers, so it sees none of theirs). The task runs the proxy's run kind: a plain
+batch (`run_batch`, below), a static stream (`_streaming.run_stream`) or a
+`GenerationProxy` engine. Each kind is one straight coroutine that claims its
+batch, calls the model through the executor, settles its callers
+(`Settlement`) and releases its slot, however it ends; the pieces they share are
+the methods of `Runner`, the only hooks a run kind uses.
+
+A plain batch run, in order:
+
+1. claim: mark the task started; a batch started by an arrival to an idle proxy
+   takes what is queued now (that iteration's other arrivals join it);
+2. record the start (stats, listeners) and arm the watchdog (`batch_timeout`);
+3. call the model (`call_model`; with `oom_backoff` or `isolate_errors`, the
+   re-runs of `_reruns`, paid for only when turned on);
+4. settle: result i to caller i, or the batch's error to every caller;
+5. release: record the model time, mark the proxy healthy again if it answered
+   in time, free the slot (unless handed on early, below).
+
+Cancellation, written down:
+
+- A caller cancelled while its batch runs: the batch runs on; its result is
+  dropped (its future is done; settlement skips it).
+- The batch task cancelled from outside (its event loop ending, "cancel every
+  other task"): the callers still waiting get `InferenceError`, the slot is
+  freed, and the cancellation propagates. A task cancelled before its first
+  step never runs a line of its coroutine: its done callback settles its batch
+  and frees its slot instead (`_batch_task_done`).
+- The watchdog's own cancellation (`batch_timeout` passed): the callers already
+  got `BatchTimeout` and the slot was freed when it fired; the task ends quietly.
+- `_inference` raising `CancelledError` on its own: an ordinary batch failure.
+
+When a batch answered every caller with a result and a full batch waits, the
+slot is handed on before those callers are answered (`batch_finished_early`), so
+the model starts on the next batch before they wake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import logging
+import time
+from collections.abc import Callable, Coroutine, Mapping, Set
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from ._binding import Binder, Binding
+from ._cost_model import CostModel
+from ._errors import BatchProxyError, BatchSizeMismatch, BatchTimeout, InferenceError
+from ._executor import Executor
+from ._lifecycle import Lifecycle
+from ._listeners import Listeners
+from ._oom import BatchCap
+from ._options import Options
+from ._queue import Request
+from ._reruns import call_with_reruns
+from ._settle import Settlement, caller_error
+from ._stats import Health, StatsRecorder
+
+__all__ = ["HEALTHY", "RunKind", "Runner", "current_batch", "run_batch"]
+
+logger = logging.getLogger("batchproxy")
+
+In = TypeVar("In")
+
+HEALTHY = Health(healthy=True, reason=None, since=None)
+
+current_batch: contextvars.ContextVar[asyncio.Task[Any] | None] = contextvars.ContextVar(
+    "batchproxy_current_batch", default=None
+)
+"""The batch task a model call belongs to (propagated to the worker thread): how the
+proxy recognises a call its own model makes."""
+
+
+@dataclass(frozen=True)
+class RunKind:
+    """How a proxy's batches run: the coroutine of one batch task, whether callers get
+    streams, and whether the run admits queued requests itself (then the scheduler
+    hands it one request at a time, and it takes the rest from the queue)."""
+
+    run: Callable[[Runner[Any], Binding[Any], list[Request[Any]] | None], Coroutine[Any, Any, None]]
+    streams: bool = False
+    admits_itself: bool = False
+
+
+class Runner(Generic[In]):
+    """Runs one proxy's batches: the hooks every run kind uses."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        model_name: str,
+        model: Callable[[list[In]], Any],
+        executor: Executor,
+        kind: RunKind,
+        options: Options,
+        by_cost: bool,
+        lifecycle: Lifecycle,
+        binder: Binder[In],
+        settlement: Settlement,
+        on_cap_change: Callable[[], None],
+    ) -> None:
+        self.name = name
+        self.model_name = model_name  # what the model is called in logs
+        self.model = model
+        self.executor = executor
+        self.kind = kind
+        self.options = options  # the proxy's, current (it sets this when they change)
+        self.lifecycle = lifecycle
+        self.binder = binder
+        self.settlement = settlement
+        self.stats: StatsRecorder = settlement.stats
+        self.listeners: Listeners = settlement.listeners
+        self.by_cost = by_cost  # requests carry a cost (a length): batches are padded
+        self.cap = BatchCap(options.batch_size)
+        self.cost_model = CostModel("token" if by_cost else "item")
+        self.health = HEALTHY
+        self.on_cap_change = on_cap_change
+        self._task_name = f"batchproxy-{name}-batch"
+
+    # -- starting and claiming -----------------------------------------------------------
+
+    def start_batch(self, binding: Binding[In], requests: list[Request[In]] | None) -> None:
+        """The scheduler's callback: start a batch task for `requests` (None: it takes what
+        is queued when it runs). The scheduler counted the batch in flight."""
+        run = self.kind.run(self, binding, requests)
+        task = contextvars.Context().run(
+            binding.loop.create_task, run, name=self._task_name
+        )  # named: a default name costs a counter and a format per batch
+        binding.batch_tasks.add(task)
+        binding.not_started.add(task)
+        task.add_done_callback(functools.partial(self._batch_task_done, binding, requests))
+
+    def _batch_task_done(
+        self, binding: Binding[In], requests: list[Request[In]] | None, task: asyncio.Task[None]
+    ) -> None:
+        """A batch task ended. If it never started (cancelled before its first step:
+        "cancel every other task" at shutdown), fail its callers and free its slot."""
+        binding.batch_tasks.discard(task)
+        if task not in binding.not_started:
+            return  # it ran: it settled its requests and freed its slot itself
+        binding.not_started.discard(task)
+        if not self.serves(binding):
+            return  # its event loop is gone, and the slot with it
+        if requests is None:  # it was to take what is queued: that batch fails instead
+            requests = binding.scheduler.take_reserved()
+            if not requests:
+                return  # nobody left: take_reserved freed the slot
+        self.settlement.fail(requests, self.cancelled_batch_error(asyncio.CancelledError()))
+        binding.scheduler.batch_finished()
+
+    def claim(
+        self, binding: Binding[In], requests: list[Request[In]] | None
+    ) -> tuple[list[Request[In]], asyncio.Task[Any]] | None:
+        """What the batch task now taking its first step runs: its requests (taken from the
+        queue now if an arrival to an idle proxy started it; None if every one left) and
+        the task, made the current batch for the model."""
+        task = asyncio.current_task()
+        assert task is not None
+        binding.not_started.discard(task)  # it runs: it settles its batch itself
+        current_batch.set(task)  # seen by the model, on any executor
+        if requests is None:
+            requests = binding.scheduler.take_reserved()
+            if not requests:
+                return None
+        return requests, task
+
+    def serves(self, binding: Binding[In]) -> bool:
+        """Whether `binding` is still the proxy's, on a live loop: else a batch ending now
+        was closed as garbage after its event loop ended, and its slot with it."""
+        return binding is self.binder.current and not binding.loop.is_closed()
+
+    # -- calling the model ---------------------------------------------------------------
+
+    async def call_model(self, items: list[In]) -> tuple[Any, bool]:
+        """Run the model on `items`: (its results, whether one call on all of them made
+        them). With `oom_backoff` or `isolate_errors`, a raising call is re-run in pieces
+        (`_reruns`)."""
+        options = self.options
+        if options.is_oom is None and not options.isolate_errors:
+            return await self.executor.run(self.model, items), True
+        return await call_with_reruns(self, items)
+
+    def model_failure(
+        self, exc: BaseException, binding: Binding[In], batch: asyncio.Future[Any] | None
+    ) -> Exception | None:
+        """What a model call (or step) of `batch` that raised `exc` means for its callers:
+        the error they get, or None when `exc` must propagate (the batch's event loop is
+        ending: its task was cancelled from outside, or closed after the loop was)."""
+        if isinstance(exc, GeneratorExit) and binding.loop.is_closed():
+            return None  # the coroutine closed as garbage after its loop was closed
+        if isinstance(exc, asyncio.CancelledError):
+            if batch is not None and batch in binding.overran:
+                _uncancel(batch)  # our own watchdog cancelled it, not the event loop
+                return binding.overran[batch]
+            if _cancel_requested():
+                return None
+        if not isinstance(exc, Exception):
+            logger.error("%s.%s raised %r", self.name, self.model_name, exc)
+        return caller_error(self.name, exc)
+
+    def cancelled_batch_error(self, cancel: BaseException) -> InferenceError:
+        """What the callers of a batch cancelled from outside get."""
+        return InferenceError(
+            self.name,
+            cancel,
+            "the batch task was cancelled from outside (the event loop ending, or every "
+            "task cancelled) before this call was answered",
+        )
+
+    def result_sequence(self, results: object) -> list[Any] | tuple[Any, ...]:
+        """What the model returned, as a list or tuple (an array becomes a list of its
+        rows); a TypeError if it is not a sequence of results."""
+        if type(results) is list or type(results) is tuple:  # subclasses: len/iter may raise
+            return results
+        cause: Exception | None = None
+        if hasattr(results, "__len__") and not isinstance(
+            results, (str, bytes, bytearray, Mapping, Set)
+        ):
+            try:
+                return list(results)  # type: ignore[call-overload,no-any-return]
+            except TypeError as exc:  # a 0-d array, say
+                cause = exc
+        error = TypeError(
+            f"{self.name}._inference must return a sequence with one result per item "
+            f"(list, tuple or array), got {type(results).__name__}"
+        )
+        raise error from cause
+
+    # -- recording and settling ----------------------------------------------------------
+
+    def record_start(self, requests: list[Request[In]], started: float) -> int:
+        """Count a batch that starts now; return the units the model computes: items,
+        or padded tokens (batch x longest) when items have a length."""
+        size = len(requests)
+        self.count_batch(size, [started - request.enqueued_at for request in requests])
+        if not self.by_cost:
+            return size
+        units = size * max(r.cost for r in requests)
+        self.stats.record_padding(real=sum(r.cost for r in requests), padded=units)
+        return units
+
+    def count_batch(self, size: int, queue_waits: list[float]) -> None:
+        """Count a batch (or a step) of `size` that starts now; `queue_waits`: seconds
+        each of its newcomers waited in the queue."""
+        stats = self.stats
+        stats.batches += 1
+        stats.items += size
+        stats.batch_sizes[size] = stats.batch_sizes.get(size, 0) + 1
+        stats.queue_wait.extend(queue_waits)
+        if self.listeners:
+            self.listeners.batch_started(size, queue_waits)
+
+    def count_end(self, size: int, seconds: float, error: BaseException | None) -> None:
+        """Count a model call (a batch or a step) of `size` that ended after `seconds`."""
+        self.stats.model_time.append(seconds)
+        if self.listeners:
+            self.listeners.batch_finished(size, seconds, error)
+
+    def deliver(
+        self, requests: list[Request[In]], results: object, now: float
+    ) -> BatchProxyError | Exception | None:
+        """Hand result i to caller i; return the batch-wide error instead when the results
+        cannot be matched to the callers."""
+        try:
+            results = self.result_sequence(results)
+        except BaseException as exc:  # a sequence whose len() or iteration itself fails
+            return caller_error(self.name, exc)
+        if len(results) != len(requests):
+            return BatchSizeMismatch(self.name, len(requests), len(results))
+        self.settlement.deliver(requests, results, now)
+        return None
+
+    def batch_failed(self, requests: list[Request[In]], error: BaseException) -> None:
+        """The batch failed as a whole: its callers still waiting get `error`."""
+        self.stats.failed_batches += 1
+        self.settlement.fail(requests, error)
+        if self.listeners:
+            self.listeners.error(error, len(requests))
+
+    def batch_ended(
+        self,
+        binding: Binding[In],
+        task: asyncio.Task[Any],
+        size: int,
+        seconds: float,
+        error: BaseException | None,
+        *,
+        released: bool = False,
+    ) -> None:
+        """The model call of a batch is over: record it, mark the proxy healthy again if
+        it answered in time, and free the batch slot (unless already handed on)."""
+        if not self.serves(binding):
+            return
+        self.count_end(size, seconds, error)
+        if binding.overran and binding.overran.pop(task, None) is not None:
+            return  # the watchdog failed its callers and freed its slot already
+        if not self.health.healthy and not binding.overran and self.lifecycle.open:
+            self.health = HEALTHY  # the model answers in time again
+        if not released:
+            binding.scheduler.batch_finished()
+
+    # -- the watchdog --------------------------------------------------------------------
+
+    def watch(
+        self, binding: Binding[In], task: asyncio.Task[Any], requests: list[Request[In]]
+    ) -> asyncio.TimerHandle | None:
+        """Arm the watchdog for a batch (or step) starting now, with `batch_timeout`."""
+        timeout = self.options.batch_timeout
+        if timeout is None:
+            return None
+        return binding.loop.call_later(timeout, self._overran, binding, task, requests, timeout)
+
+    def _overran(
+        self,
+        binding: Binding[In],
+        task: asyncio.Task[None],
+        requests: list[Request[In]],
+        timeout: float,
+    ) -> None:
+        """Watchdog: the batch ran past `batch_timeout`. Fail its callers now, free its
+        slot, abandon the model call (cancel it) and mark the proxy unhealthy."""
+        error = BatchTimeout(self.name, timeout, len(requests))
+        binding.overran[task] = error
+        self.stats.timed_out_batches += 1
+        self.health = Health(False, str(error), time.time())
+        logger.error("%s", error)
+        self.settlement.fail(requests, error)
+        binding.scheduler.batch_finished()
+        task.cancel()
+        if self.options.stops_on_overrun and self.lifecycle.open:
+            self.lifecycle.stop(error)  # new calls get ProxyClosed; so do the queued ones:
+            binding.scheduler.close()
+            self.settlement.fail(binding.scheduler.queue.drain(), self.lifecycle.closed_error())
+
+
+async def run_batch(
+    runner: Runner[In], binding: Binding[In], requests: list[Request[In]] | None
+) -> None:
+    """One plain batch, start to end (see the module docstring)."""
+    claimed = runner.claim(binding, requests)
+    if claimed is None:
+        return
+    requests, task = claimed
+    loop, scheduler = binding.loop, binding.scheduler
+    size = len(requests)
+    started = loop.time()
+    units = runner.record_start(requests, started)
+    watchdog = runner.watch(binding, task, requests)
+    error: BaseException | None = None
+    released = False  # the slot was handed on before the callers were answered
+    try:
+        try:
+            results, whole = await runner.call_model([r.item for r in requests])
+        except BaseException as exc:
+            error = runner.model_failure(exc, binding, task)
+            if error is None:  # the event loop is ending: so does the batch
+                if isinstance(exc, asyncio.CancelledError):
+                    runner.settlement.fail(requests, runner.cancelled_batch_error(exc))
+                raise
+        else:
+            late = bool(binding.overran) and task in binding.overran  # after the watchdog
+            released = (
+                not late
+                and scheduler.queue.live > 0  # (the cheap test first: often nobody waits)
+                and _clean(results, size)
+                and scheduler.batch_finished_early()
+            )
+            finished = loop.time()
+            error = runner.deliver(requests, results, finished)
+            if error is None and whole and not late:  # one timely call on the whole batch
+                runner.cost_model.add(units, finished - started)
+        if error is not None:
+            runner.batch_failed(requests, error)
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+        runner.batch_ended(binding, task, size, loop.time() - started, error, released=released)
+
+
+BATCHES = RunKind(run_batch)
+"""The run kind of a proxy whose model returns one result per item."""
+
+
+def _clean(results: object, size: int) -> bool:
+    """Whether `results` answers every caller with a result (no error for anyone)."""
+    return (
+        (type(results) is list or type(results) is tuple)  # a subclass's len() may raise
+        and len(results) == size
+        and not any(isinstance(r, BaseException) for r in results)
+    )
+
+
+def _uncancel(task: asyncio.Future[Any]) -> None:
+    """Withdraw a cancellation the proxy requested itself (Python 3.11+ keeps count)."""
+    uncancel = getattr(task, "uncancel", None)
+    if uncancel is not None:
+        uncancel()
+
+
+def _cancel_requested() -> bool:
+    """Whether the current task was cancelled from outside (Python 3.11+ can tell)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return bool(cancelling is not None and cancelling())
