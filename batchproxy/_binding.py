@@ -36,7 +36,7 @@ from ._background_loop import BackgroundLoop, background_loop_of
 from ._bridge import LoopBridge
 from ._errors import BatchProxyError, BatchTimeout, InferenceError
 from ._lifecycle import Lifecycle
-from ._scheduler import Scheduler
+from ._scheduler import Limits, Scheduler
 from ._settle import Settlement
 
 __all__ = ["Binder", "Binding", "StillBusy"]
@@ -56,7 +56,16 @@ class StillBusy(RuntimeError):
 class Binding(Generic[In]):
     """The state of a proxy that lives on one event loop. Reset only by making a new one."""
 
-    __slots__ = ("batch_tasks", "bridge", "closing", "loop", "not_started", "overran", "scheduler")
+    __slots__ = (
+        "batch_tasks",
+        "bridge",
+        "closing",
+        "left",
+        "loop",
+        "not_started",
+        "overran",
+        "scheduler",
+    )
 
     scheduler: Scheduler[In]  # set right after construction (it starts this binding's batches)
 
@@ -67,6 +76,33 @@ class Binding(Generic[In]):
         self.not_started: set[asyncio.Task[None]] = set()  # of those, not run a step yet
         self.overran: dict[asyncio.Future[Any], BatchTimeout] = {}  # the watchdog gave up
         self.closing: asyncio.Task[None] | None = None  # an aclose() begun inside a batch
+        self.left = False  # the proxy left this loop (it ended, or the proxy moved on)
+
+    @property
+    def serving(self) -> bool:
+        """Whether the proxy is still on this binding's live loop: else a batch ending
+        now was closed as garbage after its loop ended, and its slot with it."""
+        return not self.left and not self.loop.is_closed()
+
+    async def drain(self) -> None:
+        """`aclose()` on this loop: every queued request goes as soon as a slot is free;
+        return once every batch has ended (but those the watchdog gave up on)."""
+        scheduler = self.scheduler
+        scheduler.drain()
+        # a batch the watchdog abandoned may not end (a model ignoring cancellation)
+        while running := [t for t in self.batch_tasks if t not in self.overran]:
+            await asyncio.wait(running)
+        scheduler.close()
+
+    def apply(self, limits: Limits) -> None:
+        """Hand new limits to the scheduler, on its loop, from any thread."""
+        if self.loop.is_closed():
+            return
+        if self.bridge.on_loop_thread:
+            self.scheduler.reconfigure(*limits)
+        else:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                self.loop.call_soon_threadsafe(self.scheduler.reconfigure, *limits)
 
 
 class Binder(Generic[In]):
@@ -122,6 +158,7 @@ class Binder(Generic[In]):
         ended" error."""
         binding, self.current = self.current, None
         if binding is not None:
+            binding.left = True
             binding.scheduler.close()
             binding.scheduler.queue.drain()
             binding.bridge.close()
@@ -133,7 +170,18 @@ class Binder(Generic[In]):
         """In a forked child: the parent's loop and calls are the parent's."""
         binding, self.current = self.current, None
         if binding is not None:
+            binding.left = True
             binding.bridge.forget()
+
+    def refuse_queued(self, binding: Binding[In]) -> None:
+        """`aclose()` from another thread while `binding`'s loop is paused: fail every
+        queued request with `ProxyClosed`, thread-safely, on its own loop (what runs ends
+        there when it runs again)."""
+        binding.scheduler.close()
+        error = self._lifecycle.closed_error()
+        with contextlib.suppress(RuntimeError):  # it closed meanwhile: nobody waits there
+            for request in binding.scheduler.queue.drain():
+                binding.loop.call_soon_threadsafe(self._settlement.fail, [request], error)
 
     def ended_error(self) -> BatchProxyError:
         """What a call cut off by its loop's end gets (any thread): it was not cancelled."""

@@ -12,6 +12,7 @@ no cost without a `length`, no listener call without listeners.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
@@ -40,15 +41,24 @@ class Intake(Generic[In]):
         options: Options,
         lifecycle: Lifecycle,
         settlement: Settlement,
-        cost: Callable[[In], int] | None,
+        cost: Callable[[In], int],
         streams: bool,
     ) -> None:
         self.name = name
         self.options = options  # the proxy's, current (it sets this when they change)
         self._lifecycle = lifecycle
         self._settlement = settlement
-        self._cost = cost  # None: every request costs 1 (no length)
         self._streams = streams
+        # an item's cost, by `length` (by default tensors.length with max_batch_tokens);
+        # without one, every request costs 1 and nothing is measured
+        self._default_length = options.length is None and options.max_batch_tokens is not None
+        self._length = options.length
+        if self._default_length:
+            from .tensors import length as sequence_length
+
+            self._length = sequence_length
+        self.measures = self._length is not None
+        self._cost = cost if self.measures else None  # the proxy's hook, or none
 
     def admit(
         self,
@@ -90,6 +100,72 @@ class Intake(Generic[In]):
         if settlement.listeners:
             settlement.listeners.request_queued(scheduler.queue.live)
         return request
+
+    async def admit_many(
+        self,
+        binding: Binding[In],
+        items: list[In],
+        timeout: object,
+        priority: object,
+        *,
+        return_exceptions: bool,
+    ) -> list[Any]:
+        """`inference_many` on `binding`'s loop: queue each item as its own request (all
+        of them or none), wait for their outcomes, in item order. Unless
+        `return_exceptions`, the first failure is raised as soon as it happens and the
+        remaining items are withdrawn."""
+        self.check_room(binding, len(items))
+        requests: list[Request[In]] = []
+        try:
+            for item in items:
+                requests.append(self.admit(binding, item, timeout, priority))
+        except BaseException:  # an item refused (its length, shed_late) refuses the list:
+            self.withdraw(binding, requests)  # those queued before it never reach the model
+            raise
+        futures = [request.future for request in requests]
+        answered = binding.loop.create_future()
+        remaining = len(requests)
+
+        def on_done(future: asyncio.Future[Any]) -> None:
+            # runs before the next dispatch decision, so withdrawn items are never sent
+            nonlocal remaining
+            remaining -= 1
+            failed = not future.cancelled() and future.exception() is not None
+            if failed and not return_exceptions:
+                self.withdraw(binding, requests)
+            if (remaining == 0 or (failed and not return_exceptions)) and not answered.done():
+                answered.set_result(None)
+
+        for future in futures:
+            future.add_done_callback(on_done)
+        try:
+            await answered
+            if not return_exceptions:
+                for future in futures:  # the first failure, in item order
+                    if future.done() and not future.cancelled() and future.exception():
+                        future.result()
+            return [f.exception() or f.result() for f in futures]
+        finally:
+            self.withdraw(binding, requests)
+
+    def measure(self, item: In) -> int:
+        """An item's cost, by `length`: an int >= 0, or a clear `TypeError`."""
+        assert self._length is not None
+        try:
+            cost = self._length(item)
+        except TypeError as exc:
+            if not self._default_length:
+                raise
+            raise TypeError(
+                f"{self.name}: max_batch_tokens measures items with batchproxy.tensors.length, "
+                f"which says: {exc}; pass length=... to measure these items"
+            ) from exc
+        if isinstance(cost, bool) or not isinstance(cost, int) or cost < 0:
+            raise TypeError(
+                f"{self.name}: length(item) must return an int >= 0, got {cost!r} "
+                f"for {type(item).__name__}"
+            )
+        return cost
 
     def check_room(self, binding: Binding[In], wanted: int) -> None:
         """Refuse `wanted` more calls at once: the proxy is closed (`ProxyClosed`), or the

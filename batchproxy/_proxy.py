@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
 import weakref
 from abc import ABC
 from collections.abc import (
@@ -54,9 +53,7 @@ from ._lifecycle import Lifecycle, State
 from ._listeners import Listener, Listeners
 from ._model import cannot_rerun, choose_executor, run_kind_of
 from ._options import ConfigurableOptions, Options, ProxyOptions
-from ._queue import Request
 from ._runs import RunKind, Runner, current_batch
-from ._scheduler import Scheduler
 from ._settle import Settlement
 from ._stats import Health, ProxyStats, StatsRecorder
 from ._streaming import _CLOSED, Last, StreamEnd, StreamRequest
@@ -118,12 +115,6 @@ class Proxy(ABC, Generic[In, Out]):
             raise ValueError(f"name must be a non-empty str or None, got {name!r}")
         self.name: str = name or type(self).__name__
         self._options = opts = Options(batch_size=batch_size, **options)
-        self._default_length = opts.length is None and opts.max_batch_tokens is not None
-        self._length = opts.length
-        if self._default_length:
-            from .tensors import length as sequence_length
-
-            self._length = sequence_length
         model = self._model_function()
         kind = self._run_kind(model, offload)
         executor, self._owns_executor = choose_executor(
@@ -134,7 +125,14 @@ class Proxy(ABC, Generic[In, Out]):
         self._listeners = listeners = Listeners(self.name)
         settlement = Settlement(self.name, stats, listeners)
         lifecycle = Lifecycle(self.name)
-        self._binder: Binder[In] = Binder(self, lifecycle, settlement, self._new_scheduler)
+        self._intake: Intake[In] = Intake(
+            name=self.name,
+            options=opts,
+            lifecycle=lifecycle,
+            settlement=settlement,
+            cost=self._cost,
+            streams=kind.streams,
+        )
         self._runner: Runner[In] = Runner(
             name=self.name,
             model_name=self._model_name,
@@ -142,20 +140,13 @@ class Proxy(ABC, Generic[In, Out]):
             executor=executor,
             kind=kind,
             options=opts,
-            by_cost=self._length is not None,
+            by_cost=self._intake.measures,
+            group_by_cost=self._group_by_length,
             lifecycle=lifecycle,
-            binder=self._binder,
             settlement=settlement,
             on_cap_change=self._apply_limits,
         )
-        self._intake: Intake[In] = Intake(
-            name=self.name,
-            options=opts,
-            lifecycle=lifecycle,
-            settlement=settlement,
-            cost=None if self._length is None else self._cost,
-            streams=kind.streams,
-        )
+        self._binder: Binder[In] = Binder(self, lifecycle, settlement, self._runner.new_scheduler)
         self._capacity_watcher = _capacity_watcher(self)  # weak: the executor may outlive us
         executor.watch_capacity(self._capacity_watcher)
         if isinstance(executor, WorkerThread) and self._owns_executor:
@@ -195,23 +186,8 @@ class Proxy(ABC, Generic[In, Out]):
         return run_kind_of(self.name, model, offload, self._options)
 
     def _cost(self, item: In) -> int:
-        """An item's cost, by `length` (only called when there is one)."""
-        assert self._length is not None
-        try:
-            cost = self._length(item)
-        except TypeError as exc:
-            if not self._default_length:
-                raise
-            raise TypeError(
-                f"{self.name}: max_batch_tokens measures items with batchproxy.tensors.length, "
-                f"which says: {exc}; pass length=... to measure these items"
-            ) from exc
-        if isinstance(cost, bool) or not isinstance(cost, int) or cost < 0:
-            raise TypeError(
-                f"{self.name}: length(item) must return an int >= 0, got {cost!r} "
-                f"for {type(item).__name__}"
-            )
-        return cost
+        """An item's cost, by `length` (called only when there is one)."""
+        return self._intake.measure(item)
 
     def _has_own_model(self) -> bool:
         cls = type(self)
@@ -259,12 +235,12 @@ class Proxy(ABC, Generic[In, Out]):
                 binding.loop.call_soon_threadsafe(self._close_after, binding, calling_batch)
                 return
             if binding.loop is asyncio.get_running_loop():
-                await self._drain(binding)
-            elif (drain := self._binder.route(lambda: self._drain(binding))) is not None:
+                await binding.drain()
+            elif (drain := self._binder.route(binding.drain)) is not None:  # another loop
                 with contextlib.suppress(BatchProxyError):  # its loop ended meanwhile:
                     await asyncio.wrap_future(drain)  # what was queued is settled
             else:  # its loop is paused: what is queued cannot run; what runs ends there
-                self._refuse_queued(binding)
+                self._binder.refuse_queued(binding)
         self._lifecycle.close()
         self._executor.unwatch_capacity(self._capacity_watcher)
         if self._owns_executor:
@@ -279,22 +255,6 @@ class Proxy(ABC, Generic[In, Out]):
             await self.aclose()
 
         binding.closing = binding.loop.create_task(close())
-
-    async def _drain(self, binding: Binding[In]) -> None:
-        scheduler = binding.scheduler
-        scheduler.drain()
-        # a batch the watchdog abandoned may not end (a model ignoring cancellation)
-        while running := [t for t in binding.batch_tasks if t not in binding.overran]:
-            await asyncio.wait(running)
-        scheduler.close()
-
-    def _refuse_queued(self, binding: Binding[In]) -> None:
-        """Fail every queued request with `ProxyClosed`, thread-safely, on its own loop."""
-        binding.scheduler.close()
-        error = self._lifecycle.closed_error()
-        with contextlib.suppress(RuntimeError):  # it closed meanwhile: nobody waits there
-            for request in binding.scheduler.queue.drain():
-                binding.loop.call_soon_threadsafe(self._runner.settlement.fail, [request], error)
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -349,42 +309,11 @@ class Proxy(ABC, Generic[In, Out]):
         self._runner.cap.set_limit(new.batch_size)
         self._apply_limits()
 
-    def _new_scheduler(self, binding: Binding[In]) -> Scheduler[In]:
-        """The scheduler of a new binding, starting this proxy's batches there."""
-        options = self._options
-        size, delay, slots, adaptive, aging = self._limits()
-        return Scheduler(
-            binding.loop,
-            batch_size=size,
-            max_delay=delay,
-            max_concurrent_batches=slots,
-            adaptive=adaptive,
-            aging=aging,
-            start_batch=functools.partial(self._runner.start_batch, binding),
-            by_cost=self._length is not None,
-            group_by_cost=self._group_by_length,
-            max_batch_tokens=options.max_batch_tokens,
-            cost_model=self._runner.cost_model,
-        )
-
-    def _limits(self) -> tuple[int, float, int, bool, float | None]:
-        """What the scheduler is told: batch size, delay, slots, window, aging."""
-        options, runner = self._options, self._runner
-        slots = options.max_concurrent_batches or self._executor.capacity
-        size = 1 if runner.kind.admits_itself else runner.cap.cap
-        return size, options.max_delay, slots, options.adaptive, options.aging
-
     def _apply_limits(self) -> None:
         """Hand the current limits to the scheduler, on its loop, from any thread."""
         binding = self._binder.current
-        if binding is None or binding.loop.is_closed():
-            return  # the next event loop's scheduler starts with these values
-        limits = self._limits()
-        if binding.bridge.on_loop_thread:
-            binding.scheduler.reconfigure(*limits)
-        else:
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                binding.loop.call_soon_threadsafe(binding.scheduler.reconfigure, *limits)
+        if binding is not None:  # else the next loop's scheduler starts with them
+            binding.apply(self._runner.limits())
 
     def _on_capacity(self, capacity: int) -> None:
         """The executor was resized (maybe from another thread): follow it, if we do."""
@@ -511,41 +440,9 @@ class Proxy(ABC, Generic[In, Out]):
                     batch, timeout=timeout, priority=priority, return_exceptions=return_exceptions
                 )
             )
-        intake = self._intake
-        intake.check_room(binding, len(batch))
-        requests: list[Request[In]] = []
-        try:
-            for item in batch:
-                requests.append(intake.admit(binding, item, timeout, priority))
-        except BaseException:  # an item refused (its length, shed_late) refuses the list:
-            intake.withdraw(binding, requests)  # those queued before it never reach the model
-            raise
-        futures = [request.future for request in requests]
-        answered = binding.loop.create_future()
-        remaining = len(requests)
-
-        def on_done(future: asyncio.Future[Any]) -> None:
-            # runs before the next dispatch decision, so withdrawn items are never sent
-            nonlocal remaining
-            remaining -= 1
-            failed = not future.cancelled() and future.exception() is not None
-            if failed and not return_exceptions:
-                intake.withdraw(binding, requests)
-            if (remaining == 0 or (failed and not return_exceptions)) and not answered.done():
-                answered.set_result(None)
-
-        for future in futures:
-            future.add_done_callback(on_done)
-        try:
-            await answered
-            if not return_exceptions:
-                for future in futures:  # the first failure, in item order
-                    if future.done() and not future.cancelled() and future.exception():
-                        future.result()
-            results: list[Any] = [f.exception() or f.result() for f in futures]
-            return results
-        finally:
-            intake.withdraw(binding, requests)
+        return await self._intake.admit_many(
+            binding, batch, timeout, priority, return_exceptions=return_exceptions
+        )
 
     def submit(
         self, item: In, *, timeout: float | None = None, priority: int = 0
@@ -607,7 +504,7 @@ class Proxy(ABC, Generic[In, Out]):
             else (binding.scheduler.queue.live, binding.scheduler.in_flight)
         )
         estimate = runner.cost_model.estimate()
-        slots = self._limits()[2]
+        slots = runner.limits()[2]
         return self._stats.snapshot(depth, running, runner.cap.cap, estimate, slots)
 
     @property

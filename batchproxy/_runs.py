@@ -49,7 +49,7 @@ from collections.abc import Callable, Coroutine, Mapping, Set
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from ._binding import Binder, Binding
+from ._binding import Binding
 from ._cost_model import CostModel
 from ._errors import BatchProxyError, BatchSizeMismatch, BatchTimeout, InferenceError
 from ._executor import Executor
@@ -59,6 +59,7 @@ from ._oom import BatchCap
 from ._options import Options
 from ._queue import Request
 from ._reruns import call_with_reruns
+from ._scheduler import Limits, Scheduler
 from ._settle import Settlement, caller_error
 from ._stats import Health, StatsRecorder
 
@@ -101,8 +102,8 @@ class Runner(Generic[In]):
         kind: RunKind,
         options: Options,
         by_cost: bool,
+        group_by_cost: bool,
         lifecycle: Lifecycle,
-        binder: Binder[In],
         settlement: Settlement,
         on_cap_change: Callable[[], None],
     ) -> None:
@@ -113,16 +114,42 @@ class Runner(Generic[In]):
         self.kind = kind
         self.options = options  # the proxy's, current (it sets this when they change)
         self.lifecycle = lifecycle
-        self.binder = binder
         self.settlement = settlement
         self.stats: StatsRecorder = settlement.stats
         self.listeners: Listeners = settlement.listeners
         self.by_cost = by_cost  # requests carry a cost (a length): batches are padded
+        self.group_by_cost = group_by_cost  # and batch members are picked by cost
         self.cap = BatchCap(options.batch_size)
         self.cost_model = CostModel("token" if by_cost else "item")
         self.health = HEALTHY
         self.on_cap_change = on_cap_change
         self._task_name = f"batchproxy-{name}-batch"
+
+    # -- the scheduler's side -------------------------------------------------------------
+
+    def limits(self) -> Limits:
+        """What the scheduler is told now: batch size, delay, slots, window, aging."""
+        options = self.options
+        slots = options.max_concurrent_batches or self.executor.capacity
+        size = 1 if self.kind.admits_itself else self.cap.cap
+        return size, options.max_delay, slots, options.adaptive, options.aging
+
+    def new_scheduler(self, binding: Binding[In]) -> Scheduler[In]:
+        """The scheduler of a new binding, starting this proxy's batches there."""
+        size, delay, slots, adaptive, aging = self.limits()
+        return Scheduler(
+            binding.loop,
+            batch_size=size,
+            max_delay=delay,
+            max_concurrent_batches=slots,
+            adaptive=adaptive,
+            aging=aging,
+            start_batch=functools.partial(self.start_batch, binding),
+            by_cost=self.by_cost,
+            group_by_cost=self.group_by_cost,
+            max_batch_tokens=self.options.max_batch_tokens,
+            cost_model=self.cost_model,
+        )
 
     # -- starting and claiming -----------------------------------------------------------
 
@@ -174,7 +201,7 @@ class Runner(Generic[In]):
     def serves(self, binding: Binding[In]) -> bool:
         """Whether `binding` is still the proxy's, on a live loop: else a batch ending now
         was closed as garbage after its event loop ended, and its slot with it."""
-        return binding is self.binder.current and not binding.loop.is_closed()
+        return binding.serving
 
     # -- calling the model ---------------------------------------------------------------
 

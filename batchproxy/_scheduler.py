@@ -82,9 +82,12 @@ from typing import Generic, TypeVar
 from ._cost_model import CostModel
 from ._queue import Request, RequestQueue
 
-__all__ = ["Scheduler"]
+__all__ = ["Limits", "Scheduler"]
 
 T = TypeVar("T")
+
+Limits = tuple[int, float, int, bool, float | None]
+"""What `reconfigure` takes: batch size, max delay (s), slots, adaptive window, aging (s)."""
 
 _EWMA_WEIGHT = 0.2
 _QUIET_FACTOR = 2.0  # quiet for this many expected gaps: the stream has paused
