@@ -3,7 +3,13 @@
 Many coroutines each `await proxy.inference(x)`; the proxy groups them into
 batches by size and delay, runs the model once per batch, and hands each caller
 exactly its own result.
+
+NumPy (and torch) load with the tensor features only: `TensorProxy` and the
+`batchproxy.tensors` module are imported on first use.
 """
+
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
 
 from ._background_loop import BackgroundLoop
 from ._cost_model import CostEstimate
@@ -27,8 +33,11 @@ from ._process_workers import ProcessWorkers
 from ._proxy import Proxy
 from ._stats import Health, Percentiles, ProxyStats
 from ._streaming import END, Last, StreamEnd
-from ._tensor_proxy import TensorProxy
 from ._worker_thread import WorkerThread
+
+if _TYPE_CHECKING:
+    from . import tensors as tensors
+    from ._tensor_proxy import TensorProxy
 
 __version__ = "0.1.0"
 
@@ -65,3 +74,16 @@ __all__ = [
     "__version__",
     "batch",
 ]
+
+
+def __getattr__(name: str) -> _Any:
+    """`TensorProxy` and `tensors`, imported (with NumPy) when first asked for."""
+    if name == "TensorProxy":
+        from ._tensor_proxy import TensorProxy
+
+        return TensorProxy
+    if name == "tensors":
+        import importlib
+
+        return importlib.import_module(".tensors", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
