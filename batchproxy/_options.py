@@ -57,10 +57,57 @@ CONFIGURABLE = frozenset(ConfigurableOptions.__annotations__)
 
 @dataclass(frozen=True)
 class Options:
-    """A proxy's options (see `Proxy` for what each means), checked and normalised.
+    """A proxy's options, checked and normalised: `proxy.options`.
 
-    Read it as `proxy.options`; change it with `proxy.configure(...)`. Durations are
-    clamped to what the platform can wait; `timeout=math.inf` is stored as None.
+    Given as keywords to `Proxy(...)` (or `@batch(...)`); the run-time ones change
+    with `proxy.configure(...)`. Durations are clamped to what the platform can
+    wait; `timeout=math.inf` is stored as None.
+
+    - `batch_size`: the most items in one `_inference` call.
+    - `max_delay_ms`: the longest a request waits for company once a batch slot
+      is free (a lone request on an idle proxy does not wait; see the scheduler).
+    - `max_queue_size`: refuse calls with `QueueFull` beyond this many waiting
+      requests (default: unbounded).
+    - `timeout`: default deadline in seconds for every call (default: none).
+    - `max_concurrent_batches`: how many batches may run at once (default: the
+      executor's capacity, 1 for a thread, n for n worker processes or actors).
+    - `length`: a per-item cost (e.g. sequence length). When given, batches are
+      formed from requests of similar cost (little padding), `max_batch_tokens`
+      is enforced, and `stats.padding_waste` is tracked.
+    - `max_batch_tokens`: the most padded tokens in one batch: members x largest
+      cost (default cost: `batchproxy.tensors.length`). An item over it runs alone.
+    - `oom_backoff` (opt-in): `True` (or your predicate of what counts as out of
+      memory) reruns a batch whose `_inference` ran out of memory (`MemoryError`,
+      `torch.cuda.OutOfMemoryError`, ...) in smaller chunks and lowers the batch
+      cap for a while. Off by default: an exception then fails the whole batch.
+    - `window`: how long a partial batch waits for company when a slot is free:
+      `"adaptive"` (default) leaves as soon as waiting stops paying, by the
+      arrival rate and the cost model; `"fixed"` waits out `max_delay_ms`. Under
+      both, a request arriving to an idle proxy goes at once.
+    - `aging_ms` (opt-in): starvation guard. Levels are served by their oldest
+      request's arrival minus `aging_ms` per level of priority, and a level whose
+      oldest request has waited `aging_ms` goes oldest first; so no request is
+      overtaken by one Δp levels higher that came more than Δp x `aging_ms`
+      after it. Off: strict priority, then earliest deadline first.
+    - `shed_late` (opt-in): refuse a call with a deadline at once, with
+      `DeadlineExceeded`, when the cost model predicts it cannot be answered in
+      time even at full speed (counted in `stats.shed`), instead of letting it
+      wait to fail.
+    - `isolate_errors` (opt-in): when `_inference` raises an `Exception`, run each
+      half of the batch again on its own, down to single items, so only the items
+      that make it raise fail (with what the model raised for them) and the others
+      get their results. At most 2n - 2 extra model calls for a batch of n, about
+      2 log2(n) for one bad item; counted in `stats.isolation_splits`.
+    - `batch_timeout` (opt-in, seconds): a watchdog. A batch still running after
+      this long fails its callers with `BatchTimeout`, frees its slot, is cancelled
+      (a model on a thread or in a process cannot be interrupted: it runs on there)
+      and marks the proxy unhealthy (`proxy.health`) until a later batch returns in
+      time. `on_batch_timeout`: `"serve"` (default) keeps taking calls; `"stop"`
+      stops intake, like `aclose()`: queued and new calls get `ProxyClosed`.
+    - `stream_buffer` (streams only): the most chunks a stream may hold unread. A
+      consumer that stops reading without closing its stream (a `break` while it
+      still holds the iterator) is dropped from its batch at that point with
+      `StreamBufferFull`, instead of chunks piling up; None: no bound.
     """
 
     batch_size: int = 64

@@ -20,6 +20,7 @@ import numpy as np
 
 from . import _validate, tensors
 from ._proxy import Proxy
+from ._tensor_items import _problems
 from .tensors import Collated, PaddingSide
 
 if TYPE_CHECKING:
@@ -121,7 +122,7 @@ class TensorProxy(Proxy[In, Out]):
 
     def _prepare(self, items: list[In]) -> _Batch:
         """Validate, collate the valid items and move them to the device."""
-        errors = tensors._problems(items)  # validate's errors, without batch positions
+        errors = _problems(items)  # validate's errors, without batch positions
         results: list[Any] = list(errors)
         valid = [i for i, error in enumerate(errors) if error is None]
         if not valid:

@@ -29,26 +29,32 @@ from __future__ import annotations
 
 import math
 import sys
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, TypeGuard
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from . import _validate
+from ._tensor_items import (
+    _check_items,
+    _dtype_name,
+    _is_leaf,
+    _is_tensor,
+    _leaves,
+    _Path,
+    _problems,
+    _Shape,
+    _shape,
+    _type_name,
+)
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 __all__ = ["Collated", "PaddingSide", "collate", "length", "split", "validate"]
 
 PaddingSide = Literal["right", "left"]
-
-_Path = tuple[str | int, ...]
-"""Where a leaf sits in an item: `()` for a lone array, `(key,)` in a dict, `(i,)` in a tuple."""
-
-_Shape = tuple[int, ...]
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,211 +84,6 @@ class Collated:
     """The padded shape (without the batch axis) of the leaf at `_paths[j]`."""
 
 
-# -- leaves -----------------------------------------------------------------------------------
-
-
-def _is_tensor(value: object) -> TypeGuard[torch.Tensor]:
-    torch_module = sys.modules.get("torch")  # no tensor exists before torch is imported
-    tensor_type = getattr(torch_module, "Tensor", None)
-    return tensor_type is not None and isinstance(value, tensor_type)
-
-
-def _is_leaf(value: object) -> bool:
-    return isinstance(value, np.ndarray) or _is_tensor(value)
-
-
-def _shape(leaf: Any) -> _Shape:
-    return tuple(int(size) for size in leaf.shape)
-
-
-def _library(leaf: Any) -> str:
-    return "torch" if _is_tensor(leaf) else "numpy"
-
-
-def _dtype_name(leaf: Any) -> str:
-    return str(leaf.dtype).removeprefix("torch.")
-
-
-def _device(leaf: Any) -> str:
-    return str(leaf.device) if _is_tensor(leaf) else "cpu"
-
-
-def _leaves(item: object) -> list[tuple[_Path, Any]]:
-    """The arrays of one item with their paths, in the item's own order.
-
-    Raises `TypeError` for an unsupported item (naming its type) and `ValueError`
-    for an empty dict or tuple.
-    """
-    if _is_leaf(item):
-        return [((), item)]
-    if isinstance(item, Mapping):
-        found: list[tuple[_Path, Any]] = []
-        for key, value in item.items():
-            if not isinstance(key, str):
-                raise TypeError(f"dict keys must be str, got {type(key).__name__} {key!r}")
-            if not _is_leaf(value):
-                raise TypeError(
-                    f"key {key!r} holds a {type(value).__name__}; "
-                    "dict values must be NumPy arrays or torch tensors"
-                )
-            found.append(((key,), value))
-        if not found:
-            raise ValueError("an empty dict has nothing to batch")
-        return found
-    if isinstance(item, tuple):
-        for index, value in enumerate(item):
-            if not _is_leaf(value):
-                raise TypeError(
-                    f"element {index} is a {type(value).__name__}; "
-                    "tuple elements must be NumPy arrays or torch tensors"
-                )
-        if not item:
-            raise ValueError("an empty tuple has nothing to batch")
-        return [((index,), value) for index, value in enumerate(item)]
-    raise TypeError(
-        f"cannot batch a {_type_name(item)}: items must be "
-        "NumPy arrays, torch tensors, dict[str, array] or tuples of arrays"
-    )
-
-
-def _check_items(function: str, items: object) -> None:
-    """`items` is a list (or another sequence) of items, not one item or an iterator."""
-    if not isinstance(items, Sequence) or isinstance(items, (str, bytes, bytearray)):
-        raise TypeError(
-            f"{function} takes a list of items, got {_type_name(items)}; "
-            "pass [item] for a single item"
-        )
-
-
-def _type_name(value: object) -> str:
-    kind = type(value)
-    return (
-        kind.__qualname__
-        if kind.__module__ == "builtins"
-        else f"{kind.__module__}.{kind.__qualname__}"
-    )
-
-
-# -- validate ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _LeafSignature:
-    library: str
-    ndim: int
-    dtype: str
-    device: str
-
-
-@dataclass(frozen=True)
-class _Signature:
-    kind: Literal["array", "dict", "tuple"]
-    keys: tuple[str, ...]  # sorted dict keys, else ()
-    leaves: tuple[_LeafSignature, ...]  # in sorted key order for dicts
-
-
-def _sorted_leaves(item: object) -> list[tuple[_Path, Any]]:
-    found = _leaves(item)
-    return sorted(found, key=lambda pair: str(pair[0][0])) if isinstance(item, Mapping) else found
-
-
-def _signature(item: object) -> _Signature:
-    found = _sorted_leaves(item)
-    kind: Literal["array", "dict", "tuple"] = (
-        "dict" if isinstance(item, Mapping) else "tuple" if isinstance(item, tuple) else "array"
-    )
-    keys = tuple(str(path[0]) for path, _ in found) if kind == "dict" else ()
-    leaves = tuple(
-        _LeafSignature(_library(leaf), len(leaf.shape), _dtype_name(leaf), _device(leaf))
-        for _, leaf in found
-    )
-    return _Signature(kind, keys, leaves)
-
-
-_LIKE_THE_OTHERS = "like the other items in its batch"
-
-
-def _kind_name(signature: _Signature) -> str:
-    if signature.kind == "dict":
-        return f"a dict with keys {list(signature.keys)}"
-    if signature.kind == "tuple":
-        count = len(signature.leaves)
-        return f"a tuple of {count} array{'' if count == 1 else 's'}"
-    return _library_name(signature.leaves[0].library)
-
-
-def _library_name(library: str) -> str:
-    return "a torch tensor" if library == "torch" else "a NumPy array"
-
-
-def _describe(leaf: Any) -> str:
-    """What one leaf is: `a NumPy array of dtype float64 and shape (3,)`."""
-    return f"{_library_name(_library(leaf))} of dtype {_dtype_name(leaf)} and shape {_shape(leaf)}"
-
-
-def _subject(path: _Path) -> str:
-    if not path:
-        return ""
-    if isinstance(path[0], str):
-        return f"key {path[0]!r}: "
-    return f"element {path[0]}: "
-
-
-def _mismatch(
-    item: object, signature: _Signature, reference: object, expected: _Signature
-) -> Exception:
-    """Why `item` (with `signature`) cannot join a batch of items like `reference`: what
-    was expected and what the item is, without its position (the caller sent one item)."""
-    if signature.kind != expected.kind or (
-        signature.kind == "array" and signature.leaves[0].library != expected.leaves[0].library
-    ):
-        what = _describe(item) if signature.kind == "array" else _kind_name(signature)
-        return TypeError(f"expected {_kind_name(expected)} {_LIKE_THE_OTHERS}, got {what}")
-    if signature.keys != expected.keys:
-        missing = ", ".join(repr(key) for key in expected.keys if key not in signature.keys)
-        extra = ", ".join(repr(key) for key in signature.keys if key not in expected.keys)
-        details = "; ".join(
-            part for part in (missing and f"missing {missing}", extra and f"extra {extra}") if part
-        )
-        return ValueError(
-            f"expected {_kind_name(expected)} {_LIKE_THE_OTHERS}, "
-            f"got keys {list(signature.keys)} ({details})"
-        )
-    if len(signature.leaves) != len(expected.leaves):
-        return ValueError(
-            f"expected {_kind_name(expected)} {_LIKE_THE_OTHERS}, got {_kind_name(signature)}"
-        )
-    pairs = zip(
-        _sorted_leaves(item),
-        _sorted_leaves(reference),
-        signature.leaves,
-        expected.leaves,
-        strict=True,
-    )
-    for (path, leaf), (_, reference_leaf), got, want in pairs:
-        subject = _subject(path)
-        if got.library != want.library:
-            return TypeError(
-                f"{subject}expected {_library_name(want.library)} {_LIKE_THE_OTHERS}, "
-                f"got {_describe(leaf)}"
-            )
-        if got.device != want.device:
-            return ValueError(
-                f"{subject}expected a tensor on {want.device} {_LIKE_THE_OTHERS}, "
-                f"got {_describe(leaf)} on {got.device}"
-            )
-        if got.ndim != want.ndim:
-            return ValueError(
-                f"{subject}expected rank {want.ndim} {_LIKE_THE_OTHERS} "
-                f"(e.g. shape {_shape(reference_leaf)}), got rank {got.ndim}: {_describe(leaf)}"
-            )
-        if got.dtype != want.dtype:
-            return TypeError(
-                f"{subject}expected dtype {want.dtype} {_LIKE_THE_OTHERS}, got {_describe(leaf)}"
-            )
-    raise AssertionError("signatures differ but no difference found")  # pragma: no cover
-
-
 def validate(items: Sequence[Any]) -> list[Exception | None]:
     """Per item: `None` if it can be batched with the others, else the error saying why,
     starting with the item's position in `items` (`item 2: ...`).
@@ -297,32 +98,6 @@ def validate(items: Sequence[Any]) -> list[Exception | None]:
         None if error is None else type(error)(f"item {index}: {error}")
         for index, error in enumerate(_problems(items))
     ]
-
-
-def _problems(items: Sequence[Any]) -> list[Exception | None]:
-    """`validate` without the positions: each error describes the item alone, for a
-    caller that sent that one item (`TensorProxy`)."""
-    signatures: list[_Signature | Exception] = []
-    for item in items:
-        try:
-            signatures.append(_signature(item))
-        except (TypeError, ValueError) as error:
-            signatures.append(error)
-    counts = Counter(s for s in signatures if isinstance(s, _Signature))
-    if not counts:
-        return [s if isinstance(s, Exception) else None for s in signatures]
-    most = max(counts.values())
-    expected = next(s for s in signatures if isinstance(s, _Signature) and counts[s] == most)
-    reference = items[signatures.index(expected)]
-    errors: list[Exception | None] = []
-    for item, signature in zip(items, signatures, strict=True):
-        if isinstance(signature, Exception):
-            errors.append(signature)
-        elif signature == expected:
-            errors.append(None)
-        else:
-            errors.append(_mismatch(item, signature, reference, expected))
-    return errors
 
 
 # -- collate ----------------------------------------------------------------------------------
