@@ -36,6 +36,7 @@ from ._background_loop import BackgroundLoop, background_loop_of
 from ._bridge import LoopBridge
 from ._errors import BatchProxyError, BatchTimeout, InferenceError
 from ._lifecycle import Lifecycle
+from ._queue import Request
 from ._scheduler import Limits, Scheduler
 from ._settle import Settlement
 
@@ -62,6 +63,7 @@ class Binding(Generic[In]):
         "closing",
         "left",
         "loop",
+        "never_started",
         "not_started",
         "overran",
         "scheduler",
@@ -69,14 +71,29 @@ class Binding(Generic[In]):
 
     scheduler: Scheduler[In]  # set right after construction (it starts this binding's batches)
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, bridge: LoopBridge) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        bridge: LoopBridge,
+        never_started: Callable[[Binding[In], list[Request[In]] | None], None],
+    ) -> None:
         self.loop = loop
         self.bridge = bridge
+        self.never_started = never_started  # settles the batch of a task that never ran
         self.batch_tasks: set[asyncio.Task[None]] = set()  # running, or about to
-        self.not_started: set[asyncio.Task[None]] = set()  # of those, not run a step yet
+        # of those, the ones that have not run a step yet, with their batch (None: the
+        # queued requests it was to take)
+        self.not_started: dict[asyncio.Task[None], list[Request[In]] | None] = {}
         self.overran: dict[asyncio.Future[Any], BatchTimeout] = {}  # the watchdog gave up
         self.closing: asyncio.Task[None] | None = None  # an aclose() begun inside a batch
         self.left = False  # the proxy left this loop (it ended, or the proxy moved on)
+
+    def task_done(self, task: asyncio.Task[None]) -> None:
+        """A batch task ended. If it never ran a step, nothing in it settled its batch
+        or freed its slot: `never_started` does."""
+        self.batch_tasks.discard(task)
+        if task in self.not_started:
+            self.never_started(self, self.not_started.pop(task))
 
     @property
     def serving(self) -> bool:
@@ -114,11 +131,13 @@ class Binder(Generic[In]):
         lifecycle: Lifecycle,
         settlement: Settlement,
         new_scheduler: Callable[[Binding[In]], Scheduler[In]],
+        never_started: Callable[[Binding[In], list[Request[In]] | None], None],
     ) -> None:
         self._owner = owner  # adopted by the BackgroundLoop it binds to (closed with it)
         self._lifecycle = lifecycle
         self._settlement = settlement
         self._new_scheduler = new_scheduler
+        self._never_started = never_started
         self.current: Binding[In] | None = None
 
     @property
@@ -144,7 +163,7 @@ class Binder(Generic[In]):
                         f"from another loop"
                     )
             self.abandon()
-        binding = Binding[In](loop, LoopBridge(loop, self._loop_ending))
+        binding = Binding[In](loop, LoopBridge(loop, self._loop_ending), self._never_started)
         binding.scheduler = self._new_scheduler(binding)
         self.current = binding
         background = background_loop_of(loop)

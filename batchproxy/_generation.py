@@ -202,6 +202,7 @@ async def _run_engine(
     finally:
         if runner.serves(binding):
             binding.scheduler.batch_finished()
+        binding.batch_tasks.discard(claimed[1])
 
 
 class _Engine(Generic[In]):

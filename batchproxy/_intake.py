@@ -82,8 +82,11 @@ class Intake(Generic[In]):
         options = self.options
         seconds = options.timeout if timeout is None else _validate.timeout("timeout", timeout)
         cost = 1 if self._cost is None else self._cost(item)
-        self.check_room(binding, 1)
         loop, scheduler = binding.loop, binding.scheduler
+        if not self._lifecycle.open or (  # (`check_room`, inline: every call passes here)
+            options.max_queue_size is not None and scheduler.queue.live >= options.max_queue_size
+        ):
+            self.check_room(binding, 1)
         now = loop.time()
         kind = StreamRequest if stream else Request
         if seconds is None:
@@ -97,7 +100,7 @@ class Intake(Generic[In]):
         scheduler.submit(request)
         settlement = self._settlement
         settlement.stats.requests += 1
-        if settlement.listeners:
+        if settlement.listeners.on:
             settlement.listeners.request_queued(scheduler.queue.live)
         return request
 
@@ -176,7 +179,7 @@ class Intake(Generic[In]):
         if limit is not None and binding.scheduler.queue.live + wanted > limit:
             settlement = self._settlement
             settlement.stats.rejected += wanted
-            if settlement.listeners:
+            if settlement.listeners.on:
                 settlement.listeners.request_rejected(wanted)
             raise QueueFull(self.name, limit)
 
@@ -198,7 +201,7 @@ class Intake(Generic[In]):
         if expected is not None and expected > deadline:
             settlement = self._settlement
             settlement.stats.shed += 1
-            if settlement.listeners:
+            if settlement.listeners.on:
                 settlement.listeners.request_shed()
             raise DeadlineExceeded(self.name, seconds, expected - (deadline - seconds))
 

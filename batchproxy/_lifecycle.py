@@ -42,30 +42,31 @@ class State(enum.Enum):
 class Lifecycle:
     """The state of one proxy, and why it stopped if it stopped itself."""
 
-    __slots__ = ("cause", "name", "state")
+    __slots__ = ("cause", "name", "open", "state")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, state: State = State.OPEN) -> None:
         self.name = name
-        self.state = State.OPEN
+        self.state = state
+        self.open = state is State.OPEN  # `state is OPEN`, kept beside it: read per call
         self.cause: BatchProxyError | None = None  # set with STOPPED, kept after
-
-    @property
-    def open(self) -> bool:
-        return self.state is State.OPEN
 
     def drain(self) -> None:
         """`aclose()` began (idempotent; a STOPPED proxy stays STOPPED until released)."""
         if self.state is State.OPEN:
-            self.state = State.DRAINING
+            self._move(State.DRAINING)
 
     def stop(self, cause: BatchProxyError) -> None:
         """The proxy stops itself because of `cause` (only from OPEN)."""
         if self.state is State.OPEN:
-            self.state, self.cause = State.STOPPED, cause
+            self.cause = cause
+            self._move(State.STOPPED)
 
     def close(self) -> None:
         """`aclose()` is done: every accepted call has its outcome."""
-        self.state = State.CLOSED
+        self._move(State.CLOSED)
+
+    def _move(self, state: State) -> None:
+        self.state, self.open = state, False  # no transition leads back to OPEN
 
     def closed_error(self) -> ProxyClosed:
         """What a call to a proxy that is not OPEN gets: why it stopped, if it did."""

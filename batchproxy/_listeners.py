@@ -6,7 +6,7 @@ cut that short or reach a caller: `Listeners` logs and drops every
 `BaseException` (a `CancelledError` or `GeneratorExit` from a hook is not the
 proxy's own), and raises a `KeyboardInterrupt` or `SystemExit` again from a
 callback of its own on the event loop, once the settling is done. A proxy with
-no listener pays one truth test per event (`if listeners:`).
+no listener pays one attribute test per event (`if listeners.on:`).
 """
 
 from __future__ import annotations
@@ -63,22 +63,22 @@ class Listener:
 class Listeners:
     """The listeners of one proxy, each hook called through a typed method of its own."""
 
-    __slots__ = ("_listeners", "proxy")
+    __slots__ = ("_listeners", "on", "proxy")
 
     def __init__(self, proxy: str) -> None:
         self.proxy = proxy
         self._listeners: list[Listener] = []
-
-    def __bool__(self) -> bool:
-        return bool(self._listeners)
+        self.on = False  # any listener: callers test this, not a method, per event
 
     def add(self, listener: Listener) -> None:
         if not isinstance(listener, Listener):
             raise TypeError(f"listener must be a batchproxy.Listener, got {listener!r}")
         self._listeners.append(listener)
+        self.on = True
 
     def remove(self, listener: Listener) -> None:
         self._listeners.remove(listener)
+        self.on = bool(self._listeners)
 
     def request_queued(self, queue_depth: int) -> None:
         self._each("request_queued", lambda hook: hook.request_queued(self.proxy, queue_depth))

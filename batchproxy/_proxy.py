@@ -65,8 +65,7 @@ In = TypeVar("In")
 Out = TypeVar("Out")
 T = TypeVar("T")
 
-_UNINITIALIZED = Lifecycle("(uninitialized)")
-_UNINITIALIZED.state = State.UNINITIALIZED
+_UNINITIALIZED = Lifecycle("(uninitialized)", State.UNINITIALIZED)
 
 
 class _NoBinder:
@@ -146,7 +145,10 @@ class Proxy(ABC, Generic[In, Out]):
             settlement=settlement,
             on_cap_change=self._apply_limits,
         )
-        self._binder: Binder[In] = Binder(self, lifecycle, settlement, self._runner.new_scheduler)
+        runner = self._runner
+        self._binder: Binder[In] = Binder(
+            self, lifecycle, settlement, runner.new_scheduler, runner.never_started
+        )
         self._capacity_watcher = _capacity_watcher(self)  # weak: the executor may outlive us
         executor.watch_capacity(self._capacity_watcher)
         if isinstance(executor, WorkerThread) and self._owns_executor:

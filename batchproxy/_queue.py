@@ -36,6 +36,7 @@ __all__ = ["Request", "RequestQueue"]
 T = TypeVar("T")
 
 _COMPACT_MIN_DEAD = 64
+_DEFAULT_ONLY = ((0, False),)  # the serving order when only the default level is in use
 
 
 class Request(Generic[T]):
@@ -138,7 +139,9 @@ class RequestQueue(Generic[T]):
         ago) are dropped here rather than sent to the model.
         """
         batch: list[Request[T]] = []
-        for priority, oldest_first in self._serving_order(now):
+        default_only = self.aging is None and self._order == [0]
+        order = _DEFAULT_ONLY if default_only else self._serving_order(now)
+        for priority, oldest_first in order:
             level = self._levels[priority]
             if not oldest_first and level.by_deadline:
                 entries = level.by_deadline
@@ -160,11 +163,12 @@ class RequestQueue(Generic[T]):
                 self._leave(request)
                 if not request.future.done():
                     batch.append(request)
-            if not fifo:
+            if not fifo and priority:
                 self._drop_level(-priority)
             if len(batch) >= limit:
                 break
-        self._collect()  # served out of arrival order: dead entries behind a live head
+        if self._dead > _COMPACT_MIN_DEAD:  # (`_collect`, inline: once per batch)
+            self._collect()  # served out of arrival order: dead entries behind a live head
         return batch
 
     def pop_similar(

@@ -44,6 +44,7 @@ import asyncio
 import contextvars
 import functools
 import logging
+import sys
 import time
 from collections.abc import Callable, Coroutine, Mapping, Set
 from dataclasses import dataclass
@@ -52,7 +53,7 @@ from typing import Any, Generic, TypeVar
 from ._binding import Binding
 from ._cost_model import CostModel
 from ._errors import BatchProxyError, BatchSizeMismatch, BatchTimeout, InferenceError
-from ._executor import Executor
+from ._executor import Executor, LoopExecutor
 from ._lifecycle import Lifecycle
 from ._listeners import Listeners
 from ._oom import BatchCap
@@ -124,19 +125,22 @@ class Runner(Generic[In]):
         self.health = HEALTHY
         self.on_cap_change = on_cap_change
         self._task_name = f"batchproxy-{name}-batch"
+        self._on_loop = type(executor) is LoopExecutor
 
     # -- the scheduler's side -------------------------------------------------------------
 
     def limits(self) -> Limits:
-        """What the scheduler is told now: batch size, delay, slots, window, aging."""
+        """What the scheduler is told now: batch size, delay, slots, window, aging, and
+        whether it predicts batch ends (several slots to stagger, or calls to shed)."""
         options = self.options
         slots = options.max_concurrent_batches or self.executor.capacity
         size = 1 if self.kind.admits_itself else self.cap.cap
-        return size, options.max_delay, slots, options.adaptive, options.aging
+        predicts = slots > 1 or options.shed_late
+        return size, options.max_delay, slots, options.adaptive, options.aging, predicts
 
     def new_scheduler(self, binding: Binding[In]) -> Scheduler[In]:
         """The scheduler of a new binding, starting this proxy's batches there."""
-        size, delay, slots, adaptive, aging = self.limits()
+        size, delay, slots, adaptive, aging, predicts = self.limits()
         return Scheduler(
             binding.loop,
             batch_size=size,
@@ -144,6 +148,7 @@ class Runner(Generic[In]):
             max_concurrent_batches=slots,
             adaptive=adaptive,
             aging=aging,
+            predicts=predicts,
             start_batch=functools.partial(self.start_batch, binding),
             by_cost=self.by_cost,
             group_by_cost=self.group_by_cost,
@@ -155,24 +160,18 @@ class Runner(Generic[In]):
 
     def start_batch(self, binding: Binding[In], requests: list[Request[In]] | None) -> None:
         """The scheduler's callback: start a batch task for `requests` (None: it takes what
-        is queued when it runs). The scheduler counted the batch in flight."""
+        is queued when it runs). The scheduler counted the batch in flight. The task is
+        in `binding.batch_tasks` until its run kind ends (and takes it out), or, if it is
+        cancelled before its first step, until its done callback settles its batch."""
         run = self.kind.run(self, binding, requests)
-        task = contextvars.Context().run(
-            binding.loop.create_task, run, name=self._task_name
-        )  # named: a default name costs a counter and a format per batch
+        task = _new_task(binding.loop, run, self._task_name)
         binding.batch_tasks.add(task)
-        binding.not_started.add(task)
-        task.add_done_callback(functools.partial(self._batch_task_done, binding, requests))
+        binding.not_started[task] = requests
+        task.add_done_callback(binding.task_done)
 
-    def _batch_task_done(
-        self, binding: Binding[In], requests: list[Request[In]] | None, task: asyncio.Task[None]
-    ) -> None:
-        """A batch task ended. If it never started (cancelled before its first step:
-        "cancel every other task" at shutdown), fail its callers and free its slot."""
-        binding.batch_tasks.discard(task)
-        if task not in binding.not_started:
-            return  # it ran: it settled its requests and freed its slot itself
-        binding.not_started.discard(task)
+    def never_started(self, binding: Binding[In], requests: list[Request[In]] | None) -> None:
+        """A batch task ended without running a step (cancelled before its first one:
+        "cancel every other task" at shutdown): fail its callers and free its slot."""
         if not self.serves(binding):
             return  # its event loop is gone, and the slot with it
         if requests is None:  # it was to take what is queued: that batch fails instead
@@ -190,11 +189,15 @@ class Runner(Generic[In]):
         the task, made the current batch for the model."""
         task = asyncio.current_task()
         assert task is not None
-        binding.not_started.discard(task)  # it runs: it settles its batch itself
+        # it runs: it settles its batch and leaves `batch_tasks` itself (`done`), so its
+        # end schedules no callback
+        del binding.not_started[task]
+        task.remove_done_callback(binding.task_done)
         current_batch.set(task)  # seen by the model, on any executor
         if requests is None:
             requests = binding.scheduler.take_reserved()
             if not requests:
+                binding.batch_tasks.discard(task)
                 return None
         return requests, task
 
@@ -210,9 +213,11 @@ class Runner(Generic[In]):
         them). With `oom_backoff` or `isolate_errors`, a raising call is re-run in pieces
         (`_reruns`)."""
         options = self.options
-        if options.is_oom is None and not options.isolate_errors:
-            return await self.executor.run(self.model, items), True
-        return await call_with_reruns(self, items)
+        if options.is_oom is not None or options.isolate_errors:
+            return await call_with_reruns(self, items)
+        if self._on_loop:  # what LoopExecutor.run does, one coroutine frame less
+            return await self.model(items), True
+        return await self.executor.run(self.model, items), True
 
     def model_failure(
         self, exc: BaseException, binding: Binding[In], batch: asyncio.Future[Any] | None
@@ -266,7 +271,14 @@ class Runner(Generic[In]):
         """Count a batch that starts now; return the units the model computes: items,
         or padded tokens (batch x longest) when items have a length."""
         size = len(requests)
-        self.count_batch(size, [started - request.enqueued_at for request in requests])
+        waits = [started - request.enqueued_at for request in requests]
+        stats = self.stats
+        stats.batches += 1
+        stats.items += size
+        stats.batch_sizes[size] = stats.batch_sizes.get(size, 0) + 1
+        stats.queue_wait.extend(waits)
+        if self.listeners.on:
+            self.listeners.batch_started(size, waits)
         if not self.by_cost:
             return size
         units = size * max(r.cost for r in requests)
@@ -281,13 +293,13 @@ class Runner(Generic[In]):
         stats.items += size
         stats.batch_sizes[size] = stats.batch_sizes.get(size, 0) + 1
         stats.queue_wait.extend(queue_waits)
-        if self.listeners:
+        if self.listeners.on:
             self.listeners.batch_started(size, queue_waits)
 
     def count_end(self, size: int, seconds: float, error: BaseException | None) -> None:
         """Count a model call (a batch or a step) of `size` that ended after `seconds`."""
         self.stats.model_time.append(seconds)
-        if self.listeners:
+        if self.listeners.on:
             self.listeners.batch_finished(size, seconds, error)
 
     def deliver(
@@ -295,10 +307,11 @@ class Runner(Generic[In]):
     ) -> BatchProxyError | Exception | None:
         """Hand result i to caller i; return the batch-wide error instead when the results
         cannot be matched to the callers."""
-        try:
-            results = self.result_sequence(results)
-        except BaseException as exc:  # a sequence whose len() or iteration itself fails
-            return caller_error(self.name, exc)
+        if not (type(results) is list or type(results) is tuple):  # else as they are
+            try:
+                results = self.result_sequence(results)
+            except BaseException as exc:  # a sequence whose len() or iteration itself fails
+                return caller_error(self.name, exc)
         if len(results) != len(requests):
             return BatchSizeMismatch(self.name, len(requests), len(results))
         self.settlement.deliver(requests, results, now)
@@ -308,7 +321,7 @@ class Runner(Generic[In]):
         """The batch failed as a whole: its callers still waiting get `error`."""
         self.stats.failed_batches += 1
         self.settlement.fail(requests, error)
-        if self.listeners:
+        if self.listeners.on:
             self.listeners.error(error, len(requests))
 
     def batch_ended(
@@ -323,9 +336,11 @@ class Runner(Generic[In]):
     ) -> None:
         """The model call of a batch is over: record it, mark the proxy healthy again if
         it answered in time, and free the batch slot (unless already handed on)."""
-        if not self.serves(binding):
+        if binding.left or binding.loop.is_closed():  # (`serves`, inline: once per batch)
             return
-        self.count_end(size, seconds, error)
+        self.stats.model_time.append(seconds)
+        if self.listeners.on:
+            self.listeners.batch_finished(size, seconds, error)
         if binding.overran and binding.overran.pop(task, None) is not None:
             return  # the watchdog failed its callers and freed its slot already
         if not self.health.healthy and not binding.overran and self.lifecycle.open:
@@ -379,9 +394,12 @@ async def run_batch(
     size = len(requests)
     started = loop.time()
     units = runner.record_start(requests, started)
-    watchdog = runner.watch(binding, task, requests)
+    watchdog = (
+        None if runner.options.batch_timeout is None else runner.watch(binding, task, requests)
+    )
     error: BaseException | None = None
     released = False  # the slot was handed on before the callers were answered
+    finished = None
     try:
         try:
             results, whole = await runner.call_model([r.item for r in requests])
@@ -408,11 +426,30 @@ async def run_batch(
     finally:
         if watchdog is not None:
             watchdog.cancel()
-        runner.batch_ended(binding, task, size, loop.time() - started, error, released=released)
+        ended = loop.time() if finished is None else finished
+        runner.batch_ended(binding, task, size, ended - started, error, released=released)
+        binding.batch_tasks.discard(task)
 
 
 BATCHES = RunKind(run_batch)
 """The run kind of a proxy whose model returns one result per item."""
+
+
+if sys.version_info >= (3, 11):
+
+    def _new_task(
+        loop: asyncio.AbstractEventLoop, run: Coroutine[Any, Any, None], name: str
+    ) -> asyncio.Task[None]:
+        """A batch task, in a fresh `contextvars` context: a batch serves many callers,
+        so it sees none of theirs (named: a default name costs a counter and a format)."""
+        return loop.create_task(run, name=name, context=contextvars.Context())
+
+else:
+
+    def _new_task(
+        loop: asyncio.AbstractEventLoop, run: Coroutine[Any, Any, None], name: str
+    ) -> asyncio.Task[None]:
+        return contextvars.Context().run(loop.create_task, run, name=name)
 
 
 def _clean(results: object, size: int) -> bool:

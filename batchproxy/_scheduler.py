@@ -86,8 +86,9 @@ __all__ = ["Limits", "Scheduler"]
 
 T = TypeVar("T")
 
-Limits = tuple[int, float, int, bool, float | None]
-"""What `reconfigure` takes: batch size, max delay (s), slots, adaptive window, aging (s)."""
+Limits = tuple[int, float, int, bool, float | None, bool]
+"""What `reconfigure` takes: batch size, max delay (s), slots, adaptive window, aging (s),
+and whether to predict when each batch ends (`predicts`)."""
 
 _EWMA_WEIGHT = 0.2
 _QUIET_FACTOR = 2.0  # quiet for this many expected gaps: the stream has paused
@@ -111,6 +112,7 @@ class Scheduler(Generic[T]):
         adaptive: bool = True,
         cost_model: CostModel | None = None,
         aging: float | None = None,
+        predicts: bool = True,
     ) -> None:
         self.loop = loop
         self.queue: RequestQueue[T] = RequestQueue(aging)
@@ -124,6 +126,10 @@ class Scheduler(Generic[T]):
         self._budget = max_batch_tokens
         self._adaptive = adaptive
         self._cost_model = cost_model or CostModel()
+        # predict when each batch ends (by the cost model): what staggers batches over
+        # several slots and what `shed_late` needs; with one slot and no shedding, a
+        # batch pays nothing for it
+        self._predicts = predicts
         self._last_dispatch = -math.inf
         self._last_duration = 0.0  # predicted model time of the batch last sent
         self._running_until: list[float] = []  # predicted ends of the batches in flight
@@ -165,10 +171,10 @@ class Scheduler(Generic[T]):
         """The batch of a task started by an arrival to an idle proxy: what is queued
         now, in the usual order. Empty (and the slot freed) if every request left."""
         batch = self._take()
-        if batch:
-            self._note_dispatch(batch)
-        else:
+        if not batch:
             self.batch_finished()
+        elif self._predicts:
+            self._note_dispatch(batch)
         return batch
 
     def batch_finished(self) -> None:
@@ -205,6 +211,7 @@ class Scheduler(Generic[T]):
         max_concurrent_batches: int,
         adaptive: bool,
         aging: float | None,
+        predicts: bool,
     ) -> None:
         """New limits and window from the next decision on (running batches are not
         touched); the queue's new `aging` orders the next pops."""
@@ -212,6 +219,7 @@ class Scheduler(Generic[T]):
         self._max_delay = max_delay
         self._max_concurrent = max_concurrent_batches
         self._adaptive = adaptive
+        self._predicts = predicts
         self.queue.aging = aging
         self._schedule_decision()  # a smaller batch, a new slot or window may send one now
 
@@ -258,7 +266,8 @@ class Scheduler(Generic[T]):
         batch = self._take()
         if batch:  # empty when every queued request turned out to be dead
             self.in_flight += 1
-            self._note_dispatch(batch)
+            if self._predicts:
+                self._note_dispatch(batch)
             self._start_batch(batch)
 
     def _full(self) -> bool:

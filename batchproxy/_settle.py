@@ -48,7 +48,7 @@ class Settlement:
 
     def deliver(self, requests: Sequence[Request[Any]], results: Sequence[Any], now: float) -> None:
         """Result i to caller i (as many of each; an `Exception` fails its caller alone)."""
-        stats, listeners = self.stats, self.listeners
+        stats, listeners = self.stats, self.listeners.on
         latency = stats.total_latency
         succeeded = errors = 0
         for request, result in zip(requests, results, strict=True):
@@ -75,7 +75,7 @@ class Settlement:
             if not request.future.done():
                 request.future.set_exception(error)
                 self.stats.errors += 1
-                if self.listeners:
+                if self.listeners.on:
                     self._finished("error", request)
 
     def expire(self, request: Request[Any], error: DeadlineExceeded) -> bool:
@@ -84,7 +84,7 @@ class Settlement:
             return False
         request.future.set_exception(error)
         self.stats.timed_out += 1
-        if self.listeners:
+        if self.listeners.on:
             self._finished("timed_out", request)
         return True
 
@@ -96,7 +96,7 @@ class Settlement:
                 request.future.set_result(None)
                 stats.succeeded += 1
                 stats.total_latency.append(now - request.enqueued_at)
-                if self.listeners:
+                if self.listeners.on:
                     self._finished("succeeded", request)
 
     def withdraw(self, request: Request[Any]) -> bool:
@@ -110,7 +110,7 @@ class Settlement:
     def count_cancelled(self, request: Request[Any]) -> None:
         """The call's future was cancelled (its caller left): count it."""
         self.stats.cancelled += 1
-        if self.listeners:
+        if self.listeners.on:
             self._finished("cancelled", request)
 
     def recount_as_cancelled(self, future: asyncio.Future[Any]) -> None:
