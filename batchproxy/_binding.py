@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Generic, TypeVar
 
@@ -60,6 +61,7 @@ class Binding(Generic[In]):
     __slots__ = (
         "batch_tasks",
         "bridge",
+        "clock",
         "closing",
         "left",
         "loop",
@@ -78,6 +80,12 @@ class Binding(Generic[In]):
         never_started: Callable[[Binding[In], list[Request[In]] | None], None],
     ) -> None:
         self.loop = loop
+        # `loop.time`: the same clock, without the method call where it is
+        # asyncio's own (`time.monotonic`); a loop with a clock of its own (a virtual
+        # one in tests, uvloop's) keeps it
+        self.clock: Callable[[], float] = (
+            time.monotonic if type(loop).time is asyncio.BaseEventLoop.time else loop.time
+        )
         self.bridge = bridge
         self.never_started = never_started  # settles the batch of a task that never ran
         self.batch_tasks: set[asyncio.Task[None]] = set()  # running, or about to

@@ -87,7 +87,7 @@ class Intake(Generic[In]):
             options.max_queue_size is not None and scheduler.queue.live >= options.max_queue_size
         ):
             self.check_room(binding, 1)
-        now = loop.time()
+        now = binding.clock()
         kind = StreamRequest if stream else Request
         if seconds is None:
             request: Request[In] = kind(item, loop.create_future(), priority, now, cost)

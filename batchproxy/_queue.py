@@ -37,6 +37,7 @@ T = TypeVar("T")
 
 _COMPACT_MIN_DEAD = 64
 _DEFAULT_ONLY = ((0, False),)  # the serving order when only the default level is in use
+_NO_DEADLINE = math.inf
 
 
 class Request(Generic[T]):
@@ -153,16 +154,22 @@ class RequestQueue(Generic[T]):
                     if not request.future.done():
                         batch.append(request)
             fifo = level.fifo
+            left = cost = 0  # (`_leave` for each, summed: this loop is per request)
             while fifo and (len(batch) < limit or not fifo[0].queued):
                 request = fifo.popleft()
                 if not request.queued:  # left earlier, out of order: a dead entry
                     self._dead -= 1
                     continue
-                if request.deadline != math.inf:
+                if request.deadline != _NO_DEADLINE:
                     level.unlist(request)
-                self._leave(request)
+                request.queued = False
+                left += 1
+                cost += request.cost
                 if not request.future.done():
                     batch.append(request)
+            level.live -= left
+            self.live -= left
+            self.live_cost -= cost
             if not fifo and priority:
                 self._drop_level(-priority)
             if len(batch) >= limit:

@@ -164,7 +164,7 @@ class Scheduler(Generic[T]):
             # batch when it first runs, so this iteration's other arrivals join it
             self.in_flight += 1
             self._start_batch(None)
-        else:
+        elif not self._decision_scheduled:  # (inline test: every arrival passes here)
             self._schedule_decision()
 
     def take_reserved(self) -> list[Request[T]]:
