@@ -103,6 +103,18 @@ class Binding(Generic[In]):
         if task in self.not_started:
             self.never_started(self, self.not_started.pop(task))
 
+    def close_after(
+        self, batch: asyncio.Task[Any], aclose: Callable[[], Coroutine[Any, Any, None]]
+    ) -> None:
+        """`aclose()` awaited from inside `batch` (where it would wait for itself): run it
+        here once `batch` has ended."""
+
+        async def close() -> None:
+            await asyncio.wait([batch])
+            await aclose()
+
+        self.closing = self.loop.create_task(close())
+
     @property
     def serving(self) -> bool:
         """Whether the proxy is still on this binding's live loop: else a batch ending

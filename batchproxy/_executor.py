@@ -19,9 +19,10 @@ Two things an executor tells the proxy:
 from __future__ import annotations
 
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from typing_extensions import Self
 
@@ -73,6 +74,21 @@ class Executor(ABC):
 
 
 _watchers_lock = threading.Lock()
+
+_T = TypeVar("_T")
+
+
+def weak_callback(owner: _T, method: Callable[[_T, int], None]) -> Callable[[int], None]:
+    """A capacity callback calling `method(owner, capacity)` that does not keep `owner`
+    alive (an executor may outlive the proxies that watch it)."""
+    ref = weakref.ref(owner)
+
+    def changed(capacity: int) -> None:
+        target = ref()
+        if target is not None:
+            method(target, capacity)
+
+    return changed
 
 
 class PoolExecutor(Executor):

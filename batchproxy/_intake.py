@@ -219,6 +219,16 @@ class Intake(Generic[In]):
         _cancel_timer(request)
         self._settlement.count_cancelled(request)
 
+    def end_stream(
+        self, binding: Binding[In], request: Request[In], *, read_to_the_end: bool
+    ) -> None:
+        """A stream's consumer is done with it: if it left before the end, its call is
+        withdrawn (or, ended unread, counted as cancelled); its deadline timer goes."""
+        future = request.future
+        if not read_to_the_end and future.done() and not future.cancelled():
+            self._settlement.recount_as_cancelled(future)  # it ended unread: the consumer left
+        self.withdraw(binding, [request])
+
     def withdraw(self, binding: Binding[In], requests: Iterable[Request[In]]) -> None:
         """The caller leaves: cancel its calls not answered yet (queued ones leave the
         queue, running ones are dropped from their batch); cancel every deadline timer."""

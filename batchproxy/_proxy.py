@@ -25,54 +25,38 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import types
 import weakref
 from abc import ABC
-from collections.abc import (
-    AsyncGenerator,
-    AsyncIterator,
-    Awaitable,
-    Callable,
-    Coroutine,
-    Iterable,
-    Iterator,
-    Mapping,
-    Sequence,
-)
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from typing import Any, Generic, Literal, TypeVar, overload
 
 from typing_extensions import Self, Unpack
 
 from . import _validate
-from ._binding import Binder, Binding
+from ._binding import Binder
 from ._bridge import LoopBridge
 from ._errors import BatchProxyError, DeadlineExceeded
-from ._executor import Executor
+from ._executor import Executor, weak_callback
 from ._fork import forget_threads_in_forked_children
 from ._intake import Intake
 from ._lifecycle import Lifecycle, State
 from ._listeners import Listener, Listeners
 from ._model import cannot_rerun, choose_executor, run_kind_of
 from ._options import ConfigurableOptions, Options, ProxyOptions
-from ._runs import RunKind, Runner, current_batch
+from ._runs import ModelOutput, RunKind, Runner, current_batch
 from ._settle import Settlement
 from ._stats import Health, ProxyStats, StatsRecorder
-from ._streaming import _CLOSED, Last, StreamEnd, StreamRequest
+from ._streaming import _CLOSED, StreamRequest
 from ._worker_thread import WorkerThread
 
 __all__ = ["Proxy"]
 
 In = TypeVar("In")
 Out = TypeVar("Out")
-T = TypeVar("T")
 
 _UNINITIALIZED = Lifecycle("(uninitialized)", State.UNINITIALIZED)
-
-
-class _NoBinder:
-    """What a proxy whose `__init__` forgot `super().__init__()` has as a binder: none,
-    so its first call reaches `_require_init` and its clear error."""
-
-    current = None
+_NO_BINDER: Any = types.SimpleNamespace(current=None)  # so a first call reaches _require_init
 
 
 class Proxy(ABC, Generic[In, Out]):
@@ -98,7 +82,7 @@ class Proxy(ABC, Generic[In, Out]):
     _model_name = "_inference"  # what the model is called in logs
     # the class defaults, so a subclass that forgot super().__init__() gets a clear error
     _lifecycle = _UNINITIALIZED
-    _binder: Binder[In] = _NoBinder()  # type: ignore[assignment]
+    _binder: Binder[In] = _NO_BINDER
 
     def __init__(
         self,
@@ -108,11 +92,7 @@ class Proxy(ABC, Generic[In, Out]):
         name: str | None = None,
         **options: Unpack[ProxyOptions],
     ) -> None:
-        if name is not None and not isinstance(name, str):
-            raise TypeError(f"name must be a str or None, got {type(name).__name__} {name!r}")
-        if name == "":
-            raise ValueError(f"name must be a non-empty str or None, got {name!r}")
-        self.name: str = name or type(self).__name__
+        self.name: str = _validate.name(name) or type(self).__name__
         self._options = opts = Options(batch_size=batch_size, **options)
         model = self._model_function()
         kind = self._run_kind(model, offload)
@@ -149,7 +129,9 @@ class Proxy(ABC, Generic[In, Out]):
         self._binder: Binder[In] = Binder(
             self, lifecycle, settlement, runner.new_scheduler, runner.never_started
         )
-        self._capacity_watcher = _capacity_watcher(self)  # weak: the executor may outlive us
+        self._capacity_watcher = weak_callback(
+            self, Proxy._on_capacity
+        )  # the executor may outlive us
         executor.watch_capacity(self._capacity_watcher)
         if isinstance(executor, WorkerThread) and self._owns_executor:
             # a proxy dropped without aclose() still stops its thread
@@ -159,14 +141,7 @@ class Proxy(ABC, Generic[In, Out]):
 
     # -- the model (hooks) ---------------------------------------------------------------
 
-    def _inference(
-        self, items: list[In], /
-    ) -> (
-        Awaitable[Sequence[Out | BaseException]]
-        | Sequence[Out | BaseException]
-        | AsyncIterator[Sequence[Out | Last[Out] | StreamEnd | BaseException]]
-        | Iterator[Sequence[Out | Last[Out] | StreamEnd | BaseException]]
-    ):
+    def _inference(self, items: list[In], /) -> ModelOutput[Out]:
         """Run the model on one batch; return one result per item, in order.
 
         Or stream: a generator (`async def` or plain `def`) that yields one element per
@@ -234,7 +209,7 @@ class Proxy(ABC, Generic[In, Out]):
         if binding is not None and not binding.loop.is_closed():
             calling_batch = current_batch.get()
             if calling_batch in binding.batch_tasks:  # from the model, maybe on the worker
-                binding.loop.call_soon_threadsafe(self._close_after, binding, calling_batch)
+                binding.loop.call_soon_threadsafe(binding.close_after, calling_batch, self.aclose)
                 return
             if binding.loop is asyncio.get_running_loop():
                 await binding.drain()
@@ -250,13 +225,6 @@ class Proxy(ABC, Generic[In, Out]):
                 self._executor.close(wait=False)  # its thread may be stuck in the model
             else:
                 await self._executor.aclose()
-
-    def _close_after(self, binding: Binding[In], batch: asyncio.Task[Any]) -> None:
-        async def close() -> None:
-            await asyncio.wait([batch])
-            await self.aclose()
-
-        binding.closing = binding.loop.create_task(close())
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -384,9 +352,7 @@ class Proxy(ABC, Generic[In, Out]):
             over = True
             future.result()  # the stream's error, if it failed
         finally:
-            if not over and future.done() and not future.cancelled():  # ended unread
-                self._runner.settlement.recount_as_cancelled(future)  # the consumer left
-            self._intake.withdraw(binding, [request])
+            self._intake.end_stream(binding, request, read_to_the_end=over)
 
     @overload
     async def inference_many(
@@ -487,11 +453,9 @@ class Proxy(ABC, Generic[In, Out]):
     ) -> tuple[concurrent.futures.Future[Out], LoopBridge | None]:
         self._require_init()
         self._intake.refuse_own_model(self._binder.current, method)
-
-        def call() -> Coroutine[Any, Any, Out]:
-            return self.inference(item, timeout=timeout, priority=priority)
-
-        return self._binder.from_thread(method, call)
+        return self._binder.from_thread(
+            method, lambda: self.inference(item, timeout=timeout, priority=priority)
+        )
 
     # -- observation ---------------------------------------------------------------------
 
@@ -527,15 +491,3 @@ class Proxy(ABC, Generic[In, Out]):
 
     def remove_listener(self, listener: Listener) -> None:
         self._listeners.remove(listener)
-
-
-def _capacity_watcher(proxy: Proxy[Any, Any]) -> Callable[[int], None]:
-    """A capacity callback that does not keep `proxy` alive."""
-    ref = weakref.ref(proxy)
-
-    def changed(capacity: int) -> None:
-        target = ref()
-        if target is not None:
-            target._on_capacity(capacity)
-
-    return changed

@@ -47,7 +47,16 @@ import itertools
 import logging
 import sys
 import time
-from collections.abc import Callable, Coroutine, Mapping, Set
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterator,
+    Mapping,
+    Sequence,
+    Set,
+)
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -65,11 +74,12 @@ from ._scheduler import Limits, Scheduler
 from ._settle import Settlement, caller_error
 from ._stats import Health, StatsRecorder
 
-__all__ = ["HEALTHY", "RunKind", "Runner", "current_batch", "run_batch"]
+__all__ = ["HEALTHY", "ModelOutput", "RunKind", "Runner", "current_batch", "run_batch"]
 
 logger = logging.getLogger("batchproxy")
 
 In = TypeVar("In")
+Out = TypeVar("Out")
 
 HEALTHY = Health(healthy=True, reason=None, since=None)
 
@@ -78,6 +88,16 @@ current_batch: contextvars.ContextVar[asyncio.Task[Any] | None] = contextvars.Co
 )
 """The batch task a model call belongs to (propagated to the worker thread): how the
 proxy recognises a call its own model makes."""
+
+
+ModelOutput = (
+    Awaitable[Sequence[Out | BaseException]]
+    | Sequence[Out | BaseException]
+    | AsyncIterator[Sequence[Any]]
+    | Iterator[Sequence[Any]]
+)
+"""What `_inference` returns: one result per item (or an `Exception` for that item),
+maybe awaitable; or, for streams, a generator of steps (see `stream()`)."""
 
 
 @dataclass(frozen=True)

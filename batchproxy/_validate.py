@@ -19,6 +19,7 @@ __all__ = [
     "count",
     "duration",
     "flag",
+    "name",
     "optional_count",
     "priority",
     "timeout",
@@ -90,6 +91,15 @@ def timeout(name: str, value: object) -> float | None:
         return None
     seconds = duration(name, value, allow_zero=False, allow_inf=True)
     return None if seconds == math.inf else seconds
+
+
+def name(value: object) -> str | None:
+    """A name: None, or a non-empty str."""
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"name must be a str or None, got {type(value).__name__} {value!r}")
+    if value == "":
+        raise ValueError(f"name must be a non-empty str or None, got {value!r}")
+    return value
 
 
 def priority(value: object) -> int:
