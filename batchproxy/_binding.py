@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Generic, TypeVar
@@ -66,6 +67,7 @@ class Binding(Generic[In]):
         "left",
         "loop",
         "never_started",
+        "new_future",
         "not_started",
         "overran",
         "scheduler",
@@ -83,8 +85,13 @@ class Binding(Generic[In]):
         # `loop.time`: the same clock, without the method call where it is
         # asyncio's own (`time.monotonic`); a loop with a clock of its own (a virtual
         # one in tests, uvloop's) keeps it
-        self.clock: Callable[[], float] = (
-            time.monotonic if type(loop).time is asyncio.BaseEventLoop.time else loop.time
+        standard = type(loop).time is asyncio.BaseEventLoop.time
+        self.clock: Callable[[], float] = time.monotonic if standard else loop.time
+        # `loop.create_future`, likewise: asyncio's own makes a Future in C, in one call
+        self.new_future: Callable[[], asyncio.Future[Any]] = (
+            functools.partial(asyncio.Future, loop=loop)
+            if type(loop).create_future is asyncio.BaseEventLoop.create_future
+            else loop.create_future
         )
         self.bridge = bridge
         self.never_started = never_started  # settles the batch of a task that never ran

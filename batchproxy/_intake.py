@@ -90,12 +90,12 @@ class Intake(Generic[In]):
         now = binding.clock()
         kind = StreamRequest if stream else Request
         if seconds is None:
-            request: Request[In] = kind(item, loop.create_future(), priority, now, cost)
+            request: Request[In] = kind(item, binding.new_future(), priority, now, cost)
         else:
             deadline = now + seconds
             if options.shed_late:
                 self._shed_if_late(binding, priority, deadline, cost, seconds)
-            request = kind(item, loop.create_future(), priority, now, cost, deadline)
+            request = kind(item, binding.new_future(), priority, now, cost, deadline)
             request.deadline_timer = loop.call_at(deadline, self.expire, binding, request, seconds)
         scheduler.submit(request)
         settlement = self._settlement

@@ -119,7 +119,7 @@ class RequestQueue(Generic[T]):
         self._seq += 1
         request.seq = self._seq
         level.fifo.append(request)
-        if request.deadline != math.inf:
+        if request.deadline != _NO_DEADLINE:
             bisect.insort(level.by_deadline, (request.deadline, request.seq, request))
         level.live += 1
         self.live += 1
