@@ -192,8 +192,13 @@ class Proxy(ABC, Generic[In, Out]):
                 f"{self.name} is already running in another event loop (in another thread); "
                 f"use proxy.submit(item) to call it from here"
             )
-        if self._owns_executor and isinstance(self._executor, WorkerThread):
-            self._executor.start()
+        self._start_worker()
+
+    def _start_worker(self) -> None:
+        """Start the private worker thread now, if the proxy has one not running yet."""
+        executor = self._executor
+        if self._owns_executor and isinstance(executor, WorkerThread) and not executor.started:
+            executor.start()
 
     async def aclose(self) -> None:
         """Stop intake, run every accepted request to its outcome, release the worker.
@@ -453,6 +458,9 @@ class Proxy(ABC, Generic[In, Out]):
     ) -> tuple[concurrent.futures.Future[Out], LoopBridge | None]:
         self._require_init()
         self._intake.refuse_own_model(self._binder.current, method)
+        # here, in the caller's thread: a first call made just before the interpreter
+        # exits would otherwise start the thread during the exit (refused on 3.12+)
+        self._start_worker()
         return self._binder.from_thread(
             method, lambda: self.inference(item, timeout=timeout, priority=priority)
         )

@@ -128,6 +128,11 @@ class WorkerThread(Executor):
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def started(self) -> bool:
+        """Whether the thread has been started (it may have stopped since)."""
+        return self._thread is not None
+
     # -- lifecycle -----------------------------------------------------------------
 
     def start(self) -> None:
