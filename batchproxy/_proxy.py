@@ -14,10 +14,8 @@ One request's way through the library, top to bottom:
    result; the slot is freed for the next batch.
 4. The caller resumes in `inference` with its result.
 
-What else a proxy is made of: `Options` (`_options`), the lifecycle state
-(`_lifecycle`), listeners (`_listeners`), stats (`_stats`), the sync bridge for
-calls from other threads (`_bridge`), and the run kind that decides how a batch
-runs (plain, streaming: `_streaming`, continuous: `_generation`; `_model`).
+Also: `_options`, `_lifecycle`, `_listeners`, `_stats`, `_bridge` (calls from
+other threads), and the run kinds (`_streaming`, `_generation`; chosen in `_model`).
 """
 
 from __future__ import annotations

@@ -292,14 +292,7 @@ class Runner(Generic[In]):
         """Count a batch that starts now; return the units the model computes: items,
         or padded tokens (batch x longest) when items have a length."""
         size = len(requests)
-        waits = [started - request.enqueued_at for request in requests]
-        stats = self.stats
-        stats.batches += 1
-        stats.items += size
-        stats.batch_sizes[size] = stats.batch_sizes.get(size, 0) + 1
-        stats.queue_wait.extend(waits)
-        if self.listeners.on:
-            self.listeners.batch_started(size, waits)
+        self.count_batch(size, [started - request.enqueued_at for request in requests])
         if not self.by_cost:
             return size
         units = size * max(r.cost for r in requests)
