@@ -3,9 +3,11 @@ added to or dropped from `batchproxy` is a decision, made here too."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import batchproxy
 
@@ -78,3 +80,61 @@ def test_importing_batchproxy_loads_no_numpy() -> None:
         "assert 'numpy' in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+PACKAGE = Path(batchproxy.__file__).parent
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the library, by dotted name (without `batchproxy.`)."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        found[".".join(p for p in parts if p != "__init__") or "__init__"] = path
+    return found
+
+
+def test_no_module_is_over_500_lines() -> None:
+    """One concept a module: a module that grows past this has taken on a second one."""
+    long = {
+        name: n
+        for name, path in modules().items()
+        if (n := len(path.read_text().splitlines())) > 500
+    }
+    assert long == {}
+
+
+def test_the_modules_import_each_other_without_a_cycle() -> None:
+    """Not even a type-only one, nor one through an import inside a function: a module's
+    dependencies come before it."""
+    known = modules()
+    graph: dict[str, set[str]] = {name: set() for name in known}
+    for name, path in known.items():
+        package = name.rsplit(".", 1)[0] if "." in name else ""
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = (
+                    package.split(".")[: len(package.split(".")) - node.level + 1]
+                    if package
+                    else []
+                )
+                target = ".".join([*base, node.module] if node.module else base)
+                names = [target] if node.module else [alias.name for alias in node.names]
+                for candidate in names:
+                    if candidate in known and name not in (candidate, "__init__"):
+                        graph[name].add(candidate)
+    visiting: list[str] = []
+    done: set[str] = set()
+
+    def visit(node: str) -> None:
+        assert node not in visiting, " -> ".join([*visiting[visiting.index(node) :], node])
+        if node in done:
+            return
+        visiting.append(node)
+        for dependency in sorted(graph[node]):
+            visit(dependency)
+        visiting.pop()
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node)
