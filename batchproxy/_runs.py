@@ -28,7 +28,7 @@ Cancellation, written down:
   other task"): the callers still waiting get `InferenceError`, the slot is
   freed, and the cancellation propagates. A task cancelled before its first
   step never runs a line of its coroutine: its done callback settles its batch
-  and frees its slot instead (`_batch_task_done`).
+  and frees its slot instead (`Binding.task_done`, then `Runner.never_started`).
 - The watchdog's own cancellation (`batch_timeout` passed): the callers already
   got `BatchTimeout` and the slot was freed when it fired; the task ends quietly.
 - `_inference` raising `CancelledError` on its own: an ordinary batch failure.
@@ -134,15 +134,18 @@ class Runner(Generic[In]):
         self.model = model
         self.executor = executor
         self.kind = kind
-        self.options = options  # the proxy's, current (it sets this when they change)
+        self.options = options  # the proxy's, current: Proxy.configure() replaces it
         self.lifecycle = lifecycle
         self.settlement = settlement
         self.stats: StatsRecorder = settlement.stats
         self.listeners: Listeners = settlement.listeners
         self.by_cost = by_cost  # requests carry a cost (a length): batches are padded
         self.group_by_cost = group_by_cost  # and batch members are picked by cost
+        # changed by: configure() and the out-of-memory back-off (`_reruns`)
         self.cap = BatchCap(options.batch_size)
+        # fed by every batch that ran whole and in time (`run_batch`)
         self.cost_model = CostModel("token" if by_cost else "item")
+        # changed by: the watchdog (unhealthy), `batch_ended` (healthy again)
         self.health = HEALTHY
         self.on_cap_change = on_cap_change
         self._task_name = f"batchproxy-{name}-batch"
