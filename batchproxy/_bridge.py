@@ -84,7 +84,7 @@ class LoopBridge:
         self._ended = False  # the loop ended, or the proxy left it: route nothing more
         self.done: concurrent.futures.Future[None] = concurrent.futures.Future()
         """Set once the loop's end is dealt with (the hook ran, or `close()`)."""
-        self._watcher: AsyncGenerator[None, None] | None = _watch_end(loop, weakref.ref(self))
+        self._watcher: AsyncGenerator[None, None] | None = _watch_end(weakref.ref(self))
 
     @property
     def on_loop_thread(self) -> bool:
@@ -236,12 +236,11 @@ def _resolve(
             future.set_exception(error)
 
 
-def _watch_end(
-    loop: asyncio.AbstractEventLoop, bridge: weakref.ref[LoopBridge]
-) -> AsyncGenerator[None, None] | None:
-    """An async generator whose `finally` runs when `loop` shuts its generators down,
-    registered with `loop` by its first step (on the loop's thread, while it runs);
-    None where the loop keeps no such hooks."""
+def _watch_end(bridge: weakref.ref[LoopBridge]) -> AsyncGenerator[None, None] | None:
+    """An async generator whose `finally` runs when the running loop shuts its
+    generators down, registered with it by its first step (made on the loop's thread,
+    while it runs: the loop's own first-step hook, `sys.set_asyncgen_hooks`, registers
+    it); None where the loop keeps no such hooks."""
 
     async def watch() -> AsyncGenerator[None, None]:
         try:
@@ -251,7 +250,6 @@ def _watch_end(
             if target is not None and target._armed:
                 await target._loop_ending()
 
-    del loop  # the loop's own first-step hook (sys.set_asyncgen_hooks) registers it
     watcher = watch()
     try:
         watcher.asend(None).send(None)

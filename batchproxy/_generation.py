@@ -200,7 +200,7 @@ async def _run_engine(
         runner.settlement.fail(engine.open_requests(), runner.cancelled_batch_error(exc))
         raise
     finally:
-        if runner.serves(binding):
+        if binding.serving:
             binding.scheduler.batch_finished()
         binding.batch_tasks.discard(claimed[1])
 

@@ -138,7 +138,7 @@ class Options:
     def __post_init__(self) -> None:
         normal = {
             "batch_size": _validate.count("batch_size", self.batch_size),
-            "max_delay_ms": _finite_ms("max_delay_ms", self.max_delay_ms, allow_zero=True),
+            "max_delay_ms": _milliseconds("max_delay_ms", self.max_delay_ms, allow_zero=True),
             "max_queue_size": _validate.optional_count("max_queue_size", self.max_queue_size),
             "timeout": _validate.timeout("timeout", self.timeout),
             "max_concurrent_batches": _validate.optional_count(
@@ -150,7 +150,7 @@ class Options:
             "aging_ms": (
                 None
                 if self.aging_ms is None
-                else _finite_ms("aging_ms", self.aging_ms, allow_zero=False)
+                else _milliseconds("aging_ms", self.aging_ms, allow_zero=False)
             ),
             "shed_late": _validate.flag("shed_late", self.shed_late),
             "isolate_errors": _validate.flag("isolate_errors", self.isolate_errors),
@@ -164,9 +164,9 @@ class Options:
         if not (isinstance(oom, bool) or callable(oom)):
             raise TypeError(f"oom_backoff must be a bool or a predicate, got {oom!r}")
         normal["is_oom"] = (is_out_of_memory if oom is True else oom) or None
-        normal["max_delay"] = _seconds(normal["max_delay_ms"])
+        normal["max_delay_ms"], normal["max_delay"] = normal["max_delay_ms"]
         aging = normal["aging_ms"]
-        normal["aging"] = None if aging is None else _seconds(aging)
+        normal["aging_ms"], normal["aging"] = (None, None) if aging is None else aging
         for name, value in normal.items():
             object.__setattr__(self, name, value)
 
@@ -195,14 +195,11 @@ class Options:
         return dataclasses.replace(self, **changes)
 
 
-def _finite_ms(name: str, value: object, *, allow_zero: bool) -> float:
-    """A duration in milliseconds: checked like every duration (so finite), kept in ms."""
-    _validate.duration(name, value, allow_zero=allow_zero, milliseconds=True)
-    return float(value)  # type: ignore[arg-type]  # a finite Real, checked just above
-
-
-def _seconds(milliseconds: float) -> float:
-    return min(milliseconds / 1e3, _validate.MAX_WAIT)
+def _milliseconds(name: str, value: object, *, allow_zero: bool) -> tuple[float, float]:
+    """A duration given in milliseconds, checked like every duration: (as given, as a
+    float; in seconds, clamped as `_validate.duration` clamps)."""
+    seconds = _validate.duration(name, value, allow_zero=allow_zero, milliseconds=True)
+    return float(value), seconds  # type: ignore[arg-type]  # a finite Real, checked above
 
 
 def _callable_or_none(name: str, value: object) -> Any:

@@ -196,7 +196,7 @@ class Runner(Generic[In]):
     def never_started(self, binding: Binding[In], requests: list[Request[In]] | None) -> None:
         """A batch task ended without running a step (cancelled before its first one:
         "cancel every other task" at shutdown): fail its callers and free its slot."""
-        if not self.serves(binding):
+        if not binding.serving:
             return  # its event loop is gone, and the slot with it
         if requests is None:  # it was to take what is queued: that batch fails instead
             requests = binding.scheduler.take_reserved()
@@ -224,11 +224,6 @@ class Runner(Generic[In]):
                 binding.batch_tasks.discard(task)
                 return None
         return requests, task
-
-    def serves(self, binding: Binding[In]) -> bool:
-        """Whether `binding` is still the proxy's, on a live loop: else a batch ending now
-        was closed as garbage after its event loop ended, and its slot with it."""
-        return binding.serving
 
     # -- calling the model ---------------------------------------------------------------
 
@@ -324,11 +319,10 @@ class Runner(Generic[In]):
     ) -> BatchProxyError | Exception | None:
         """Hand result i to caller i; return the batch-wide error instead when the results
         cannot be matched to the callers."""
-        if not (type(results) is list or type(results) is tuple):  # else as they are
-            try:
-                results = self.result_sequence(results)
-            except BaseException as exc:  # a sequence whose len() or iteration itself fails
-                return caller_error(self.name, exc)
+        try:
+            results = self.result_sequence(results)
+        except BaseException as exc:  # a sequence whose len() or iteration itself fails
+            return caller_error(self.name, exc)
         if len(results) != len(requests):
             return BatchSizeMismatch(self.name, len(requests), len(results))
         self.settlement.deliver(requests, results, now)
@@ -353,11 +347,9 @@ class Runner(Generic[In]):
     ) -> None:
         """The model call of a batch is over: record it, mark the proxy healthy again if
         it answered in time, and free the batch slot (unless already handed on)."""
-        if binding.left or binding.loop.is_closed():  # (`serves`, inline: once per batch)
+        if not binding.serving:
             return
-        self.stats.model_time.append(seconds)
-        if self.listeners.on:
-            self.listeners.batch_finished(size, seconds, error)
+        self.count_end(size, seconds, error)
         if binding.overran and binding.overran.pop(task, None) is not None:
             return  # the watchdog failed its callers and freed its slot already
         if not self.health.healthy and not binding.overran and self.lifecycle.open:
@@ -411,9 +403,7 @@ async def run_batch(
     size = len(requests)
     started = clock()
     units = runner.record_start(requests, started)
-    watchdog = (
-        None if runner.options.batch_timeout is None else runner.watch(binding, task, requests)
-    )
+    watchdog = runner.watch(binding, task, requests)
     error: BaseException | None = None
     released = False  # the slot was handed on before the callers were answered
     finished = None

@@ -214,7 +214,7 @@ async def run_stream(
         error = runner.cancelled_batch_error(exc)
         raise
     finally:
-        if runner.serves(binding):  # else closed as garbage after its loop ended
+        if binding.serving:  # else closed as garbage after its loop ended
             now = loop.time()
             if error is not None:
                 runner.batch_failed(requests, error)
