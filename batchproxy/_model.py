@@ -17,15 +17,13 @@ from ._runs import BATCHES, RunKind
 from ._streaming import STREAMS
 from ._worker_thread import WorkerThread
 
-__all__ = ["choose_executor", "run_kind_of"]
+__all__ = ["choose_executor", "refuse_reruns", "run_kind_of"]
 
 
-def run_kind_of(name: str, model: Callable[..., Any], offload: object, options: Options) -> RunKind:
-    """Streams for a generator model (refusing what it cannot do), batches otherwise."""
+def run_kind_of(name: str, model: Callable[..., Any], offload: object) -> RunKind:
+    """Streams for a generator model (an async one only on the loop), batches otherwise."""
     if not (inspect.isasyncgenfunction(model) or inspect.isgeneratorfunction(model)):
         return BATCHES
-    if options.isolate_errors or options.is_oom is not None:
-        raise cannot_rerun(name, "isolate_errors" if options.isolate_errors else "oom_backoff")
     if inspect.isasyncgenfunction(model) and offload is not False:
         raise TypeError(
             f"{name}: an async generator _inference runs on the event loop; to run "
@@ -34,11 +32,15 @@ def run_kind_of(name: str, model: Callable[..., Any], offload: object, options: 
     return STREAMS
 
 
-def cannot_rerun(name: str, option: str) -> TypeError:
-    return TypeError(
-        f"{name}: {option} reruns parts of a batch, which a streaming "
-        f"_inference (a generator) cannot do; leave it off"
-    )
+def refuse_reruns(name: str, kind: RunKind, options: Options) -> None:
+    """A streaming run cannot rerun parts of a batch: refuse the options that would (at
+    construction, and in `configure`)."""
+    if kind.streams and (options.isolate_errors or options.is_oom is not None):
+        option = "isolate_errors" if options.isolate_errors else "oom_backoff"
+        raise TypeError(
+            f"{name}: {option} reruns parts of a batch, which a streaming "
+            f"_inference (a generator) cannot do; leave it off"
+        )
 
 
 def choose_executor(

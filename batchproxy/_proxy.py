@@ -40,7 +40,7 @@ from ._fork import forget_threads_in_forked_children
 from ._intake import Intake
 from ._lifecycle import Lifecycle, State
 from ._listeners import Listener, Listeners
-from ._model import cannot_rerun, choose_executor, run_kind_of
+from ._model import choose_executor, refuse_reruns, run_kind_of
 from ._options import ConfigurableOptions, Options, ProxyOptions
 from ._runs import ModelOutput, RunKind, Runner, current_batch
 from ._settle import Settlement
@@ -94,6 +94,7 @@ class Proxy(ABC, Generic[In, Out]):
         self._options = opts = Options(batch_size=batch_size, **options)
         model = self._model_function()
         kind = self._run_kind(model, offload)
+        refuse_reruns(self.name, kind, opts)
         executor, self._owns_executor = choose_executor(
             type(self).__name__, self.name, model, self._has_own_model(), offload
         )
@@ -127,9 +128,8 @@ class Proxy(ABC, Generic[In, Out]):
         self._binder: Binder[In] = Binder(
             self, lifecycle, settlement, runner.new_scheduler, runner.never_started
         )
-        self._capacity_watcher = weak_callback(
-            self, Proxy._on_capacity
-        )  # the executor may outlive us
+        # weak: the executor may outlive the proxy
+        self._capacity_watcher = weak_callback(self, Proxy._on_capacity)
         executor.watch_capacity(self._capacity_watcher)
         if isinstance(executor, WorkerThread) and self._owns_executor:
             # a proxy dropped without aclose() still stops its thread
@@ -158,7 +158,7 @@ class Proxy(ABC, Generic[In, Out]):
 
     def _run_kind(self, model: Callable[..., Any], offload: object) -> RunKind:
         """How this proxy's batches run: streams for a generator model, else batches."""
-        return run_kind_of(self.name, model, offload, self._options)
+        return run_kind_of(self.name, model, offload)
 
     def _cost(self, item: In) -> int:
         """An item's cost, by `length` (called only when there is one)."""
@@ -276,8 +276,7 @@ class Proxy(ABC, Generic[In, Out]):
         """
         self._require_init()
         new = self._options.evolve(**changes)
-        if new.isolate_errors and self._runner.kind.streams:
-            raise cannot_rerun(self.name, "isolate_errors")
+        refuse_reruns(self.name, self._runner.kind, new)
         self._options = self._runner.options = self._intake.options = new
         self._runner.cap.set_limit(new.batch_size)
         self._apply_limits()
