@@ -37,7 +37,7 @@ T = TypeVar("T")
 
 _COMPACT_MIN_DEAD = 64
 _DEFAULT_ONLY = ((0, False),)  # the serving order when only the default level is in use
-_NO_DEADLINE = math.inf
+_NO_DEADLINE = math.inf  # a request's deadline when it has none
 
 
 class Request(Generic[T]):
@@ -63,7 +63,7 @@ class Request(Generic[T]):
         priority: int,
         enqueued_at: float,
         cost: int = 1,
-        deadline: float = math.inf,
+        deadline: float = _NO_DEADLINE,
     ) -> None:
         self.item = item
         self.future = future
@@ -303,14 +303,14 @@ class RequestQueue(Generic[T]):
             for request in level.fifo:
                 if (
                     request.queued
-                    and (oldest_first or request.deadline == math.inf)
+                    and (oldest_first or request.deadline == _NO_DEADLINE)
                     and not request.future.done()
                 ):
                     yield request
 
     def _take_out(self, request: Request[T]) -> None:
         """A queued request leaves out of arrival order: a dead entry in its deque."""
-        if request.deadline != math.inf:
+        if request.deadline != _NO_DEADLINE:
             self._levels[request.priority].unlist(request)
         self._leave(request)
         self._dead += 1
@@ -324,7 +324,7 @@ class RequestQueue(Generic[T]):
             while fifo and (not fifo[0].queued or fifo[0].future.done()):
                 head = fifo.popleft()
                 if head.queued:
-                    if head.deadline != math.inf:
+                    if head.deadline != _NO_DEADLINE:
                         level.unlist(head)
                     self._leave(head)
                 else:
