@@ -188,8 +188,10 @@ class BackgroundLoop:
         with self._lock:
             self._start_locked()
             bridge = self._bridge
-        future = None if bridge is None else bridge.route(make, ended_error)
-        return None if future is None or bridge is None else (future, bridge)
+        if bridge is None:  # its thread failed to start serving
+            return None
+        future = bridge.route(make, ended_error)
+        return None if future is None else (future, bridge)
 
     def _adopt(self, proxy: _Closable) -> None:
         """`proxy` bound itself to this loop: `close()` closes it too."""
