@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import types
 import weakref
 from abc import ABC
@@ -303,8 +304,9 @@ class Proxy(ABC, Generic[In, Out]):
         binding = self._binder.current
         if binding is None or binding.loop is not asyncio.get_running_loop():
             self._require_init()  # bind here, or route to the loop it runs in
+            # (a partial, not a lambda: a closure would give every call cells to allocate)
             return await self._binder.serve_elsewhere(
-                lambda: self.inference(item, timeout=timeout, priority=priority)
+                functools.partial(self.inference, item, timeout=timeout, priority=priority)
             )
         request = self._intake.admit(binding, item, timeout, priority)
         try:
@@ -406,8 +408,12 @@ class Proxy(ABC, Generic[In, Out]):
         if binding is None or binding.loop is not asyncio.get_running_loop():
             self._require_init()
             return await self._binder.serve_elsewhere(
-                lambda: self.inference_many(
-                    batch, timeout=timeout, priority=priority, return_exceptions=return_exceptions
+                functools.partial(
+                    self.inference_many,
+                    batch,
+                    timeout=timeout,
+                    priority=priority,
+                    return_exceptions=return_exceptions,
                 )
             )
         return await self._intake.admit_many(
@@ -459,7 +465,7 @@ class Proxy(ABC, Generic[In, Out]):
         # exits would otherwise start the thread during the exit (refused on 3.12+)
         self._start_worker()
         return self._binder.from_thread(
-            method, lambda: self.inference(item, timeout=timeout, priority=priority)
+            method, functools.partial(self.inference, item, timeout=timeout, priority=priority)
         )
 
     # -- observation ---------------------------------------------------------------------
