@@ -304,8 +304,7 @@ class Proxy(ABC, Generic[In, Out]):
         binding = self._binder.current
         if binding is None or binding.loop is not asyncio.get_running_loop():
             self._require_init()  # bind here, or route to the loop it runs in
-            # (a partial, not a lambda: a closure would give every call cells to allocate)
-            return await self._binder.serve_elsewhere(
+            return await self._binder.serve_elsewhere(  # (a lambda here costs cells per call)
                 functools.partial(self.inference, item, timeout=timeout, priority=priority)
             )
         request = self._intake.admit(binding, item, timeout, priority)
@@ -408,12 +407,8 @@ class Proxy(ABC, Generic[In, Out]):
         if binding is None or binding.loop is not asyncio.get_running_loop():
             self._require_init()
             return await self._binder.serve_elsewhere(
-                functools.partial(
-                    self.inference_many,
-                    batch,
-                    timeout=timeout,
-                    priority=priority,
-                    return_exceptions=return_exceptions,
+                lambda: self.inference_many(
+                    batch, timeout=timeout, priority=priority, return_exceptions=return_exceptions
                 )
             )
         return await self._intake.admit_many(
