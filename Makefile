@@ -67,7 +67,7 @@ $(VENV)/.installed-demo: pyproject.toml Makefile | $(VENV)/bin/python
 	touch $@ $(VENV)/.installed
 
 $(VENV)/.installed-dev: pyproject.toml Makefile | $(VENV)/bin/python
-	$(BIN)/python -m pip install --quiet -e '.[dev,models,serve,prometheus,demo,bench,ray]' '$(TORCH)'
+	$(BIN)/python -m pip install --quiet -e '.[dev,models,serve,otel,prometheus,demo,bench,ray]' '$(TORCH)'
 	touch $@ $(VENV)/.installed $(VENV)/.installed-demo
 
 clean:

@@ -8,6 +8,7 @@ __all__ = [
     "BatchTimeout",
     "DeadlineExceeded",
     "InferenceError",
+    "InvalidItem",
     "ProxyClosed",
     "QueueFull",
     "StreamBufferFull",
@@ -64,6 +65,15 @@ class StreamBufferFull(BatchProxyError):
         )
         self.proxy = proxy
         self.stream_buffer = stream_buffer
+
+
+class InvalidItem(BatchProxyError, ValueError):
+    """An item the model cannot serve: the caller's mistake, not the model's.
+
+    Put one in an item's slot of `_inference`'s results (or raise it from `length`)
+    to fail that caller alone; the HTTP helpers of `batchproxy.integrations` answer
+    it with 422. A `ValueError`, so code that catches those still does.
+    """
 
 
 class BatchSizeMismatch(BatchProxyError):

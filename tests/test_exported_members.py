@@ -24,6 +24,7 @@ PUBLIC = [
     "GenerationProxy",
     "Health",
     "InferenceError",
+    "InvalidItem",
     "Last",
     "Listener",
     "ModelFactory",

@@ -1,0 +1,272 @@
+"""What the web-framework helpers share: a service's proxies, their start and drain, what
+its health routes say, and which HTTP answer each batchproxy error gets.
+
+A `Serving` goes through these states, in this order (each moves only forward):
+
+    NEW ──start()──> LOADING ──loaded──> READY ──aclose()──> DRAINING ──> CLOSED
+                        └──raised──> FAILED ──aclose()──> DRAINING ──> CLOSED
+
+- LOADING: `start()` returned at once; a background task runs `load` (if any),
+  then starts every executor given and every proxy. Liveness: 200; readiness:
+  503 ("loading"); calls through `check_ready` (the frameworks' dependency) get
+  `NotReady` (503 with `Retry-After`).
+- READY: readiness is 200 while every proxy is open and healthy; a proxy that
+  overran its `batch_timeout` makes it 503 ("unhealthy") until a later batch
+  answers in time. A proxy that closed while the service is READY (it stopped
+  itself, `on_batch_timeout="stop"`, or someone closed it) fails readiness and
+  liveness: it will not come back, so the process should be restarted.
+- FAILED: `load` or a start raised; readiness and liveness are 503 with the
+  error, so an orchestrator restarts the process.
+- DRAINING: `aclose()` began (the app is shutting down): readiness 503
+  ("draining"); each proxy is closed in turn, which answers every call it
+  accepted; then the executors given are closed.
+
+Only the owner of the `Serving` (the framework's startup and shutdown) calls
+`start` and `aclose`; the routes only read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import inspect
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, overload
+
+from .. import (
+    BatchProxyError,
+    BatchTimeout,
+    DeadlineExceeded,
+    Executor,
+    InvalidItem,
+    Proxy,
+    ProxyClosed,
+    QueueFull,
+    WorkerDied,
+)
+
+__all__ = ["Answer", "NotReady", "Serving", "State", "answer_for"]
+
+P = TypeVar("P", bound=Proxy[Any, Any])
+
+
+class State(enum.Enum):
+    NEW = "new"
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    DRAINING = "draining"
+    CLOSED = "closed"
+
+
+class NotReady(BatchProxyError):
+    """The service is still loading its models (or failed to): retry later (503)."""
+
+    def __init__(self, state: State, error: BaseException | None = None) -> None:
+        why = "" if error is None else f": {type(error).__name__}: {error}"
+        super().__init__(f"the service is {state.value}, not ready{why}")
+        self.state = state
+
+
+@dataclass(frozen=True)
+class Answer:
+    """An HTTP answer, framework-free: status, JSON body, extra headers."""
+
+    status: int
+    body: dict[str, Any]
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+def answer_for(error: BaseException, *, retry_after: float = 1.0) -> Answer | None:
+    """The answer a batchproxy error gets, or None for any other exception (left to the
+    framework): overload and closing 503 with `Retry-After`, deadlines 504, an item the
+    model cannot serve 422, any other batchproxy error 500. The body is
+    `{"detail": message, "error": class name}`."""
+    if not isinstance(error, BatchProxyError):
+        return None
+    body = {"detail": str(error), "error": type(error).__name__}
+    if isinstance(error, (QueueFull, ProxyClosed, NotReady, WorkerDied)):
+        seconds = str(max(1, math.ceil(retry_after)))  # HTTP wants whole seconds
+        return Answer(503, body, {"Retry-After": seconds})
+    if isinstance(error, (DeadlineExceeded, BatchTimeout)):
+        return Answer(504, body)
+    if isinstance(error, InvalidItem):
+        return Answer(422, body)
+    return Answer(500, body)
+
+
+class Serving:
+    """The proxies of one web service (and the executors they share): started in the
+    background at startup, drained at shutdown, reported by the health routes.
+
+    `load`: a coroutine function run first (load weights, build the proxies' model);
+    `executors`: shared `WorkerThread`s and pools to start before the proxies and
+    close after them (a proxy's own worker thread is the proxy's to start and close).
+    """
+
+    def __init__(
+        self,
+        *proxies: Proxy[Any, Any],
+        executors: Iterable[Executor] = (),
+        load: Callable[[], Awaitable[None]] | None = None,
+        retry_after: float = 1.0,
+    ) -> None:
+        for proxy in proxies:
+            if not isinstance(proxy, Proxy):
+                raise TypeError(f"Serving takes batchproxy proxies, got {proxy!r}")
+        names = [proxy.name for proxy in proxies]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two proxies share a name: {names}; give each a name=")
+        if not math.isfinite(retry_after) or retry_after <= 0:
+            raise ValueError(f"retry_after must be a positive number of seconds: {retry_after}")
+        self.proxies: tuple[Proxy[Any, Any], ...] = proxies
+        self.executors: tuple[Executor, ...] = tuple(executors)
+        self.retry_after = retry_after
+        self._load = load
+        # changed by: start() (LOADING), the loading task (READY or FAILED), aclose()
+        self.state = State.NEW
+        self.error: BaseException | None = None  # why FAILED
+        self._loading: asyncio.Task[None] | None = None
+
+    # -- the owner's side: startup and shutdown ---------------------------------------------
+
+    async def start(self) -> None:
+        """Begin loading in the background and return at once (the server can answer its
+        health routes meanwhile). Idempotent."""
+        if self.state is not State.NEW:
+            return
+        self.state = State.LOADING
+        self._loading = asyncio.get_running_loop().create_task(
+            self._load_all(), name="batchproxy-serving-load"
+        )
+
+    async def _load_all(self) -> None:
+        try:
+            if self._load is not None:
+                await self._load()
+            for executor in self.executors:
+                start = getattr(executor, "start", None)  # a pool's is async, a thread's not
+                started = None if start is None else start()
+                if inspect.isawaitable(started):
+                    await started
+            for proxy in self.proxies:
+                await proxy.start()
+        except asyncio.CancelledError:
+            raise  # aclose() during loading
+        except BaseException as exc:  # reported by the health routes, not raised
+            self.error = exc
+            if self.state is State.LOADING:
+                self.state = State.FAILED
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            if self.state is State.LOADING:
+                self.state = State.READY
+
+    async def wait_ready(self) -> None:
+        """Wait for loading to end: return once READY, raise `NotReady` if it failed."""
+        if self._loading is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._loading)
+        self.check_ready()
+
+    async def aclose(self) -> None:
+        """Stop loading if it still runs, close every proxy (each answers every call it
+        accepted), then the executors given. Idempotent."""
+        if self.state in (State.DRAINING, State.CLOSED):
+            return
+        self.state = State.DRAINING
+        loading, self._loading = self._loading, None
+        if loading is not None and not loading.done():
+            loading.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await loading
+        try:
+            for proxy in self.proxies:
+                await proxy.aclose()
+        finally:
+            for executor in self.executors:
+                await executor.aclose()
+            self.state = State.CLOSED
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[Serving]:
+        """`start()` on entry, `aclose()` on exit: the body of a framework's lifespan."""
+        await self.start()
+        try:
+            yield self
+        finally:
+            await self.aclose()
+
+    def lifespan(self, app: object) -> contextlib.AbstractAsyncContextManager[Serving]:
+        """`FastAPI(lifespan=serving.lifespan)` (Starlette's signature): `running()`."""
+        return self.running()
+
+    # -- the routes' side ---------------------------------------------------------------
+
+    @overload
+    def proxy(self, key: type[P]) -> P: ...
+    @overload
+    def proxy(self, key: str) -> Proxy[Any, Any]: ...
+    def proxy(self, key: type[P] | str) -> Proxy[Any, Any]:
+        """The proxy named `key`, or the one of class `key`."""
+        for proxy in self.proxies:
+            if proxy.name == key if isinstance(key, str) else isinstance(proxy, key):
+                return proxy
+        have = ", ".join(f"{p.name} ({type(p).__name__})" for p in self.proxies) or "none"
+        raise LookupError(f"no proxy {key!r} in this service (it has: {have})")
+
+    @overload
+    def provider(self, key: type[P]) -> Callable[[], P]: ...
+    @overload
+    def provider(self, key: str) -> Callable[[], Proxy[Any, Any]]: ...
+    def provider(self, key: type[P] | str) -> Callable[[], Proxy[Any, Any]]:
+        """A function that returns the proxy `key` (see `proxy`), or raises `NotReady`
+        while the service loads: FastAPI's `Depends(serving.provider(Embedder))`."""
+        proxy = self.proxy(key)  # an unknown key fails here, at import, not per request
+
+        def ready_proxy() -> Proxy[Any, Any]:
+            self.check_ready()
+            return proxy
+
+        return ready_proxy
+
+    def check_ready(self) -> None:
+        """Raise `NotReady` while loading or after loading failed (calls then get 503)."""
+        if self.state in (State.NEW, State.LOADING, State.FAILED):
+            raise NotReady(self.state, self.error)
+
+    def liveness(self) -> Answer:
+        """200 unless the process should be restarted: loading failed, or a proxy closed
+        while the service was serving (it will not come back)."""
+        broken = self.state is State.FAILED or (
+            self.state is State.READY and any(proxy.closed for proxy in self.proxies)
+        )
+        return Answer(503 if broken else 200, self._report(live=not broken))
+
+    def readiness(self) -> Answer:
+        """200 only when loaded, not draining, and every proxy open and healthy."""
+        ready = self.state is State.READY and all(
+            not proxy.closed and proxy.health.healthy for proxy in self.proxies
+        )
+        headers = {} if ready else {"Retry-After": str(max(1, math.ceil(self.retry_after)))}
+        return Answer(200 if ready else 503, self._report(ready=ready), headers)
+
+    def _report(self, **verdict: bool) -> dict[str, Any]:
+        body: dict[str, Any] = {"status": self.state.value, **verdict}
+        if self.error is not None:
+            body["error"] = f"{type(self.error).__name__}: {self.error}"
+        body["proxies"] = {proxy.name: _proxy_report(proxy) for proxy in self.proxies}
+        return body
+
+
+def _proxy_report(proxy: Proxy[Any, Any]) -> dict[str, Any]:
+    health = proxy.health
+    state = "closed" if proxy.closed else "healthy" if health.healthy else "unhealthy"
+    report: dict[str, Any] = {"state": state}
+    if health.reason is not None:
+        report["reason"] = health.reason
+    return report
