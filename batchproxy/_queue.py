@@ -255,6 +255,13 @@ class RequestQueue(Generic[T]):
         """The live request a `pop_batch(1, now)` would take, left in the queue."""
         return next(self._in_pop_order(now), None)
 
+    def earliest_deadline(self) -> float:
+        """The earliest deadline among the live requests (`inf`: none has one)."""
+        return min(
+            (level.by_deadline[0][0] for level in self._levels.values() if level.by_deadline),
+            default=_NO_DEADLINE,
+        )
+
     def oldest_enqueued_at(self) -> float | None:
         """Arrival time of the longest-waiting live request, or None when empty."""
         self._clean_heads()

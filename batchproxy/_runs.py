@@ -178,6 +178,7 @@ class Runner(Generic[In]):
             group_by_cost=self.group_by_cost,
             max_batch_tokens=self.options.max_batch_tokens,
             cost_model=self.cost_model,
+            name=self.name,
         )
 
     # -- starting and claiming -----------------------------------------------------------

@@ -12,7 +12,9 @@ A batch leaves, with up to `batch_size` requests, when a batch slot is free
    they have already waited for the model, not for company);
 3. the oldest queued request has waited `max_delay_ms`;
 4. the `adaptive` window finds waiting no longer pays (below);
-5. the proxy is draining for `aclose()`.
+5. waiting longer would leave the earliest deadline in the queue less than
+   twice the batch's predicted model time (once the cost model has a line);
+6. the proxy is draining for `aclose()`.
 
 Arrivals within one event-loop iteration always coalesce: a decision runs in a
 callback scheduled once per iteration, after every ready caller has queued. An
@@ -66,6 +68,24 @@ Order: highest priority first; within a priority, earliest deadline first,
 then requests without a deadline in arrival order; with `aging`, an old
 request climbs levels (see `_queue`).
 
+Why a batch left, as the DEBUG line on the `batchproxy` logger says (one per
+batch, with its size and how long its oldest request waited; nothing is logged
+at INFO or above on this path, and nothing at all unless DEBUG is on):
+
+- `idle`: it arrived to an idle proxy (or no arrival suggested company), so it
+  went at once;
+- `full`: `batch_size` requests were queued; `token budget`: their padded cost
+  reached `max_batch_tokens`;
+- `slot freed`: a batch ended while requests waited for its slot;
+- `window`: the oldest request waited `max_delay_ms`;
+- `no company in time`, `stagger`, `quiet`: the adaptive window's three rules
+  (the next arrival is not expected before the window closes; a slot frees
+  next for batches staggered over several slots; the stream paused);
+- `deadline`: waiting longer would leave the earliest deadline in the queue
+  less than twice the batch's model time, as the cost model predicts it (no
+  prediction yet: no such rule);
+- `drain`: the proxy is closing.
+
 Failure modes handled here: a cancelled or expired request is never sent (the
 queue drops requests whose future is done); a decision is never lost (each
 path that can make a batch ready, arrival, slot freed, timer, drain, schedules
@@ -75,6 +95,7 @@ one); the timer is re-armed only when the decision moves earlier.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -86,6 +107,8 @@ __all__ = ["Limits", "Scheduler"]
 
 T = TypeVar("T")
 
+logger = logging.getLogger("batchproxy")
+
 Limits = tuple[int, float, int, bool, float | None, bool]
 """What `reconfigure` takes: batch size, max delay (s), slots, adaptive window, aging (s),
 and whether to predict when each batch ends (`predicts`)."""
@@ -93,6 +116,7 @@ and whether to predict when each batch ends (`predicts`)."""
 _EWMA_WEIGHT = 0.2
 _QUIET_FACTOR = 2.0  # quiet for this many expected gaps: the stream has paused
 _TIME_TOLERANCE = 1e-6  # a timer may fire this early; treat it as on time
+_DEADLINE_MARGIN = 2.0  # start a batch this many predicted model times before a deadline
 
 
 class Scheduler(Generic[T]):
@@ -113,8 +137,10 @@ class Scheduler(Generic[T]):
         cost_model: CostModel | None = None,
         aging: float | None = None,
         predicts: bool = True,
+        name: str = "proxy",
     ) -> None:
         self.loop = loop
+        self.name = name  # the proxy's, in the log lines
         self.queue: RequestQueue[T] = RequestQueue(aging)
         self.in_flight = 0
         self._batch_size = batch_size
@@ -173,8 +199,11 @@ class Scheduler(Generic[T]):
         batch = self._take()
         if not batch:
             self.batch_finished()
-        elif self._predicts:
+            return batch
+        if self._predicts:
             self._note_dispatch(batch)
+        if logger.isEnabledFor(logging.DEBUG):
+            self._log_departure(batch, "idle")
         return batch
 
     def batch_finished(self) -> None:
@@ -199,7 +228,7 @@ class Scheduler(Generic[T]):
         self.in_flight -= 1
         self._trim_running()
         while self.in_flight < self._max_concurrent and self._full():
-            self._send()
+            self._send("full")
         self._slot_freed = True  # the rest, if a slot is left, go as after any batch
         self._schedule_decision()
         return True
@@ -247,33 +276,55 @@ class Scheduler(Generic[T]):
 
     def _decide(self) -> None:
         self._decision_scheduled = False
-        go_now = self._slot_freed or self._draining
+        go_now = "drain" if self._draining else "slot freed" if self._slot_freed else None
         self._slot_freed = False
         queue = self.queue
         while self.in_flight < self._max_concurrent and queue.live:
-            if not go_now and not self._full():
-                when = self._departure_time()
-                if when is None:  # every queued request turned out to be dead
+            why = go_now or self._full_reason()
+            if why is None:
+                departure = self._departure()
+                if departure is None:  # every queued request turned out to be dead
                     break
+                when, why = departure
                 if when > self.loop.time() + _TIME_TOLERANCE:
                     self._arm_timer(when)
                     return
-            self._send()
+            self._send(why)
         if not queue.live:
             self.close()  # nothing waits: no timer left armed
 
-    def _send(self) -> None:
+    def _send(self, why: str) -> None:
         batch = self._take()
         if batch:  # empty when every queued request turned out to be dead
             self.in_flight += 1
             if self._predicts:
                 self._note_dispatch(batch)
+            if logger.isEnabledFor(logging.DEBUG):
+                self._log_departure(batch, why)
             self._start_batch(batch)
+
+    def _log_departure(self, batch: list[Request[T]], why: str) -> None:
+        waited = self.loop.time() - min(request.enqueued_at for request in batch)
+        logger.debug(
+            "%s: batch of %d left (%s); its oldest request waited %.2f ms",
+            self.name,
+            len(batch),
+            why,
+            waited * 1e3,
+        )
 
     def _full(self) -> bool:
         queue = self.queue
         budget = self._budget
         return queue.live >= self._batch_size or (budget is not None and queue.live_cost >= budget)
+
+    def _full_reason(self) -> str | None:
+        """Why a batch may leave now by size alone, or None (it is not full)."""
+        queue = self.queue
+        if queue.live >= self._batch_size:
+            return "full"
+        budget = self._budget
+        return "token budget" if budget is not None and queue.live_cost >= budget else None
 
     def _take(self) -> list[Request[T]]:
         now = 0.0 if self.queue.aging is None else self.loop.time()  # only aging needs it
@@ -323,22 +374,43 @@ class Scheduler(Generic[T]):
             slot_free = max(now, min(self._running_until))
         return slot_free + work
 
-    def _departure_time(self) -> float | None:
-        """When the current partial batch should leave, by the window and the idle rule."""
+    def _departure(self) -> tuple[float, str] | None:
+        """When the current partial batch should leave, and by which rule (the window,
+        the idle rule, a deadline); None if every queued request turned out to be dead."""
         oldest = self.queue.oldest_enqueued_at()
         if oldest is None:
             return None
         gap = max(self._mean_gap, self._last_gap)
         if gap == math.inf:
-            return oldest
+            return oldest, "idle"
+        departure = self._window_departure(oldest, gap)
+        if self.queue.earliest_deadline() != math.inf:
+            by_deadline = self._deadline_departure()
+            if by_deadline is not None and by_deadline < departure[0]:
+                return by_deadline, "deadline"
+        return departure
+
+    def _window_departure(self, oldest: float, gap: float) -> tuple[float, str]:
+        """The window's rule: the fixed one, or the first of the adaptive window's."""
         if not self._adaptive:
-            return oldest + self._max_delay
+            return oldest + self._max_delay, "window"
         last = self._last_arrival
         assert last is not None
-        window_end = oldest + self._max_delay - gap
+        expected = oldest + self._max_delay - gap, "no company in time"
         if self.in_flight and self._last_duration:
-            return min(window_end, self._last_dispatch + self._last_duration / self._max_concurrent)
-        return min(window_end, last + _QUIET_FACTOR * gap)
+            slot = self._last_dispatch + self._last_duration / self._max_concurrent, "stagger"
+            return min(expected, slot)
+        return min(expected, (last + _QUIET_FACTOR * gap, "quiet"))
+
+    def _deadline_departure(self) -> float | None:
+        """The latest start that still answers the earliest deadline in the queue: twice
+        the cost model's prediction for the batch that would leave before it (a margin
+        for the prediction's error and the loop's delays); None without a prediction."""
+        queue = self.queue
+        size = min(queue.live, self._batch_size)
+        units = size if not self._by_cost else size * queue.live_cost / max(1, queue.live)
+        took = self._cost_model.predict(units)
+        return None if took is None else queue.earliest_deadline() - _DEADLINE_MARGIN * took
 
     def _arm_timer(self, when: float) -> None:
         timer = self._timer
