@@ -59,6 +59,14 @@ class Listener:
     def error(self, proxy: str, error: BaseException, size: int) -> None:
         """A batch of `size` failed as a whole with `error`."""
 
+    def batch_timed_out(self, proxy: str, size: int, timeout: float) -> None:
+        """A batch of `size` ran past `batch_timeout` (`timeout` seconds): the watchdog
+        failed its callers with `BatchTimeout` and marked the proxy unhealthy."""
+
+    def batch_split(self, proxy: str, size: int, reason: str) -> None:
+        """A model call on `size` items raised and is re-run in pieces: `reason` is
+        "oom" (`oom_backoff`) or "isolation" (`isolate_errors`)."""
+
 
 class Listeners:
     """The listeners of one proxy, each hook called through a typed method of its own."""
@@ -104,6 +112,12 @@ class Listeners:
 
     def error(self, error: BaseException, size: int) -> None:
         self._each("error", lambda hook: hook.error(self.proxy, error, size))
+
+    def batch_timed_out(self, size: int, timeout: float) -> None:
+        self._each("batch_timed_out", lambda hook: hook.batch_timed_out(self.proxy, size, timeout))
+
+    def batch_split(self, size: int, reason: str) -> None:
+        self._each("batch_split", lambda hook: hook.batch_split(self.proxy, size, reason))
 
     def _each(self, name: str, call: Callable[[Listener], None]) -> None:
         for listener in self._listeners:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from ._executor import Executor
+from ._listeners import Listeners
 from ._oom import BatchCap
 from ._options import Options
 from ._stats import StatsRecorder
@@ -37,6 +38,7 @@ class _Runner(Protocol):
     options: Options
     cap: BatchCap
     stats: StatsRecorder
+    listeners: Listeners
     on_cap_change: Callable[[], None]
 
     def result_sequence(self, results: object) -> list[Any] | tuple[Any, ...]: ...
@@ -66,6 +68,8 @@ async def call_with_reruns(
                     "%s: a batch of %d raised %r; re-running it in halves to find the "
                     "items that fail", runner.name, len(items), exc,
                 )  # fmt: skip
+        if runner.listeners.on:
+            runner.listeners.batch_split(len(items), "oom" if oom else "isolation")
         pieces: list[Any] = []
         start = 0
         while start < len(items):  # by index: a piece answered with a wrong count

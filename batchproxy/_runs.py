@@ -384,6 +384,8 @@ class Runner(Generic[In]):
         self.health = Health(False, str(error), time.time())
         logger.error("%s", error)
         self.settlement.fail(requests, error)
+        if self.listeners.on:
+            self.listeners.batch_timed_out(len(requests), timeout)
         binding.scheduler.batch_finished()
         task.cancel()
         if self.options.stops_on_overrun and self.lifecycle.open:

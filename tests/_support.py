@@ -119,6 +119,12 @@ class RaisingListener(batchproxy.Listener):
     def error(self, proxy: str, error: BaseException, size: int) -> None:
         self._broke("error")
 
+    def batch_timed_out(self, proxy: str, size: int, timeout: float) -> None:
+        self._broke("batch_timed_out")
+
+    def batch_split(self, proxy: str, size: int, reason: str) -> None:
+        self._broke("batch_split")
+
 
 class ThreadRecorder(batchproxy.Proxy[Any, Any]):
     """A plain-`def` test model (runs on the proxy's worker thread, never the loop).

@@ -4,22 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import re
 import subprocess
 import sys
 import weakref
+from pathlib import Path
 from typing import Any
 
 import pytest
 from _support import Recorder
 
 import batchproxy
-from batchproxy import DeadlineExceeded, QueueFull
+from batchproxy import BatchTimeout, DeadlineExceeded, QueueFull
 
 prometheus_client = pytest.importorskip("prometheus_client")
 
 from prometheus_client import CollectorRegistry  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+import batchproxy.integrations.prometheus  # noqa: E402
 from batchproxy.integrations.prometheus import (  # noqa: E402
     CONTENT_TYPE,
     PrometheusMetrics,
@@ -42,16 +45,18 @@ def value(samples: Samples, name: str, proxy: str, **labels: str) -> float | Non
     return samples.get((name, tuple(sorted({"proxy": proxy, **labels}.items()))))
 
 
+COUNTERS = (
+    *("requests", "batches", "failed_batches", "errors", "rejected", "shed", "timed_out"),
+    *("cancelled", "timed_out_batches", "oom_splits", "isolation_splits"),
+)
+
+
 def counts(samples: Samples, proxy: str) -> dict[str, float | None]:
-    names = ("requests", "batches", "failed_batches", "errors", "rejected", "shed", "timed_out")
-    return {
-        name: value(samples, f"batchproxy_{name}_total", proxy) for name in (*names, "cancelled")
-    }
+    return {name: value(samples, f"batchproxy_{name}_total", proxy) for name in COUNTERS}
 
 
 def zero_counts(**nonzero: float) -> dict[str, float | None]:
-    names = ("requests", "batches", "failed_batches", "errors", "rejected", "shed", "timed_out")
-    zeros: dict[str, float | None] = {name: 0.0 for name in (*names, "cancelled")}
+    zeros: dict[str, float | None] = dict.fromkeys(COUNTERS, 0.0)
     return zeros | nonzero
 
 
@@ -178,7 +183,99 @@ async def test_shed_calls_are_counted(
     assert counts(scrape(registry), "late") == zero_counts(requests=28.0, batches=28.0, shed=1.0)
 
 
+@pytest.mark.looptime
+async def test_watchdog_overruns_are_counted(
+    registry: CollectorRegistry, metrics: PrometheusMetrics
+) -> None:
+    async with Recorder(delay=3.0, batch_timeout=2.0, name="slow") as proxy:
+        metrics.instrument(proxy)
+        with pytest.raises(BatchTimeout):
+            await proxy.inference(1)
+        proxy.delay = 0.0
+        assert await proxy.inference(2) == ("out", 2)
+        assert proxy.stats.timed_out_batches == 1
+    assert counts(scrape(registry), "slow") == zero_counts(
+        requests=2.0, batches=2.0, failed_batches=1.0, errors=1.0, timed_out_batches=1.0
+    )
+
+
+def fits(limit: int) -> Any:
+    """A model whose memory holds `limit` items: more raises MemoryError."""
+
+    def respond(items: list[Any]) -> list[Any]:
+        if len(items) > limit:
+            raise MemoryError
+        return [("out", item) for item in items]
+
+    return respond
+
+
+def poisoned(bad: int) -> Any:
+    """A model that raises for a whole batch holding `bad`."""
+
+    def respond(items: list[Any]) -> list[Any]:
+        if bad in items:
+            raise ValueError(f"cannot take {bad}")
+        return [("out", item) for item in items]
+
+    return respond
+
+
+async def burst(proxy: Recorder, n: int) -> list[Any]:
+    calls = (proxy.inference(i) for i in range(n))
+    return list(await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 10))
+
+
+@pytest.mark.looptime
+async def test_out_of_memory_splits_are_counted(
+    registry: CollectorRegistry, metrics: PrometheusMetrics
+) -> None:
+    async with Recorder(fits(4), oom_backoff=True, batch_size=16, name="oom") as proxy:
+        metrics.instrument(proxy)
+        assert await burst(proxy, 16) == [("out", i) for i in range(16)]
+        # 16 and 8 ran out of memory; then chunks of the learned cap, 4
+        assert [len(batch) for batch in proxy.batches] == [16, 8, 4, 4, 4, 4]
+        assert proxy.stats.oom_splits == 2
+    assert counts(scrape(registry), "oom") == zero_counts(
+        requests=16.0, batches=1.0, oom_splits=2.0
+    )
+
+
+@pytest.mark.looptime
+async def test_isolation_reruns_are_counted(
+    registry: CollectorRegistry, metrics: PrometheusMetrics
+) -> None:
+    async with Recorder(poisoned(5), isolate_errors=True, batch_size=16, name="iso") as proxy:
+        metrics.instrument(proxy)
+        answers = await burst(proxy, 16)
+        assert [type(answer).__name__ for answer in answers].count("ValueError") == 1
+        assert proxy.stats.isolation_splits == 4  # 16 -> 8 -> 4 -> 2 -> 1
+    assert counts(scrape(registry), "iso") == zero_counts(
+        requests=16.0, batches=1.0, errors=1.0, isolation_splits=4.0
+    )
+
+
 # -- gauges --------------------------------------------------------------------------------
+
+
+@pytest.mark.looptime
+async def test_the_health_gauge_drops_on_an_overrun_and_recovers(
+    registry: CollectorRegistry, metrics: PrometheusMetrics
+) -> None:
+    async with (
+        Recorder(delay=3.0, batch_timeout=2.0, name="h") as proxy,
+        Recorder(name="h") as twin,  # shares the label: the gauge is 0 if either is unhealthy
+    ):
+        metrics.instrument(proxy)
+        metrics.instrument(twin)
+        assert value(scrape(registry), "batchproxy_healthy", "h") == 1
+        with pytest.raises(BatchTimeout):
+            await proxy.inference(1)
+        assert not proxy.healthy
+        assert value(scrape(registry), "batchproxy_healthy", "h") == 0
+        proxy.delay = 0.0
+        assert await proxy.inference(2) == ("out", 2)  # a batch in time: healthy again
+        assert value(scrape(registry), "batchproxy_healthy", "h") == 1
 
 
 @pytest.mark.looptime
@@ -326,6 +423,27 @@ def test_render_and_content_type(registry: CollectorRegistry, metrics: Prometheu
     text = render(registry).decode()
     assert "# TYPE batchproxy_requests_total counter" in text
     assert "# TYPE batchproxy_queue_depth gauge" in text
+    assert "# TYPE batchproxy_healthy gauge" in text
+
+
+def metric_table(text: str) -> dict[str, str]:
+    """The metric table in `text`: {metric: "type | what"}."""
+    rows = re.findall(r"^\| `(batchproxy_\w+)` \| (.+) \|$", text, re.MULTILINE)
+    return dict(rows)
+
+
+def test_the_metric_tables_list_every_series(
+    registry: CollectorRegistry, metrics: PrometheusMetrics
+) -> None:
+    metrics.instrument(Recorder(name="t"))
+    families = {
+        family.name + ("_total" if family.type == "counter" else ""): family.type
+        for family in registry.collect()
+    }
+    docstring = metric_table(batchproxy.integrations.prometheus.__doc__ or "")
+    assert {name: row.split(" | ")[0] for name, row in docstring.items()} == families
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    assert metric_table(readme) == docstring
 
 
 def test_import_batchproxy_does_not_import_prometheus_client() -> None:

@@ -290,6 +290,12 @@ class Log(batchproxy.Listener):
     def error(self, proxy: str, error: BaseException, size: int) -> None:
         self.calls.append(("error", proxy, error, size))
 
+    def batch_timed_out(self, proxy: str, size: int, timeout: float) -> None:
+        self.calls.append(("batch_timed_out", proxy, size, timeout))
+
+    def batch_split(self, proxy: str, size: int, reason: str) -> None:
+        self.calls.append(("batch_split", proxy, size, reason))
+
 
 def _slot_or_batch_error(items: list[int]) -> list[Any]:
     if 0 in items:
@@ -364,6 +370,37 @@ async def test_listener_sees_timeouts_and_cancellations(no_leftovers: None) -> N
         ("request_finished", "lis", "succeeded", 1.0),
     ]
     await proxy.aclose()
+
+
+@pytest.mark.looptime
+async def test_listener_sees_overruns_and_splits() -> None:
+    def respond(items: list[Any]) -> list[Any]:
+        if len(items) > 2:
+            raise MemoryError
+        if 0 in items:
+            raise ValueError("bad item")
+        return list(items)
+
+    log = Log()
+    async with Recorder(respond, oom_backoff=True, isolate_errors=True, name="lis") as proxy:
+        proxy.add_listener(log)
+        results = await asyncio.wait_for(
+            asyncio.gather(*(proxy.inference(i) for i in range(4)), return_exceptions=True), 10
+        )
+        assert isinstance(results[0], ValueError)
+        assert results[1:] == [1, 2, 3]
+    assert [call for call in log.calls if call[0] == "batch_split"] == [
+        ("batch_split", "lis", 4, "oom"),
+        ("batch_split", "lis", 2, "isolation"),
+    ]
+    log = Log()
+    async with Recorder(delay=3.0, batch_timeout=2.0, name="lis") as proxy:
+        proxy.add_listener(log)
+        with pytest.raises(batchproxy.BatchTimeout):
+            await asyncio.gather(proxy.inference(1), proxy.inference(2))
+    assert [call for call in log.calls if call[0] == "batch_timed_out"] == [
+        ("batch_timed_out", "lis", 2, 2.0)
+    ]
 
 
 @pytest.mark.looptime

@@ -31,18 +31,23 @@ namespace:
 | `batchproxy_shed_total` | counter | calls refused at once as too late (`shed_late`) |
 | `batchproxy_timed_out_total` | counter | calls whose deadline passed |
 | `batchproxy_cancelled_total` | counter | calls whose caller was cancelled |
+| `batchproxy_timed_out_batches_total` | counter | batches that overran `batch_timeout` |
+| `batchproxy_oom_splits_total` | counter | batches split when out of memory (`oom_backoff`) |
+| `batchproxy_isolation_splits_total` | counter | batches split after raising (`isolate_errors`) |
 | `batchproxy_queue_wait_seconds` | histogram | per item sent to the model: time queued |
 | `batchproxy_model_seconds` | histogram | per batch: time in `_inference` |
 | `batchproxy_request_seconds` | histogram | per call, every outcome: queueing to end |
 | `batchproxy_batch_size` | histogram | items per batch (buckets 1, 2, 4, ..., 512) |
 | `batchproxy_queue_depth` | gauge | requests waiting now |
 | `batchproxy_in_flight_batches` | gauge | batches running now |
+| `batchproxy_healthy` | gauge | 1; 0 from a `batch_timeout` overrun until a batch returns in time |
 
-Counters and histograms are fed by `Listener` hooks as things happen; the two
-gauges read `proxy.stats` when scraped. `PrometheusMetrics` holds proxies only
-weakly: a proxy that is garbage-collected drops out of the gauges, while its
-counters and histograms stay (Prometheus counters never go backwards). Proxies
-that share a name share a label: their counts add up and so do their gauges.
+Counters and histograms are fed by `Listener` hooks as things happen; the
+gauges read `proxy.stats` and `proxy.health` when scraped. `PrometheusMetrics`
+holds proxies only weakly: a proxy that is garbage-collected drops out of the
+gauges, while its counters and histograms stay (Prometheus counters never go
+backwards). Proxies that share a name share a label: their counts add up and so
+do their gauges, except `healthy`, which is 0 if any of them is unhealthy.
 """
 
 from __future__ import annotations
@@ -99,6 +104,9 @@ class _Children:
     shed: Counter
     timed_out: Counter
     cancelled: Counter
+    timed_out_batches: Counter
+    oom_splits: Counter
+    isolation_splits: Counter
     queue_wait: Histogram
     model_seconds: Histogram
     request_seconds: Histogram
@@ -112,7 +120,7 @@ class PrometheusMetrics(Listener):
     registry is refused by prometheus_client as duplicated timeseries) and
     `instrument()` each proxy. It is a `batchproxy.Listener`, so
     `proxy.add_listener(metrics)` also feeds the counters and histograms, but
-    only `instrument()` adds the proxy to the queue-depth and in-flight gauges.
+    only `instrument()` adds the proxy to the gauges.
     """
 
     def __init__(
@@ -155,6 +163,15 @@ class PrometheusMetrics(Listener):
         )
         self._timed_out = counter("timed_out", "Calls whose deadline passed.")
         self._cancelled = counter("cancelled", "Calls whose caller was cancelled.")
+        self._timed_out_batches = counter(
+            "timed_out_batches", "Batches the watchdog stopped after batch_timeout."
+        )
+        self._oom_splits = counter(
+            "oom_splits", "Batches or pieces out of memory, re-run in chunks (oom_backoff)."
+        )
+        self._isolation_splits = counter(
+            "isolation_splits", "Batches or pieces that raised, re-run in halves (isolate_errors)."
+        )
         self._queue_wait = histogram(
             "queue_wait_seconds",
             "Time each item sent to the model waited in the queue.",
@@ -210,6 +227,9 @@ class PrometheusMetrics(Listener):
                 shed=self._shed.labels(proxy),
                 timed_out=self._timed_out.labels(proxy),
                 cancelled=self._cancelled.labels(proxy),
+                timed_out_batches=self._timed_out_batches.labels(proxy),
+                oom_splits=self._oom_splits.labels(proxy),
+                isolation_splits=self._isolation_splits.labels(proxy),
                 queue_wait=self._queue_wait.labels(proxy),
                 model_seconds=self._model_seconds.labels(proxy),
                 request_seconds=self._request_seconds.labels(proxy),
@@ -262,9 +282,18 @@ class PrometheusMetrics(Listener):
     def error(self, proxy: str, error: BaseException, size: int) -> None:
         self._child(proxy).failed_batches.inc()
 
+    @override
+    def batch_timed_out(self, proxy: str, size: int, timeout: float) -> None:
+        self._child(proxy).timed_out_batches.inc()
+
+    @override
+    def batch_split(self, proxy: str, size: int, reason: str) -> None:
+        children = self._child(proxy)
+        (children.oom_splits if reason == "oom" else children.isolation_splits).inc()
+
 
 class _Gauges:
-    """A collector reading the instrumented proxies' `stats` at scrape time.
+    """A collector reading the instrumented proxies' `stats` and `health` at scrape time.
 
     It holds the `PrometheusMetrics` weakly too, so nothing keeps it alive but
     its owner (the registry keeps this collector).
@@ -274,26 +303,38 @@ class _Gauges:
         self._metrics = weakref.ref(metrics)
         self._queue_depth = f"{metrics.namespace}_queue_depth".lstrip("_")
         self._in_flight = f"{metrics.namespace}_in_flight_batches".lstrip("_")
+        self._healthy = f"{metrics.namespace}_healthy".lstrip("_")
 
-    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
         return (
             GaugeMetricFamily(self._queue_depth, "Requests waiting now.", labels=("proxy",)),
             GaugeMetricFamily(self._in_flight, "Batches running now.", labels=("proxy",)),
+            GaugeMetricFamily(
+                self._healthy,
+                "1 if the model answers within batch_timeout, 0 after an overrun.",
+                labels=("proxy",),
+            ),
         )
 
     def describe(self) -> Iterable[Metric]:
         return self._families()
 
     def collect(self) -> Iterator[Metric]:
-        depth, in_flight = self._families()
+        depth, in_flight, healthy = self._families()
         metrics = self._metrics()
-        totals: dict[str, tuple[int, int]] = {}
+        totals: dict[str, tuple[int, int, bool]] = {}
         for proxy in [] if metrics is None else metrics._live_proxies():
             stats = proxy.stats
-            queued, running = totals.get(stats.name, (0, 0))
-            totals[stats.name] = (queued + stats.queue_depth, running + stats.in_flight)
-        for name, (queued, running) in sorted(totals.items()):
+            queued, running, ok = totals.get(stats.name, (0, 0, True))
+            totals[stats.name] = (
+                queued + stats.queue_depth,
+                running + stats.in_flight,
+                ok and proxy.health.healthy,
+            )
+        for name, (queued, running, ok) in sorted(totals.items()):
             depth.add_metric((name,), queued)
             in_flight.add_metric((name,), running)
+            healthy.add_metric((name,), 1 if ok else 0)
         yield depth
         yield in_flight
+        yield healthy
