@@ -30,11 +30,12 @@ without the columns that are padding in every row (`KV.select`) when that pays.
   a `Proxy` whose `_inference` generator runs one batch to completion while new
   requests wait.
 - `create_app`: a FastAPI service; `POST /generate` `{"prompt": str,
-  "max_new_tokens": int}` answers `text/event-stream`: one `data:
-  {"token": id, "text": str}` event per token, then `event: end` with `data:
-  {"tokens": n, "text": str}` (the texts, end included, add up to the decoded
-  continuation: a character split over tokens comes with its last byte). A client
-  that disconnects drops its stream, freeing its slot.
+  "max_new_tokens": int}` answers `text/event-stream` (sse-starlette's
+  `EventSourceResponse`): one `data: {"token": id, "text": str}` event per token,
+  then `event: end` with `data: {"tokens": n, "text": str}` (the texts, end
+  included, add up to the decoded continuation: a character split over tokens
+  comes with its last byte). A client that disconnects drops its stream, freeing
+  its slot; a server shutting down lets running streams end.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ from typing import Any
 
 import torch
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
+from sse_starlette import EventSourceResponse, ServerSentEvent
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 from transformers.cache_utils import DynamicLayer
 from typing_extensions import override
@@ -527,18 +528,21 @@ class GenerateRequest(BaseModel):
     max_new_tokens: int = Field(default=32, ge=1, le=256)
 
 
-def sse(data: object, *, event: str | None = None) -> str:
+SHUTDOWN_GRACE = 30.0
+"""Seconds a stream may run on once the server shuts down (sse-starlette cancels it then)."""
+
+
+def sse(data: object, *, event: str | None = None) -> ServerSentEvent:
     """One server-sent event: an optional `event:` line, one `data:` line of JSON."""
-    head = f"event: {event}\n" if event else ""
-    return f"{head}data: {json.dumps(data)}\n\n"
+    return ServerSentEvent(json.dumps(data), event=event)
 
 
-async def _events(first: int, stream: AsyncGenerator[int, None]) -> AsyncIterator[str]:
-    """The response body: a `data:` event per token (its id and the text it completes),
-    then `event: end`. Closing this (the client went away) closes the stream."""
+async def _events(first: int, stream: AsyncGenerator[int, None]) -> AsyncIterator[ServerSentEvent]:
+    """The events: one per token (its id and the text it completes), then `end`.
+    Closing this (the client went away) closes the stream."""
     text = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def event(token: int) -> str:
+    def event(token: int) -> ServerSentEvent:
         return sse({"token": token, "text": "" if token == EOS else text.decode(bytes([token]))})
 
     count = 1
@@ -571,7 +575,7 @@ def create_app(generator: Gpt2Generator | None = None) -> FastAPI:
     app = FastAPI(title="batchproxy generation", lifespan=lifespan)
 
     @app.post("/generate")
-    async def generate(body: GenerateRequest, request: Request) -> StreamingResponse:
+    async def generate(body: GenerateRequest, request: Request) -> EventSourceResponse:
         """Stream the continuation of `prompt` as server-sent events."""
         proxy: Gpt2Generator = request.app.state.generator
         prompt = Prompt.of(body.prompt, body.max_new_tokens)
@@ -585,11 +589,8 @@ def create_app(generator: Gpt2Generator | None = None) -> FastAPI:
             raise HTTPException(503, "overloaded, retry later", {"Retry-After": "1"}) from None
         except ValueError as error:  # over the proxy's token budget
             raise HTTPException(413, str(error)) from None
-        return StreamingResponse(
-            _events(first, stream),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache"},
-        )
+        # streams run to their end when the server stops, as uvicorn lets other requests do
+        return EventSourceResponse(_events(first, stream), shutdown_grace_period=SHUTDOWN_GRACE)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

@@ -15,6 +15,7 @@ import importlib
 import json
 import re
 import sys
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -296,6 +297,13 @@ async def test_the_static_generator_matches_the_reference_and_newcomers_wait_for
 @asynccontextmanager
 async def serve(proxy: Any) -> AsyncIterator[httpx.AsyncClient]:
     """`create_app(proxy)` on 127.0.0.1 on a free port; yield a client for it."""
+    async with serve_on(proxy) as (_, http):
+        yield http
+
+
+@asynccontextmanager
+async def serve_on(proxy: Any) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
+    """`serve`, yielding the uvicorn server too."""
     app = generate.create_app(proxy)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     task = asyncio.create_task(server.serve())
@@ -305,7 +313,7 @@ async def serve(proxy: Any) -> AsyncIterator[httpx.AsyncClient]:
             await asyncio.sleep(0.01)
         port = server.servers[0].sockets[0].getsockname()[1]
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
-            yield http
+            yield server, http
     finally:
         server.should_exit = True
         await task
@@ -380,6 +388,29 @@ async def test_a_client_that_disconnects_mid_stream_frees_its_slot() -> None:
         await asyncio.sleep(0.05)
         # the dropped stream ran no further (but for a step in flight when it left)
         assert proxy.steps <= steps + 6
+    assert_settled(proxy.stats)
+
+
+async def test_a_stream_runs_to_its_end_when_the_server_shuts_down() -> None:
+    class Slow(Recording):
+        @override
+        def _step(self, step: Any) -> list[Any]:
+            time.sleep(0.01)  # 100 tokens: over a second, past sse-starlette's 0.5 s poll
+            return super()._step(step)
+
+    proxy = Slow(batch_size=1)
+    async with serve_on(proxy) as (server, http):
+        body = {"prompt": "shutdown", "max_new_tokens": 100}
+        async with http.stream("POST", "/generate", json=body) as response:
+            tokens: list[int] = []
+            async for name, data in events(response):
+                if name == "end":
+                    break
+                tokens.append(data["token"])
+                if len(tokens) == 3:
+                    server.should_exit = True  # what uvicorn's SIGTERM handler does
+        assert (name, data) == ("end", {"tokens": 100, "text": ""})
+        assert tokens == reference(Prompt.of("shutdown", 100))
     assert_settled(proxy.stats)
 
 
