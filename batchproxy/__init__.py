@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
 from ._background_loop import BackgroundLoop
+from ._callers import caller_contexts
 from ._cost_model import CostEstimate
 from ._decorator import Batched, batch
 from ._errors import (
@@ -75,6 +76,7 @@ __all__ = [
     "WorkerThread",
     "__version__",
     "batch",
+    "caller_contexts",
 ]
 
 

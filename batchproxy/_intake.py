@@ -13,6 +13,7 @@ no cost without a `length`, no listener call without listeners.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
@@ -97,6 +98,8 @@ class Intake(Generic[In]):
                 self._shed_if_late(binding, priority, deadline, cost, seconds)
             request = kind(item, binding.new_future(), priority, now, cost, deadline)
             request.deadline_timer = loop.call_at(deadline, self.expire, binding, request, seconds)
+        if options.caller_context:
+            request.context = contextvars.copy_context()  # the model may read it, not change it
         scheduler.submit(request)
         settlement = self._settlement
         settlement.stats.requests += 1

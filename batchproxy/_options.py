@@ -35,6 +35,7 @@ class _Changeable(TypedDict, total=False):
     batch_timeout: float | None
     on_batch_timeout: Literal["serve", "stop"]
     stream_buffer: int | None
+    caller_context: bool
 
 
 class ProxyOptions(_Changeable, total=False):
@@ -108,6 +109,10 @@ class Options:
       consumer that stops reading without closing its stream (a `break` while it
       still holds the iterator) is dropped from its batch at that point with
       `StreamBufferFull`, instead of chunks piling up; None: no bound.
+    - `caller_context` (opt-in): keep a copy of each caller's `contextvars`
+      context with its call, for the model to read with
+      `batchproxy.caller_contexts()` (request ids, the user, the trace). The
+      model still runs in a fresh context of its own.
     """
 
     batch_size: int = 64
@@ -126,6 +131,7 @@ class Options:
     batch_timeout: float | None = None
     on_batch_timeout: Literal["serve", "stop"] = "serve"
     stream_buffer: int | None = 1024
+    caller_context: bool = False
 
     # derived, in the units the machinery works in (not arguments)
     max_delay: float = field(init=False, repr=False, compare=False)
@@ -159,6 +165,7 @@ class Options:
                 "on_batch_timeout", self.on_batch_timeout, ("serve", "stop")
             ),
             "stream_buffer": _validate.optional_count("stream_buffer", self.stream_buffer),
+            "caller_context": _validate.flag("caller_context", self.caller_context),
         }
         oom = self.oom_backoff
         if not (isinstance(oom, bool) or callable(oom)):

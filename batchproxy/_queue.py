@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextvars
 import math
 from collections import deque
 from collections.abc import Iterator
@@ -41,9 +42,11 @@ _NO_DEADLINE = math.inf  # a request's deadline when it has none
 
 
 class Request(Generic[T]):
-    """One call's item, its future, and where it stands."""
+    """One call's item, its future, and where it stands. `context`, a copy of the
+    caller's `contextvars` context, is set (by intake) only with `caller_context`."""
 
     __slots__ = (
+        "context",
         "cost",
         "deadline",
         "deadline_timer",
@@ -55,6 +58,7 @@ class Request(Generic[T]):
         "queued",
         "seq",
     )
+    context: contextvars.Context  # unset unless intake sets it
 
     def __init__(
         self,

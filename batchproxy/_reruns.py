@@ -18,6 +18,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from ._callers import narrowed
 from ._executor import Executor
 from ._listeners import Listeners
 from ._oom import BatchCap
@@ -75,7 +76,8 @@ async def call_with_reruns(
         while start < len(items):  # by index: a piece answered with a wrong count
             piece = cap.cap if oom else half  # the cap may drop meanwhile
             chunk = items[start : start + piece]  # shows up as a mismatch
-            results, _ = await call_with_reruns(runner, chunk, top=False)
+            with narrowed(start, start + len(chunk)):  # its callers' contexts, for the model
+                results, _ = await call_with_reruns(runner, chunk, top=False)
             pieces.extend(runner.result_sequence(results))
             start += len(chunk)
         return pieces, False

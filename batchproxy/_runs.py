@@ -61,6 +61,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from ._binding import Binding
+from ._callers import hand_over
 from ._cost_model import CostModel
 from ._errors import BatchProxyError, BatchSizeMismatch, BatchTimeout, InferenceError
 from ._executor import Executor, LoopExecutor
@@ -224,6 +225,8 @@ class Runner(Generic[In]):
             if not requests:
                 binding.batch_tasks.discard(task)
                 return None
+        if self.options.caller_context and not self.kind.admits_itself:
+            hand_over(requests)  # (a batch of a generation engine changes at every step)
         return requests, task
 
     # -- calling the model ---------------------------------------------------------------

@@ -44,6 +44,7 @@ PUBLIC = [
     "WorkerThread",
     "__version__",
     "batch",
+    "caller_contexts",
 ]
 """Everything `from batchproxy import ...` offers; the modules `tensors`, `simulation`
 and `integrations.*` are public too, imported by name."""

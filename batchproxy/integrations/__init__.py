@@ -2,6 +2,8 @@
 
 Nothing here is imported by ``import batchproxy``; import the module you need:
 
+- `batchproxy.integrations.otel`: `instrument(proxy)`, an OpenTelemetry span per
+  batch linked to its callers' spans (``pip install batchproxy[otel]``).
 - `batchproxy.integrations.prometheus`: Prometheus metrics for proxies
   (``pip install batchproxy[prometheus]``).
 - `batchproxy.integrations.ray`: `RayActors`, an executor that runs batches on
