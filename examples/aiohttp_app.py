@@ -2,19 +2,25 @@
 
     python examples/aiohttp_app.py --port 8001    # 127.0.0.1 unless --host
 
+The server answers at once and reads the weights in the background
+(`Serving(load=...)`): `/readyz` is 503 until they are loaded, then 200.
+
 - `POST /embed` `{"text": str}` -> `{"embedding": [...]}`, or `{"texts": [...]}`
   -> `{"embeddings": [[...], ...]}`: batched through the proxy.
 - `POST /embed/regular`: the same, one forward pass per text, no batching.
-- `GET /healthz`, `GET /metrics` (Prometheus text).
+- `GET /livez`, `GET /readyz` (`batchproxy.integrations.aiohttp`: readiness is
+  503 while loading, after a `batch_timeout` overrun and while draining),
+  `GET /metrics` (Prometheus text).
 
-Errors are `{"detail": "..."}`: 422 bad JSON / malformed body / empty text,
-413 oversized text or too many texts, 503 + `Retry-After: 1` queue full,
-504 deadline.
+Errors are JSON with a `"detail"`: 422 bad JSON / malformed body / empty text,
+413 oversized text or too many texts; batchproxy's errors, answered by the
+helper's middleware (`"error"` names the class): queue full, not loaded yet or
+closing 503 with `Retry-After: 1`, deadline 504.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -24,15 +30,17 @@ from embeddings import (
     parse_json,
     serve_options,
 )
+from minilm import MiniLMEmbedder, load_tokenizer
 from prometheus_client import CollectorRegistry
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from batchproxy.integrations.aiohttp import SERVING, Serving, install, ready_proxy
 from batchproxy.integrations.prometheus import CONTENT_TYPE, PrometheusMetrics, render
 
 __all__ = ["METRICS", "SERVICE", "create_app"]
 
 SERVICE = web.AppKey("service", EmbeddingService)
-"""The running service: `app[SERVICE]`."""
+"""The service: `app[SERVICE]`."""
 Renderer = Callable[[], tuple[bytes, str]]
 METRICS: web.AppKey[Renderer] = web.AppKey("metrics")
 """What `/metrics` serves: `app[METRICS]()` -> (payload, content type)."""
@@ -49,7 +57,7 @@ def _metrics(service: EmbeddingService) -> Renderer:
 
 @web.middleware
 async def refusals(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """A `ServiceError` becomes its JSON answer."""
+    """A `ServiceError` (a request refused before it reaches a model) becomes its JSON answer."""
     try:
         return await handler(request)
     except ServiceError as exc:
@@ -58,10 +66,14 @@ async def refusals(request: web.Request, handler: Handler) -> web.StreamResponse
 
 async def _answer(request: web.Request, *, batched: bool) -> web.Response:
     service = request.app[SERVICE]
-    texts, single = service.parse(parse_json(await request.read()))
-    if batched:
-        vectors = await service.embed(texts)
+    if batched:  # NotReady, QueueFull, DeadlineExceeded...: answered by install()'s middleware
+        proxy = ready_proxy(request, MiniLMEmbedder)
+        texts, single = service.parse(parse_json(await request.read()))
+        tensors = await proxy.inference_many([proxy.tokenize(text) for text in texts])
+        vectors = [vector.tolist() for vector in tensors]
     else:
+        request.app[SERVING].check_ready()  # the weights are read
+        texts, single = service.parse(parse_json(await request.read()))
         vectors = await service.embed_regular(texts)
     return web.json_response({"embedding": vectors[0]} if single else {"embeddings": vectors})
 
@@ -76,10 +88,6 @@ async def embed_regular(request: web.Request) -> web.Response:
     return await _answer(request, batched=False)
 
 
-async def healthz(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
-
-
 async def metrics(request: web.Request) -> web.Response:
     payload, content_type = request.app[METRICS]()
     return web.Response(body=payload, headers={"Content-Type": content_type})
@@ -88,27 +96,26 @@ async def metrics(request: web.Request) -> web.Response:
 def create_app(
     *, minilm: tuple[PreTrainedTokenizerBase, PreTrainedModel] | None = None, **options: Any
 ) -> web.Application:
-    """The service; `minilm` is a loaded `(tokenizer, model)`, else loaded at startup;
-    `options` go to `EmbeddingService` (batch_size, max_queue_size, timeout, ...).
+    """The service; `minilm` is a loaded `(tokenizer, model)`, else the weights are read
+    at startup; `options` go to `EmbeddingService` (batch_size, max_queue_size, timeout...).
 
-    Startup starts the proxy, cleanup closes it (answering every accepted
-    request first); the running service is `app[SERVICE]`.
+    `install` loads and starts the proxy in the background at startup and drains it
+    at cleanup (answering every accepted request first). `app[SERVICE]` is the
+    `EmbeddingService`, `app[SERVING]` its `Serving`.
     """
+    tokenizer, model = minilm if minilm else (load_tokenizer(), None)
+    service = EmbeddingService(tokenizer, model, **options)
 
-    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
-        service = await EmbeddingService.open(minilm, **options)
-        app[SERVICE] = service
-        app[METRICS] = _metrics(service)
-        try:
-            yield
-        finally:
-            await service.aclose()
+    async def close_regular(app: web.Application) -> None:
+        service.regular.close()
 
     app = web.Application(middlewares=[refusals])
-    app.cleanup_ctx.append(lifecycle)
+    app[SERVICE] = service
+    app[METRICS] = _metrics(service)
+    install(app, Serving(service.proxy, load=service.load))
+    app.on_cleanup.append(close_regular)
     app.router.add_post("/embed", embed)
     app.router.add_post("/embed/regular", embed_regular)
-    app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     return app
 

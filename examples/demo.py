@@ -149,11 +149,11 @@ class Service:
             raise RuntimeError(f"the service did not start (first line: {line!r})")
         self.base_url = f"http://127.0.0.1:{match.group(1)}"
         deadline = time.monotonic() + STARTUP_TIMEOUT
-        while True:  # the socket accepts once the lifespan (model load) has finished
+        while True:  # /readyz turns 200 once the model is loaded and the proxy started
             if self.process.poll() is not None:
                 raise RuntimeError(f"the service exited with code {self.process.returncode}")
             try:
-                if httpx.get(f"{self.base_url}/healthz", timeout=5.0).status_code == 200:
+                if httpx.get(f"{self.base_url}/readyz", timeout=5.0).status_code == 200:
                     break
             except httpx.TransportError:
                 pass

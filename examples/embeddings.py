@@ -3,17 +3,18 @@
 Two ways to embed the same texts with the same all-MiniLM-L6-v2 weights
 (`minilm.py`: offline, `torch.inference_mode()`, mean pooling, L2-normalised):
 
-- batched: `EmbeddingService.embed` queues each text on a `MiniLMEmbedder`
-  (`offload=True`, length-aware batches), bounded by `max_queue_size` and a
-  per-call `timeout`;
+- batched: the apps queue each text on `EmbeddingService.proxy`, a
+  `MiniLMEmbedder` (`offload=True`), bounded by `max_queue_size` and a per-call
+  `timeout`;
 - the regular way: `EmbeddingService.embed_regular` runs one forward pass per
   text on a single model thread, in arrival order, as a naive server does
   (`OneAtATime`: no batching, no queue bound, no deadline).
 
 Requests are parsed and checked here too (`parse_json`, `EmbeddingService.parse`),
-and every refusal is a `ServiceError` carrying its HTTP status, so both apps
-answer alike: bad JSON or empty text 422, oversized text or too many texts 413,
-`QueueFull`/`ProxyClosed` 503 with `Retry-After: 1`, `DeadlineExceeded` 504.
+and every refusal is a `ServiceError` carrying its HTTP status: bad JSON or empty
+text 422, oversized text or too many texts 413. batchproxy's own errors (queue
+full, deadline, not loaded yet) are answered by the apps' `batchproxy.integrations`
+helper.
 """
 
 from __future__ import annotations
@@ -26,10 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-from minilm import MiniLMEmbedder, load_minilm, reference_embedding
+from minilm import MiniLMEmbedder, load_model, reference_embedding
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-from batchproxy import DeadlineExceeded, ProxyClosed, QueueFull
 
 __all__ = [
     "MAX_TEXTS",
@@ -71,16 +70,18 @@ class OneAtATime:
     Each text is tokenized and run alone (`minilm.reference_embedding`, batch
     of one, no padding) on a single worker thread, in arrival order: what a
     server that calls the model from its handler does. It neither batches nor
-    bounds its queue.
+    bounds its queue. `model` may be None until the service's `load()`.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | None) -> None:
         self.tokenizer = tokenizer
         self.model = model
         self.calls = 0
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minilm-regular")
 
     async def embed(self, text: str) -> torch.Tensor:
+        if self.model is None:
+            raise RuntimeError("the model is not loaded yet")
         loop = asyncio.get_running_loop()
         result = await loop.run_in_executor(
             self._thread, reference_embedding, self.tokenizer, self.model, text
@@ -93,16 +94,17 @@ class OneAtATime:
 
 
 class EmbeddingService:
-    """The batched proxy and the regular path over one loaded model.
+    """The batched proxy and the regular path over one model.
 
-    `await start()` before serving and `await aclose()` after; `aclose()` answers
-    every accepted request first.
+    `model` None: `await load()` reads the weights (the app's startup, through
+    `Serving(load=service.load)`). The app starts and drains `proxy` (with
+    `Serving`) and closes `regular` after.
     """
 
     def __init__(
         self,
         tokenizer: PreTrainedTokenizerBase,
-        model: PreTrainedModel,
+        model: PreTrainedModel | None,
         *,
         batch_size: int = 32,
         max_delay_ms: float = 5.0,
@@ -125,23 +127,11 @@ class EmbeddingService:
         self.max_text_chars = max_text_chars
         self.max_texts = max_texts
 
-    @classmethod
-    async def open(
-        cls, minilm: tuple[PreTrainedTokenizerBase, PreTrainedModel] | None = None, **options: Any
-    ) -> EmbeddingService:
-        """Build and start a service; `minilm` is a loaded `(tokenizer, model)`, else the
-        model is loaded here, off the event loop. `options` are the constructor's."""
-        tokenizer, model = minilm if minilm else await asyncio.to_thread(load_minilm)
-        service = cls(tokenizer, model, **options)
-        await service.start()
-        return service
-
-    async def start(self) -> None:
-        await self.proxy.start()
-
-    async def aclose(self) -> None:
-        await self.proxy.aclose()
-        self.regular.close()
+    async def load(self) -> None:
+        """Read the weights, off the event loop, unless the constructor was given them."""
+        if self.proxy.model is None:
+            model = await asyncio.to_thread(load_model)
+            self.proxy.model = self.regular.model = model
 
     def parse(self, body: object) -> tuple[list[str], bool]:
         """`{"text": str}` or `{"texts": [str, ...]}` -> (texts, whether it was one text)."""
@@ -165,17 +155,6 @@ class EmbeddingService:
                     413, f"text too long: {len(text)} > {self.max_text_chars} characters"
                 )
         return texts, single
-
-    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
-        """Batched: each text is its own request on the proxy, batched with everyone's."""
-        items = [self.proxy.tokenize(text) for text in texts]
-        try:
-            vectors = await self.proxy.inference_many(items)
-        except (QueueFull, ProxyClosed) as exc:
-            raise ServiceError(503, str(exc), {"Retry-After": "1"}) from exc
-        except DeadlineExceeded as exc:
-            raise ServiceError(504, str(exc)) from exc
-        return [vector.tolist() for vector in vectors]
 
     async def embed_regular(self, texts: Sequence[str]) -> list[list[float]]:
         """The regular way: one forward pass per text, one after the other."""

