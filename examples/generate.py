@@ -51,20 +51,20 @@ import codecs
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Sequence
-from contextlib import aclosing, asynccontextmanager
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException
 from pydantic import BaseModel, Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 from transformers.cache_utils import DynamicLayer
 from typing_extensions import override
 
-import batchproxy
 from batchproxy import GenerationProxy, Last, Proxy, Step
+from batchproxy.integrations.fastapi import Serving, install
 
 __all__ = [
     "EOS",
@@ -560,41 +560,29 @@ async def _events(first: int, stream: AsyncGenerator[int, None]) -> AsyncIterato
 
 def create_app(generator: Gpt2Generator | None = None) -> FastAPI:
     """The streaming service around `generator` (default: a `Gpt2Generator` on
-    `build_model()`); the app starts it and closes it at shutdown."""
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        proxy = generator or Gpt2Generator(build_model(), max_queue_size=256)
-        app.state.generator = proxy
-        await proxy.start()
-        try:
-            yield
-        finally:
-            await proxy.aclose()
-
-    app = FastAPI(title="batchproxy generation", lifespan=lifespan)
+    `build_model()`); the app starts it and closes it at shutdown, answers its
+    errors (a full queue 503 with `Retry-After`) and serves `/livez` and `/readyz`."""
+    serving = Serving(generator or Gpt2Generator(build_model(), max_queue_size=256))
+    app = FastAPI(title="batchproxy generation", lifespan=serving.lifespan)
+    install(app, serving)
+    ready_generator = Depends(serving.provider(Gpt2Generator))
 
     @app.post("/generate")
-    async def generate(body: GenerateRequest, request: Request) -> EventSourceResponse:
+    async def generate(
+        body: GenerateRequest, proxy: Gpt2Generator = ready_generator
+    ) -> EventSourceResponse:
         """Stream the continuation of `prompt` as server-sent events."""
-        proxy: Gpt2Generator = request.app.state.generator
         prompt = Prompt.of(body.prompt, body.max_new_tokens)
         if len(prompt.ids) + prompt.max_new_tokens > proxy.max_positions:
             raise HTTPException(413, f"prompt + max_new_tokens > {proxy.max_positions} tokens")
         stream = proxy.stream(prompt)
         # wait for the first token before answering, so refusals get a status code
-        try:
+        try:  # (a full queue: the helper answers 503 with Retry-After)
             first = await anext(stream)
-        except batchproxy.QueueFull:
-            raise HTTPException(503, "overloaded, retry later", {"Retry-After": "1"}) from None
         except ValueError as error:  # over the proxy's token budget
             raise HTTPException(413, str(error)) from None
         # streams run to their end when the server stops, as uvicorn lets other requests do
         return EventSourceResponse(_events(first, stream), shutdown_grace_period=SHUTDOWN_GRACE)
-
-    @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
 
     return app
 

@@ -354,7 +354,8 @@ async def test_sse_streams_every_token_then_an_end_event() -> None:
     proxy = generate.Gpt2Generator(MODEL, batch_size=4)
     async with serve(proxy) as http:
         results = await asyncio.gather(*(sse_tokens(http, t, n) for t, n in texts))
-        assert (await http.get("/healthz")).json() == {"status": "ok"}
+        assert (await http.get("/livez")).status_code == 200
+        assert (await http.get("/readyz")).json()["status"] == "ready"
         assert (await http.post("/generate", json={"prompt": ""})).status_code == 422
         too_long = {"prompt": "y" * 500, "max_new_tokens": 100}
         assert (await http.post("/generate", json=too_long)).status_code == 413
