@@ -314,9 +314,7 @@ class Scheduler(Generic[T]):
         )
 
     def _full(self) -> bool:
-        queue = self.queue
-        budget = self._budget
-        return queue.live >= self._batch_size or (budget is not None and queue.live_cost >= budget)
+        return self._full_reason() is not None
 
     def _full_reason(self) -> str | None:
         """Why a batch may leave now by size alone, or None (it is not full)."""
