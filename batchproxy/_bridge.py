@@ -154,6 +154,13 @@ class LoopBridge:
             with contextlib.suppress(StopIteration, RuntimeError):
                 watcher.aclose().send(None)  # disarmed: its finally returns at once
 
+    def __del__(self) -> None:
+        # Collected (its proxy dropped) while its loop may still run: nothing can be routed
+        # here any more (a routed call's future keeps its bridge alive). Close the hook now:
+        # the loop's collector of unfinished generators would start a task to close it.
+        if getattr(self, "_watcher", None) is not None:
+            self.forget()
+
     # -- internals ---------------------------------------------------------------------
 
     def _start(self, call: _Routed, make: Callable[[], Coroutine[Any, Any, Any]]) -> None:

@@ -31,7 +31,8 @@ Cancellation, written down:
   and frees its slot instead (`Binding.task_done`, then `Runner.never_started`).
 - The watchdog's own cancellation (`batch_timeout` passed): the callers already
   got `BatchTimeout` and the slot was freed when it fired; the task ends quietly.
-- `_inference` raising `CancelledError` on its own: an ordinary batch failure.
+- `_inference` raising `CancelledError` on its own: an ordinary batch failure (told
+  from a cancellation by the task's count of cancel requests, on 3.10 too: `_tasks`).
 
 When a batch answered every caller with a result and a full batch waits, the
 slot is handed on before those callers are answered (`batch_finished_early`), so
@@ -45,7 +46,6 @@ import contextvars
 import functools
 import itertools
 import logging
-import sys
 import time
 from collections.abc import (
     AsyncIterator,
@@ -74,6 +74,7 @@ from ._reruns import call_with_reruns
 from ._scheduler import Limits, Scheduler
 from ._settle import Settlement, caller_error
 from ._stats import Health, StatsRecorder
+from ._tasks import cancel_requested, new_task, uncancel
 
 __all__ = ["HEALTHY", "ModelOutput", "RunKind", "Runner", "current_batch", "run_batch"]
 
@@ -190,7 +191,7 @@ class Runner(Generic[In]):
         in `binding.batch_tasks` until its run kind ends (and takes it out), or, if it is
         cancelled before its first step, until its done callback settles its batch."""
         run = self.kind.run(self, binding, requests)
-        task = _new_task(binding.loop, run, self._task_name)
+        task = new_task(binding.loop, run, self._task_name)
         binding.batch_tasks.add(task)
         binding.not_started[task] = requests
         task.add_done_callback(binding.task_done)
@@ -252,9 +253,9 @@ class Runner(Generic[In]):
             return None  # the coroutine closed as garbage after its loop was closed
         if isinstance(exc, asyncio.CancelledError):
             if batch is not None and batch in binding.overran:
-                _uncancel(batch)  # our own watchdog cancelled it, not the event loop
+                uncancel(batch)  # our own watchdog cancelled it, not the event loop
                 return binding.overran[batch]
-            if _cancel_requested():
+            if cancel_requested():
                 return None
         if not isinstance(exc, Exception):
             logger.error("%s.%s raised %r", self.name, self.model_name, exc)
@@ -448,23 +449,6 @@ BATCHES = RunKind(run_batch)
 """The run kind of a proxy whose model returns one result per item."""
 
 
-if sys.version_info >= (3, 11):
-
-    def _new_task(
-        loop: asyncio.AbstractEventLoop, run: Coroutine[Any, Any, None], name: str
-    ) -> asyncio.Task[None]:
-        """A batch task, in a fresh `contextvars` context: a batch serves many callers,
-        so it sees none of theirs (named: a default name costs a counter and a format)."""
-        return loop.create_task(run, name=name, context=contextvars.Context())
-
-else:
-
-    def _new_task(
-        loop: asyncio.AbstractEventLoop, run: Coroutine[Any, Any, None], name: str
-    ) -> asyncio.Task[None]:
-        return contextvars.Context().run(loop.create_task, run, name=name)
-
-
 def _clean(results: object, size: int) -> bool:
     """Whether `results` answers every caller with a result (no error for anyone)."""
     return (
@@ -472,17 +456,3 @@ def _clean(results: object, size: int) -> bool:
         and len(results) == size
         and not any(map(isinstance, results, itertools.repeat(BaseException, size)))  # in C
     )
-
-
-def _uncancel(task: asyncio.Future[Any]) -> None:
-    """Withdraw a cancellation the proxy requested itself (Python 3.11+ keeps count)."""
-    uncancel = getattr(task, "uncancel", None)
-    if uncancel is not None:
-        uncancel()
-
-
-def _cancel_requested() -> bool:
-    """Whether the current task was cancelled from outside (Python 3.11+ can tell)."""
-    task = asyncio.current_task()
-    cancelling = getattr(task, "cancelling", None)
-    return bool(cancelling is not None and cancelling())

@@ -570,6 +570,29 @@ async def test_batch_task_cancelled_from_outside_fails_its_callers() -> None:
     await proxy.aclose()
 
 
+@pytest.mark.parametrize("offload", [False, True], ids=["on-loop", "offloaded"])
+async def test_a_batch_task_cancelled_from_outside_ends_cancelled_and_blames_no_model(
+    offload: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The cancellation propagates (the task ends cancelled, as "cancel every task"
+    expects) and is not logged as the model raising `CancelledError`. On Python 3.10,
+    whose tasks keep no count of cancellation requests, the batch task keeps its own
+    (before, 3.10 logged "_inference raised CancelledError" and the task swallowed it)."""
+    proxy = Recorder(delay=10.0, batch_size=2, offload=offload)
+    calls = [asyncio.create_task(proxy.inference(i)) for i in range(2)]
+    await wait_until(lambda: proxy.batches == [[0, 1]])  # the model is running
+    (batch_task,) = batch_tasks(proxy)
+    with caplog.at_level(logging.DEBUG, logger="batchproxy"):
+        batch_task.cancel()
+        await asyncio.wait([batch_task], timeout=5)
+    assert batch_task.cancelled()
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    assert all(isinstance(o, batchproxy.InferenceError) for o in outcomes)
+    assert "cancelled from outside" in str(outcomes[0])
+    await proxy.aclose()
+
+
 def test_a_batch_left_on_a_closed_loop_does_not_touch_the_next_loops_slots(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
