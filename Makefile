@@ -6,13 +6,18 @@ BIN     = $(VENV)/bin
 # takes the CPU build on this machine and never resolves a newer torch with CUDA packages
 TORCH   = torch==2.13.0
 
-.PHONY: demo test lint typecheck unit bench bench-tensors bench-suite bench-scheduling bench-scaleout bench-soak bench-soak-deadlines bench-generation clean
+.PHONY: demo demo-publish test lint typecheck unit package test-pythons docs docs-check bench bench-tensors bench-suite bench-scheduling bench-scaleout bench-soak bench-soak-deadlines bench-generation clean
 
-# the real model over HTTP, regular vs batched: the table, benchmarks/results/demo.{json,png}
+# the real model over HTTP, regular vs batched: the table, and demo.{json,png} in
+# benchmarks/results/runs/ (git-ignored: a run changes no tracked file)
 demo: $(VENV)/.installed-demo
 	$(BIN)/python examples/demo.py
 
-test: lint typecheck unit
+# the same, replacing the published benchmarks/results/demo.{json,png} (the docs show them)
+demo-publish: $(VENV)/.installed-demo
+	$(BIN)/python examples/demo.py --publish
+
+test: lint typecheck unit docs package test-pythons
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
@@ -21,8 +26,44 @@ lint: $(VENV)/.installed-dev
 typecheck: $(VENV)/.installed-dev
 	$(BIN)/mypy --strict batchproxy
 
+# the full suite (every extra installed); --suite=full fails the run if a test is skipped
+# for anything but the machine (no CUDA): tests/_suites.py
 unit: $(VENV)/.installed-dev
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --suite=full
+
+# the wheel and sdist: built, twine-checked, the wheel's file list checked (no tests/ or
+# examples/), the wheel alone in a fresh virtualenv where .ci/smoke.py must pass
+package: $(VENV)/.installed-dev
+	PACKAGE_PYTHON=$(BIN)/python bash .ci/package
+
+# the core suite (no torch, Ray, transformers or servers) on the other supported Pythons,
+# each in its own virtualenv (.venv-3.10, ...) with only `pip install -e '.[test]'`;
+# `make test PYTHONS=3.12` to pick fewer. CPython X.Y: pythonX.Y if it runs, else pyenv's.
+# -rfE: the skips (no torch here, no looptime on 3.10) are summed up by the suite check
+PYTHONS ?= 3.10 3.12 3.13
+find_python = $(or $(shell python$(1) -c 'import sys; print(sys.executable)' 2>/dev/null),$(lastword $(sort $(wildcard $(shell pyenv root 2>/dev/null)/versions/$(1).*/bin/python$(1)))))
+
+test-pythons: $(PYTHONS:%=core-%)
+
+core-%: .venv-%/.installed
+	.venv-$*/bin/python -m pytest --suite=core -rfE
+
+.PRECIOUS: .venv-%/.installed
+.venv-%/.installed: pyproject.toml
+	@test -n "$(call find_python,$*)" || { echo "no Python $* here: install it (pyenv install $*), or leave it out (make test PYTHONS=...)"; exit 1; }
+	$(call find_python,$*) -m venv .venv-$*
+	.venv-$*/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $@
+
+# the documentation site, strictly (a warning fails it), into site/ (git-ignored)
+docs: $(VENV)/.installed-dev
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
+# the built site in headless chromium (apt-get install chromium chromium-driver): front
+# page, Proxy's API page, a page with plots; saves docs/screenshot.png. Not in `test`:
+# the browser is a system package that a CI machine may lack
+docs-check: docs
+	$(BIN)/python docs/check_site.py
 
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/overhead.py
@@ -67,8 +108,8 @@ $(VENV)/.installed-demo: pyproject.toml Makefile | $(VENV)/bin/python
 	touch $@ $(VENV)/.installed
 
 $(VENV)/.installed-dev: pyproject.toml Makefile | $(VENV)/bin/python
-	$(BIN)/python -m pip install --quiet -e '.[dev,models,serve,otel,prometheus,demo,bench,ray]' '$(TORCH)'
+	$(BIN)/python -m pip install --quiet -e '.[dev,docs,models,serve,otel,prometheus,demo,bench,ray]' '$(TORCH)'
 	touch $@ $(VENV)/.installed $(VENV)/.installed-demo
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-3.* dist .mypy_cache .ruff_cache .pytest_cache .hypothesis site

@@ -41,7 +41,7 @@ if _TYPE_CHECKING:
     from . import tensors as tensors
     from ._tensor_proxy import TensorProxy
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "END",

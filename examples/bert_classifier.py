@@ -1,4 +1,4 @@
-"""The README's classic style: `class BERTProxy(Proxy[str, float])` around a BERT-base classifier.
+"""The getting-started guide's `class BERTProxy(Proxy[str, float])`, on a BERT-base classifier.
 
 Run it with `python examples/bert_classifier.py` (`--small` for a 2-layer model).
 

@@ -8,16 +8,36 @@ import threading
 from collections.abc import AsyncIterator
 
 import pytest
+from _suites import SuiteCheck
 
 VIRTUAL_CLOCK_WORKS = sys.version_info >= (3, 11)
 """looptime's virtual clock stalls on Python 3.10 once tasks are cancelled (seen with
 looptime 0.7, the newest there); the library itself supports 3.10."""
 
+LOOPTIME_STALLS = "looptime's virtual clock stalls on Python 3.10"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--suite",
+        choices=("core", "full"),
+        default=None,
+        help="check the run as `make test` does (tests/_suites.py): core (no torch, Ray, "
+        "transformers or servers installed) or full (every extra installed)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    suite = config.getoption("suite")
+    if suite is not None:
+        allowed = () if VIRTUAL_CLOCK_WORKS else (LOOPTIME_STALLS,)
+        config.pluginmanager.register(SuiteCheck(suite, allowed), "batchproxy-suite-check")
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if VIRTUAL_CLOCK_WORKS:
         return
-    skip = pytest.mark.skip(reason="looptime's virtual clock stalls on Python 3.10")
+    skip = pytest.mark.skip(reason=LOOPTIME_STALLS)
     for item in items:
         if item.get_closest_marker("looptime") or item.get_closest_marker("virtual_clock"):
             item.add_marker(skip)

@@ -4,6 +4,7 @@ added to or dropped from `batchproxy` is a decision, made here too."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import types
@@ -140,3 +141,17 @@ def test_the_modules_import_each_other_without_a_cycle() -> None:
 
     for node in sorted(graph):
         visit(node)
+
+
+def test_the_version_is_written_in_one_place() -> None:
+    """`batchproxy.__version__`; pyproject.toml reads it from there (hatchling's dynamic
+    version), and the wheel's metadata carries it (`.ci/smoke.py` compares the two)."""
+    assert re.fullmatch(r"\d+\.\d+\.\d+", batchproxy.__version__)
+    pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    assert re.search(r"^version\s*=", pyproject, re.MULTILINE) is None
+    assert re.search(r'^dynamic = \["version"\]', pyproject, re.MULTILINE)
+    assert '[tool.hatch.version]\npath = "batchproxy/__init__.py"' in pyproject
+    written = [
+        path.name for path in PACKAGE.rglob("*.py") if batchproxy.__version__ in path.read_text()
+    ]
+    assert written == ["__init__.py"]

@@ -442,8 +442,8 @@ def test_the_metric_tables_list_every_series(
     }
     docstring = metric_table(batchproxy.integrations.prometheus.__doc__ or "")
     assert {name: row.split(" | ")[0] for name, row in docstring.items()} == families
-    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
-    assert metric_table(readme) == docstring
+    guide = (Path(__file__).parents[1] / "docs" / "observability.md").read_text(encoding="utf-8")
+    assert metric_table(guide) == docstring
 
 
 def test_import_batchproxy_does_not_import_prometheus_client() -> None:
