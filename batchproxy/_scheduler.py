@@ -382,8 +382,9 @@ class Scheduler(Generic[T]):
         if gap == math.inf:
             return oldest, "idle"
         departure = self._window_departure(oldest, gap)
-        if self.queue.earliest_deadline() != math.inf:
-            by_deadline = self._deadline_departure()
+        deadline = self.queue.earliest_deadline()
+        if deadline != math.inf:
+            by_deadline = self._deadline_departure(deadline)
             if by_deadline is not None and by_deadline < departure[0]:
                 return by_deadline, "deadline"
         return departure
@@ -400,15 +401,15 @@ class Scheduler(Generic[T]):
             return min(expected, slot)
         return min(expected, (last + _QUIET_FACTOR * gap, "quiet"))
 
-    def _deadline_departure(self) -> float | None:
-        """The latest start that still answers the earliest deadline in the queue: twice
-        the cost model's prediction for the batch that would leave before it (a margin
-        for the prediction's error and the loop's delays); None without a prediction."""
+    def _deadline_departure(self, deadline: float) -> float | None:
+        """The latest start that still answers `deadline` (the earliest in the queue):
+        twice the cost model's prediction for the batch that would leave before it (a
+        margin for the prediction's error and the loop's delays); None without one."""
         queue = self.queue
         size = min(queue.live, self._batch_size)
         units = size if not self._by_cost else size * queue.live_cost / max(1, queue.live)
         took = self._cost_model.predict(units)
-        return None if took is None else queue.earliest_deadline() - _DEADLINE_MARGIN * took
+        return None if took is None else deadline - _DEADLINE_MARGIN * took
 
     def _arm_timer(self, when: float) -> None:
         timer = self._timer
