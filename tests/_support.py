@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NoReturn, TypeVar
@@ -296,3 +296,21 @@ def load_example(name: str) -> ModuleType:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+@contextlib.asynccontextmanager
+async def on_uvicorn(app: Any) -> AsyncIterator[tuple[Any, int]]:
+    """`app` under uvicorn on 127.0.0.1, on a free port, in the running event loop:
+    yield (the server, its port); stopped on exit, even when the test fails."""
+    import uvicorn  # only the tests that serve need it
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            assert not task.done(), "uvicorn did not start"
+            await asyncio.sleep(0.01)
+        yield server, server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        await task

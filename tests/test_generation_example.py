@@ -22,14 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _support import assert_settled, run_script, wait_until
+from _support import assert_settled, on_uvicorn, run_script, wait_until
 from typing_extensions import override
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 generate = importlib.import_module("generate")
@@ -304,19 +304,11 @@ async def serve(proxy: Any) -> AsyncIterator[httpx.AsyncClient]:
 @asynccontextmanager
 async def serve_on(proxy: Any) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
     """`serve`, yielding the uvicorn server too."""
-    app = generate.create_app(proxy)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    try:
-        while not server.started:
-            assert not task.done(), "uvicorn did not start"
-            await asyncio.sleep(0.01)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
-            yield server, http
-    finally:
-        server.should_exit = True
-        await task
+    async with (
+        on_uvicorn(generate.create_app(proxy)) as (server, port),
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http,
+    ):
+        yield server, http
 
 
 async def events(response: Any) -> AsyncIterator[tuple[str, Any]]:

@@ -11,12 +11,12 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
-from _support import wait_until
+from _support import on_uvicorn, wait_until
 from typing_extensions import override
 
 from batchproxy import Proxy
 
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 fastapi = pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 sdk_trace = pytest.importorskip("opentelemetry.sdk.trace")
@@ -60,18 +60,11 @@ async def serve(proxy: Held, tracer: Any) -> AsyncIterator[httpx.AsyncClient]:
             except ValueError as exc:
                 return {"error": str(exc)}
 
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    try:
-        while not server.started:
-            assert not task.done(), "uvicorn did not start"
-            await asyncio.sleep(0.01)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
-            yield http
-    finally:
-        server.should_exit = True
-        await task
+    async with (
+        on_uvicorn(app) as (_, port),
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http,
+    ):
+        yield http
 
 
 @pytest.fixture

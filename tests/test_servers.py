@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _support import on_uvicorn
 
 for module in ("fastapi", "transformers"):
     pytest.importorskip(module)
 httpx = pytest.importorskip("httpx")
 torch = pytest.importorskip("torch")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 web = pytest.importorskip("aiohttp.web")
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
 SERVING = pytest.importorskip("batchproxy.integrations.aiohttp").SERVING
@@ -66,20 +67,10 @@ async def serve(kind: str, model: tuple[Any, Any], **options: Any) -> AsyncItera
     """Run the app on 127.0.0.1 on a free port; yield (httpx client, its EmbeddingService)."""
     if kind == "fastapi":
         app = fastapi_app.create_app(minilm=model, **options)
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
-        server = uvicorn.Server(config)
-        task = asyncio.create_task(server.serve())
-        while not server.started:
-            assert not task.done(), "uvicorn did not start"
-            await asyncio.sleep(0.01)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        try:
+        async with on_uvicorn(app) as (_, port):
             await asyncio.wait_for(app.state.serving.wait_ready(), 30)  # the proxy started
             async with client(port) as http:
                 yield http, app.state.service
-        finally:
-            server.should_exit = True
-            await task
     else:
         app = aiohttp_app.create_app(minilm=model, **options)
         runner = web.AppRunner(app, access_log=None)
