@@ -314,3 +314,13 @@ async def on_uvicorn(app: Any) -> AsyncIterator[tuple[Any, int]]:
     finally:
         server.should_exit = True
         await task
+
+
+def modules_after(code: str) -> set[str]:
+    """The top-level packages in `sys.modules` once `code` has run in a fresh
+    interpreter: what an import really loads, whatever this process loaded already."""
+    probe = f"{code}\nimport sys\nprint(*sorted({{m.partition('.')[0] for m in sys.modules}}))"
+    ran = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    return set(ran.stdout.splitlines()[-1].split())

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import ast
 import re
-import subprocess
-import sys
 import types
 from pathlib import Path
+
+from _support import modules_after
 
 import batchproxy
 
@@ -76,13 +76,8 @@ def test_every_public_name_is_exported_and_nothing_else_is_public() -> None:
 def test_importing_batchproxy_loads_no_numpy() -> None:
     """NumPy (about half of the import time, and its BLAS threads) loads with the
     tensor features only."""
-    code = (
-        "import sys, batchproxy; "
-        "assert 'numpy' not in sys.modules, 'numpy loaded'; "
-        "batchproxy.TensorProxy; "
-        "assert 'numpy' in sys.modules"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert "numpy" not in modules_after("import batchproxy")
+    assert "numpy" in modules_after("import batchproxy; batchproxy.TensorProxy")
 
 
 PACKAGE = Path(batchproxy.__file__).parent
