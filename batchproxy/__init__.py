@@ -11,6 +11,7 @@ NumPy (and torch) load with the tensor features only: `TensorProxy` and the
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
+from ._autoscaling import Autoscaling
 from ._background_loop import BackgroundLoop
 from ._callers import caller_contexts
 from ._cost_model import CostEstimate
@@ -22,6 +23,7 @@ from ._errors import (
     DeadlineExceeded,
     InferenceError,
     InvalidItem,
+    PoolUnavailable,
     ProxyClosed,
     QueueFull,
     StreamBufferFull,
@@ -45,6 +47,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "END",
+    "Autoscaling",
     "BackgroundLoop",
     "BatchProxyError",
     "BatchSizeMismatch",
@@ -62,6 +65,7 @@ __all__ = [
     "ModelFactory",
     "Options",
     "Percentiles",
+    "PoolUnavailable",
     "ProcessWorkers",
     "Proxy",
     "ProxyClosed",

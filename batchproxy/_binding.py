@@ -128,6 +128,11 @@ class Binding(Generic[In]):
         now was closed as garbage after its loop ended, and its slot with it."""
         return not self.left and not self.loop.is_closed()
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting in the queue (read from any thread: an autoscaler's load)."""
+        return self.scheduler.queue.live
+
     async def drain(self) -> None:
         """`aclose()` on this loop: every queued request goes as soon as a slot is free;
         return once every batch has ended (but those the watchdog gave up on)."""

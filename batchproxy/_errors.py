@@ -9,6 +9,7 @@ __all__ = [
     "DeadlineExceeded",
     "InferenceError",
     "InvalidItem",
+    "PoolUnavailable",
     "ProxyClosed",
     "QueueFull",
     "StreamBufferFull",
@@ -168,4 +169,21 @@ class WorkerDied(BatchProxyError, RuntimeError):
         self.executor = executor
         self.worker = worker
         self.items = items
+        self.detail = detail
+
+
+class PoolUnavailable(BatchProxyError, RuntimeError):
+    """No worker of a pool could take a batch: none was ready within the pool's
+    `start_timeout` (still being placed, loading its model, or unreachable).
+
+    The callers of that batch get this error; the pool keeps trying to bring its
+    workers up, and later batches are served once one is ready.
+    """
+
+    def __init__(self, executor: str, waited: float, detail: str) -> None:
+        super().__init__(
+            f"{executor}: no replica ready to run a batch after {waited:g} s ({detail})"
+        )
+        self.executor = executor
+        self.waited = waited
         self.detail = detail

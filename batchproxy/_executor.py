@@ -22,9 +22,12 @@ import threading
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from typing_extensions import Self
+
+if TYPE_CHECKING:
+    from ._stats import Health
 
 __all__ = ["Executor", "LoopExecutor", "ModelFactory", "ModelFn", "PoolExecutor"]
 
@@ -51,6 +54,12 @@ class Executor(ABC):
     async def aclose(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release threads or processes; the default holds none."""
 
+    @property
+    def health(self) -> Health | None:
+        """Whether the executor can run a batch now (a pool with no worker ready cannot);
+        None: nothing to say. A proxy's `health` includes it."""
+        return None
+
     # -- capacity watchers (the proxies that follow this executor's capacity) ------------
 
     def watch_capacity(self, callback: Callable[[int], None]) -> None:
@@ -63,6 +72,18 @@ class Executor(ABC):
             watchers: list[Callable[[int], None]] = self.__dict__.get("_capacity_watchers", [])
             if callback in watchers:
                 watchers.remove(callback)
+
+    def queued_items(self) -> tuple[int, int]:
+        """The items queued in the proxies that watch this executor, and the largest
+        `batch_size` among them (0 without any): what an autoscaler adds to the
+        items it runs."""
+        with _watchers_lock:
+            watchers = list(self.__dict__.get("_capacity_watchers", []))
+        items = size = 0
+        for callback in watchers:
+            queued, batch_size = getattr(callback, "queued_items", _nothing)()
+            items, size = items + queued, max(size, batch_size)
+        return items, size
 
     def _capacity_changed(self) -> None:
         """Tell every watcher the new capacity; subclasses call it after a resize."""
@@ -78,17 +99,33 @@ _watchers_lock = threading.Lock()
 _T = TypeVar("_T")
 
 
-def weak_callback(owner: _T, method: Callable[[_T, int], None]) -> Callable[[int], None]:
-    """A capacity callback calling `method(owner, capacity)` that does not keep `owner`
-    alive (an executor may outlive the proxies that watch it)."""
-    ref = weakref.ref(owner)
+def _nothing() -> tuple[int, int]:
+    return 0, 0
 
-    def changed(capacity: int) -> None:
-        target = ref()
-        if target is not None:
-            method(target, capacity)
 
-    return changed
+class WeakWatcher(Generic[_T]):
+    """A capacity callback calling `changed(owner, capacity)` that does not keep `owner`
+    alive (an executor may outlive the proxies that watch it); `queued_items()`
+    asks the owner for its queued items and its batch size."""
+
+    __slots__ = ("_changed", "_queued", "_ref")
+
+    def __init__(
+        self,
+        owner: _T,
+        changed: Callable[[_T, int], None],
+        queued: Callable[[_T], tuple[int, int]],
+    ) -> None:
+        self._ref, self._changed, self._queued = weakref.ref(owner), changed, queued
+
+    def __call__(self, capacity: int) -> None:
+        owner = self._ref()
+        if owner is not None:
+            self._changed(owner, capacity)
+
+    def queued_items(self) -> tuple[int, int]:
+        owner = self._ref()
+        return (0, 0) if owner is None else self._queued(owner)
 
 
 class PoolExecutor(Executor):

@@ -14,9 +14,8 @@ One request's way through the library, top to bottom:
    result; the slot is freed for the next batch.
 4. The caller resumes in `inference` with its result.
 
-Also: `_options`, `_lifecycle`, `_listeners`, `_stats`, `_bridge` (calls from
-other threads), and the run kinds (`_streaming`, `_generation`; chosen in `_model`).
-"""
+Also: `_options`, `_lifecycle`, `_listeners`, `_stats`, `_bridge` (other threads),
+the run kinds (`_streaming`, `_generation`; chosen in `_model`)."""
 
 from __future__ import annotations
 
@@ -36,7 +35,7 @@ from . import _validate
 from ._binding import Binder
 from ._bridge import LoopBridge
 from ._errors import BatchProxyError, DeadlineExceeded
-from ._executor import Executor, weak_callback
+from ._executor import Executor, WeakWatcher
 from ._fork import forget_threads_in_forked_children
 from ._intake import Intake
 from ._lifecycle import Lifecycle, State
@@ -130,7 +129,7 @@ class Proxy(ABC, Generic[In, Out]):
             self, lifecycle, settlement, runner.new_scheduler, runner.never_started
         )
         # weak: the executor may outlive the proxy
-        self._capacity_watcher = weak_callback(self, Proxy._on_capacity)
+        self._capacity_watcher = WeakWatcher(self, Proxy._on_capacity, Proxy._queued)
         executor.watch_capacity(self._capacity_watcher)
         if isinstance(executor, WorkerThread) and self._owns_executor:
             # a proxy dropped without aclose() still stops its thread
@@ -141,15 +140,13 @@ class Proxy(ABC, Generic[In, Out]):
     # -- the model (hooks) ---------------------------------------------------------------
 
     def _inference(self, items: list[In], /) -> ModelOutput[Out]:
-        """Run the model on one batch; return one result per item, in order.
+        """Run the model on one batch; return one result per item, in order. Or stream:
+        a generator (`async def` or plain `def`) that yields one element per caller
+        still in the batch at each step; see `stream()`.
 
-        Or stream: a generator (`async def` or plain `def`) that yields one element per
-        caller still in the batch at each step; see `stream()`.
-
-        Implement it in a subclass (unless `offload` hosts the model). May be
-        `async def` or plain `def` (a plain `def` runs on a worker thread). Put an
-        `Exception` instance in slot i to fail caller i alone; raise to fail the
-        whole batch.
+        Implement it in a subclass (unless `offload` hosts the model). May be `async
+        def` or plain `def` (run on a worker thread). Put an `Exception` instance in
+        slot i to fail caller i alone; raise to fail the whole batch.
         """
         raise NotImplementedError  # __init__ refuses a proxy without a model
 
@@ -249,9 +246,8 @@ class Proxy(ABC, Generic[In, Out]):
             )
 
     def _after_fork_in_child(self) -> None:
-        """In a forked child the parent's event loop runs no more (its thread is gone,
-        or it is the parent's): the next call binds to the child's loop. The parent's
-        queued, routed and running calls are the parent's."""
+        """In a forked child the parent's loop runs no more: the next call binds to the
+        child's loop. The parent's queued, routed and running calls are the parent's."""
         self._binder.forget_after_fork()
 
     # -- options -------------------------------------------------------------------------
@@ -292,6 +288,9 @@ class Proxy(ABC, Generic[In, Out]):
         """The executor was resized (maybe from another thread): follow it, if we do."""
         if self._options.max_concurrent_batches is None and self._lifecycle.open:
             self._apply_limits()
+
+    def _queued(self) -> tuple[int, int]:  # for an autoscaling executor
+        return getattr(self._binder.current, "queued", 0), self._options.batch_size
 
     # -- calls ---------------------------------------------------------------------------
 
@@ -481,15 +480,17 @@ class Proxy(ABC, Generic[In, Out]):
 
     @property
     def health(self) -> Health:
-        """Whether the model answers in time (see `batch_timeout`), and if not, why."""
+        """Whether the model answers in time (`batch_timeout`) and the executor can run a
+        batch (a pool with no worker ready cannot); if not, why."""
         self._require_init()
-        return self._runner.health
+        own, executor = self._runner.health, self._executor.health
+        return executor if own.healthy and executor is not None and not executor else own
 
     @property
     def healthy(self) -> bool:
-        """`proxy.health.healthy`: False from a batch overrunning `batch_timeout` until a
-        later batch returns in time. Always True without a `batch_timeout`."""
-        return self._runner.health.healthy
+        """`proxy.health.healthy`: False from a batch overrunning `batch_timeout` until
+        one returns in time, and while the executor has no worker ready."""
+        return self.health.healthy
 
     def add_listener(self, listener: Listener) -> None:
         """Register hooks called on the event loop; see `Listener`."""

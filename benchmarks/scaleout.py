@@ -45,6 +45,11 @@ the while: a second thread cannot speed it up, a second process can.
    `ProcessWorkers` (pickle protocol 5, array buffers out of band) and back; the
    MB/s is the 32 MB moved (16 MB each way) over the median round trip. The same
    payload through the `RayActors` (Ray's object store) for comparison.
+3. Autoscaling (`--autoscale`, alone; needs Ray; `benchmarks/_step_load.py`): an
+   autoscaled `RayActors` pool of 1 to 8 replicas (0.25 CPU each) under a step
+   load, from 1 replica's worth to 8 and back. Reports how long each step takes
+   to be followed by a decision, by the replica count (asked for, then ready) and
+   by the throughput; writes `scaleout-autoscale.json` and a plot beside it.
 """
 
 from __future__ import annotations
@@ -59,12 +64,14 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import _gil_model
+import _step_load
 import numpy as np
-from _report import environment, headline, quick_run_arguments, write_json
+from _report import environment, headline, run_arguments, write_json
 from overhead import identity
 from typing_extensions import override
 
@@ -619,8 +626,32 @@ def report(machine: MachineResult, results: dict[str, Any], config: Config) -> s
     )
 
 
+def autoscale(quick: bool, output: Path) -> int:
+    """Section 3 alone (`--autoscale`)."""
+    ray = import_ray()
+    if ray is None:
+        print("section 3 needs Ray: pip install 'batchproxy[ray]'")
+        return 1
+    config = _step_load.QUICK if quick else _step_load.FULL
+    env = environment(ray=ray.__version__)
+    print(headline("scaleout --autoscale", env, quick=quick))
+    print()
+    results = _step_load.run(config, ray)
+    print(_step_load.report(config, results))
+    write_json(output, {"environment": env, "quick": quick, **_step_load.document(config, results)})
+    _step_load.plot(config, results, output.with_suffix(".png"))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    quick, output = quick_run_arguments("scaleout", (__doc__ or "").splitlines()[0], argv)
+    quick, autoscaling, output = run_arguments(
+        "scaleout",
+        (__doc__ or "").splitlines()[0],
+        argv,
+        ("autoscale", "section 3 alone: an autoscaled Ray pool under a step load"),
+    )
+    if autoscaling:
+        return autoscale(quick, output)
     config = QUICK if quick else FULL
     ray = import_ray()
     env = environment(numpy=np.__version__, ray=None if ray is None else ray.__version__)

@@ -14,6 +14,7 @@ import batchproxy
 
 PUBLIC = [
     "END",
+    "Autoscaling",
     "BackgroundLoop",
     "BatchProxyError",
     "BatchSizeMismatch",
@@ -31,6 +32,7 @@ PUBLIC = [
     "ModelFactory",
     "Options",
     "Percentiles",
+    "PoolUnavailable",
     "ProcessWorkers",
     "Proxy",
     "ProxyClosed",

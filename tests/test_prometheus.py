@@ -6,6 +6,7 @@ import asyncio
 import gc
 import re
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from _support import Recorder, modules_after
 
 import batchproxy
 from batchproxy import BatchTimeout, DeadlineExceeded, QueueFull
+from batchproxy._autoscaling import Autoscaler, AutoscalerStats, Autoscaling
 
 prometheus_client = pytest.importorskip("prometheus_client")
 
@@ -318,6 +320,155 @@ async def test_proxies_sharing_a_name_share_one_gauge_sample(
     await asyncio.wait_for(asyncio.gather(*calls), 10)
     for proxy in proxies:
         await proxy.aclose()
+
+
+# -- pools of replicas ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FakePoolStats:
+    replicas: int
+    ready: int
+    pending: int
+    autoscaler: AutoscalerStats | None
+
+
+class FakePool:
+    """What `instrument_pool` takes: a name and `stats` (as `RayActors` has them)."""
+
+    def __init__(self, name: str, replicas: int = 1, ready: int = 1) -> None:
+        self.name = name
+        self.current = FakePoolStats(replicas, ready, replicas - ready, None)
+
+    @property
+    def stats(self) -> FakePoolStats:
+        return self.current
+
+
+def pool_series(samples: Samples, pool: str) -> dict[str, float | None]:
+    """The pool's five samples, by a short name."""
+
+    def get(name: str, **labels: str) -> float | None:
+        return samples.get((name, tuple(sorted({"pool": pool, **labels}.items()))))
+
+    return {
+        **{state: get("batchproxy_pool_replicas", state=state) for state in STATES},
+        "ups": get("batchproxy_pool_scale_ups_total"),
+        "downs": get("batchproxy_pool_scale_downs_total"),
+    }
+
+
+STATES = ("target", "ready", "pending")
+
+
+def test_a_pool_s_replicas_and_scaling_counts_are_read_at_scrape_time(
+    registry: CollectorRegistry, metrics: PrometheusMetrics
+) -> None:
+    pool = FakePool("embed", replicas=2, ready=2)
+    metrics.instrument_pool(pool)
+    metrics.instrument_pool(pool)  # again: a no-op
+    assert pool_series(scrape(registry), "embed") == {
+        "target": 2, "ready": 2, "pending": 0, "ups": 0, "downs": 0,
+    }  # fmt: skip
+    scaling = AutoscalerStats(scale_ups=3, scale_downs=1, errors=0, last_decision=None, desired=5)
+    pool.current = FakePoolStats(replicas=5, ready=3, pending=2, autoscaler=scaling)
+    assert pool_series(scrape(registry), "embed") == {
+        "target": 5, "ready": 3, "pending": 2, "ups": 3, "downs": 1,
+    }  # fmt: skip
+    text = render(registry).decode()
+    assert "# TYPE batchproxy_pool_replicas gauge" in text
+    assert "# TYPE batchproxy_pool_scale_ups_total counter" in text
+    assert "# TYPE batchproxy_pool_scale_downs_total counter" in text
+    metrics.uninstrument_pool(pool)
+    metrics.uninstrument_pool(pool)  # again: ignored
+    assert pool_series(scrape(registry), "embed") == dict.fromkeys((*STATES, "ups", "downs"))
+
+
+def test_pools_sharing_a_name_add_up_and_are_held_weakly(
+    registry: CollectorRegistry, metrics: PrometheusMetrics
+) -> None:
+    pools = [FakePool("same", replicas=2, ready=1), FakePool("same", replicas=3, ready=3)]
+    for pool in pools:
+        metrics.instrument_pool(pool)
+    metrics.instrument_pool(FakePool("other"))  # dropped at once: never scraped
+    gc.collect()
+    samples = scrape(registry)
+    assert pool_series(samples, "same") == {
+        "target": 5, "ready": 4, "pending": 1, "ups": 0, "downs": 0,
+    }  # fmt: skip
+    assert pool_series(samples, "other")["target"] is None
+    ref = weakref.ref(pools[0])
+    del pools[0]
+    gc.collect()
+    assert ref() is None
+    assert pool_series(scrape(registry), "same")["target"] == 3
+
+
+def test_pool_series_take_the_namespace(registry: CollectorRegistry) -> None:
+    metrics = PrometheusMetrics(registry, namespace="svc")
+    pool = FakePool("p")
+    metrics.instrument_pool(pool)
+    samples = scrape(registry)
+    assert samples[("svc_pool_replicas", (("pool", "p"), ("state", "target")))] == 1
+    assert samples[("svc_pool_scale_ups_total", (("pool", "p"),))] == 0
+
+
+def test_instrument_pool_refuses_a_proxy_and_a_pool_without_those_stats(
+    metrics: PrometheusMetrics,
+) -> None:
+    with pytest.raises(TypeError, match=r"for a proxy: instrument\(\)"):
+        metrics.instrument_pool(Recorder(name="p"))  # type: ignore[arg-type]
+
+    class Bare:
+        name = "bare"
+        stats = "nothing"
+
+    with pytest.raises(TypeError, match="stats have replicas, ready, pending, autoscaler"):
+        metrics.instrument_pool(Bare())  # type: ignore[arg-type]
+
+
+class AutoscaledPool:
+    """A `Scalable` with the stats `instrument_pool` reads, its load set by the test."""
+
+    def __init__(self, settings: Autoscaling) -> None:
+        self.name = "auto"
+        self.load = 0.0
+        self.replicas = 1
+        self.autoscaler = Autoscaler(self, settings)
+
+    @property
+    def num_replicas(self) -> int:
+        return self.replicas
+
+    def autoscale_load(self) -> float:
+        return self.load
+
+    def autoscale_to(self, n: int) -> None:
+        self.replicas = n
+
+    @property
+    def stats(self) -> FakePoolStats:
+        return FakePoolStats(self.replicas, self.replicas, 0, self.autoscaler.stats)
+
+
+@pytest.mark.looptime
+async def test_an_autoscaled_pool_s_decisions_are_counted(
+    no_leftovers: None, registry: CollectorRegistry, metrics: PrometheusMetrics
+) -> None:
+    pool = AutoscaledPool(Autoscaling(max_replicas=4, upscale_delay=5, downscale_delay=20))
+    metrics.instrument_pool(pool)
+    pool.autoscaler.start()
+    pool.load = 3.5
+    await asyncio.sleep(10.5)
+    assert pool_series(scrape(registry), "auto") == {
+        "target": 4, "ready": 4, "pending": 0, "ups": 1, "downs": 0,
+    }  # fmt: skip
+    pool.load = 0.0
+    await asyncio.sleep(30.0)
+    assert pool_series(scrape(registry), "auto") == {
+        "target": 1, "ready": 1, "pending": 0, "ups": 1, "downs": 1,
+    }  # fmt: skip
+    await pool.autoscaler.aclose()
 
 
 # -- several proxies, twice, garbage collection --------------------------------------------

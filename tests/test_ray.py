@@ -10,11 +10,13 @@ actors are still giving theirs back.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import math
 import os
 import signal
 import sys
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -389,3 +391,252 @@ async def test_aclose_checks_its_timeout() -> None:
     assert not actors.closed  # a refused call changes nothing
     await actors.aclose(timeout=1e10)  # clamped like every duration
     assert actors.closed
+
+
+# -- placement, routing, start deadlines, probes, health -------------------------------------
+
+
+def hangs_if(marker: str) -> Any:
+    """A factory that never returns while `marker` exists (a replica that cannot start,
+    as on a cluster with no room for it); else `sleeper`."""
+
+    def factory() -> Any:
+        while Path(marker).exists():
+            time.sleep(0.05)
+        return sleeper()
+
+    return factory
+
+
+@pytest.mark.parametrize(
+    ("actor_options", "error", "message"),
+    [
+        ([("resources", {})], TypeError, "actor_options must be a dict"),
+        ({1: 2}, TypeError, "keys are Ray option names"),
+        ({"num_cpus": 2}, ValueError, "cannot set 'num_cpus': pass num_cpus="),
+        ({"name": "x"}, ValueError, "cannot set 'name'"),
+        ({"lifetime": "detached"}, ValueError, "would outlive it"),
+        ({"scheduling_strategy": "PACKED"}, ValueError, "'DEFAULT', 'SPREAD' or a Ray"),
+        ({"resources": {"gpu_node": -1}}, ValueError, "finite number >= 0"),
+        ({"resources": {"gpu_node": "1"}}, TypeError, "must be a number"),
+        ({"resources": ["gpu_node"]}, TypeError, "'resources'\\] must be a dict"),
+        ({"memory": 0}, ValueError, "number of bytes > 0"),
+        ({"max_restarts": -2}, ValueError, "int >= -1"),
+        ({"max_restarts": 1.5}, ValueError, "int >= -1"),
+        ({"runtime_env": {"pip": 3}}, ValueError, "runtime_env'\\] is not valid"),
+        ({"runtime_env": "env"}, TypeError, "'runtime_env'\\] must be a dict"),
+        ({"no_such_option": 1}, ValueError, "Invalid option keyword no_such_option"),
+        ({"resources": {"CPU": 1}}, ValueError, "num_cpus"),
+    ],
+)
+def test_bad_actor_options_fail_when_the_pool_is_built(
+    actor_options: Any, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        RayActors(doubler, actor_options=actor_options)
+
+
+def test_replicas_spread_over_nodes_unless_a_strategy_is_given() -> None:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    assert RayActors(doubler)._replicas.options["scheduling_strategy"] == "SPREAD"
+    pinned = NodeAffinitySchedulingStrategy(node_id="ab" * 28, soft=True)
+    chosen = RayActors(doubler, actor_options={"scheduling_strategy": pinned})
+    assert chosen._replicas.options["scheduling_strategy"] is pinned
+    default = RayActors(doubler, actor_options={"scheduling_strategy": None})
+    assert default._replicas.options["scheduling_strategy"] == "DEFAULT"
+    options = RayActors(
+        doubler, num_cpus=0.5, actor_options={"resources": {"gpu_node": 0.01}, "max_restarts": 2}
+    )._replicas.options
+    assert (options["num_cpus"], options["resources"], options["max_restarts"]) == (
+        0.5,
+        {"gpu_node": 0.01},
+        2,
+    )
+
+
+async def test_actor_options_reach_every_replica() -> None:
+    """A custom resource the local node lacks: the replica stays pending (Ray would
+    wait for such a node), and the pool says so instead of waiting in silence."""
+    actors = RayActors(
+        doubler,
+        1,
+        num_cpus=CPU,
+        actor_options={"resources": {"no_such_node": 1}},
+        start_timeout=0.5,
+    )
+    try:
+        with pytest.raises(TimeoutError, match=r"1 of 1 replicas not started after 0\.5 s"):
+            await actors.start()
+        assert (actors.stats.pending, actors.stats.overdue, actors.stats.ready) == (1, 1, 0)
+        assert "0 ready, 1 pending" in repr(actors)
+    finally:
+        await actors.aclose()
+
+
+async def test_a_retry_never_waits_on_a_replica_that_cannot_start(tmp_path: Path) -> None:
+    """The stranded retry: a replica dies under load with retry_on_crash and more
+    batches in flight than replicas; its replacement cannot start. The retried
+    batch runs on the live replica, and every caller gets its result."""
+    hang = tmp_path / "hang"
+    async with (
+        RayActors(hangs_if(str(hang)), 2, num_cpus=CPU, retry_on_crash=True) as actors,
+        Proxy[Any, Any](offload=actors, batch_size=2, max_concurrent_batches=4) as proxy,
+    ):
+        hang.touch()  # replacements from now on never start
+        call, pid = await sleeping_call(proxy, tmp_path / "marker")
+        slow = [(0.3, str(tmp_path / f"slow{i}")) for i in range(12)]  # the survivor stays busy
+        others = asyncio.ensure_future(asyncio.gather(*(proxy.inference(i) for i in slow)))
+        await asyncio.sleep(0.1)
+        os.kill(pid, signal.SIGKILL)
+        rerun_pid, item = await asyncio.wait_for(call, 30)
+        assert rerun_pid != pid
+        assert item == (30.0, str(tmp_path / "marker"))
+        results = await asyncio.wait_for(others, 30)
+        assert [item for _, item in results] == slow
+        stats = actors.stats
+        assert (stats.ready, stats.pending, stats.lost) == (1, 1, 1)
+        assert stats.retried >= 1  # the batch it ran, and any queued behind it
+        assert proxy.stats.failed_batches == 0
+        assert proxy.healthy  # one replica ready is enough to serve
+        hang.unlink()
+        await wait_until(lambda: actors.stats.ready == 2, seconds=30)  # joins once it can
+
+
+async def test_no_replica_ready_in_time_fails_the_batch_and_shows_in_health(
+    tmp_path: Path,
+) -> None:
+    hang = tmp_path / "hang"
+    hang.touch()
+    actors = RayActors(hangs_if(str(hang)), 1, num_cpus=CPU, start_timeout=0.3)
+    proxy = Proxy[Any, Any](offload=actors, batch_size=4)
+    try:
+        assert proxy.healthy  # not started: nothing wrong yet
+        with pytest.raises(batchproxy.PoolUnavailable, match=r"no replica ready .* after 0\.3 s"):
+            await asyncio.wait_for(proxy.inference(1), 10)
+        assert not actors.health.healthy
+        assert "no replica ready (1 pending" in str(actors.health.reason)
+        assert proxy.health == actors.health  # what a readiness route reads
+        assert actors.stats.overdue == 1
+        hang.unlink()  # the pending replica comes up after all
+        await wait_until(lambda: actors.stats.ready == 1, seconds=30)
+        assert proxy.healthy
+        assert await asyncio.wait_for(proxy.inference(2), 10) == (await proxy.inference(2))
+    finally:
+        await proxy.aclose()
+        await actors.aclose()
+    assert not actors.health.healthy
+    assert actors.health.reason == "RayActors is closed"
+
+
+async def test_a_replica_lost_while_idle_leaves_the_rotation_before_a_batch_reaches_it() -> None:
+    async with (
+        RayActors(doubler, 2, num_cpus=CPU, health_check_period=0.2) as actors,
+        Proxy[Any, Any](offload=actors, batch_size=1) as proxy,
+    ):
+        pids = {pid for pid, _ in await asyncio.gather(*(proxy.inference(i) for i in range(8)))}
+        assert len(pids) == 2
+        victim = pids.pop()
+        os.kill(victim, signal.SIGKILL)
+        await wait_until(lambda: actors.stats.lost == 1, seconds=10)  # by a probe
+        results = await asyncio.gather(*(proxy.inference(i) for i in range(20)))
+        assert [doubled for _, doubled in results] == [i * 2 for i in range(20)]
+        assert victim not in {pid for pid, _ in results}
+        assert proxy.stats.failed_batches == 0  # no batch was sent to the dead one
+        await wait_until(lambda: actors.stats.ready == 2, seconds=30)  # replaced
+
+
+async def test_an_unavailable_replica_takes_no_batch_until_a_probe_is_answered() -> None:
+    from ray.exceptions import ActorUnavailableError
+
+    async with RayActors(doubler, 2, num_cpus=CPU, health_check_period=60) as actors:
+        first, second = actors._replicas.rotation
+        actors._replicas.unavailable(first, ActorUnavailableError("connection lost", None))
+        assert (actors.stats.ready, actors.stats.unavailable) == (1, 1)
+        served = [await actors.run(None, [i]) for i in range(4)]  # type: ignore[arg-type]
+        assert {pid for [(pid, _)] in served} == {await_pid(second)}
+        await actors._replicas.probe(first, 5.0)  # it answers: back in rotation
+        assert (actors.stats.ready, actors.stats.unavailable, actors.stats.lost) == (2, 0, 0)
+
+
+def await_pid(replica: Any) -> int:
+    return int(ray.get(replica.handle.run.remote([0]))[0][0])
+
+
+async def test_a_replica_that_never_answers_probes_is_replaced() -> None:
+    never = types.SimpleNamespace(future=concurrent.futures.Future)
+    silent = types.SimpleNamespace(ready=types.SimpleNamespace(remote=lambda: never))
+
+    async with RayActors(doubler, 1, num_cpus=CPU, health_check_period=60) as actors:
+        replica = actors._replicas.rotation[0]
+        real = replica.handle
+        replica.handle = silent  # its probes are never answered
+        for _ in range(2):
+            await actors._replicas.probe(replica, 0.05)
+        assert (actors.stats.unavailable, actors.stats.lost) == (1, 0)
+        await actors._replicas.probe(replica, 0.05)
+        assert actors.stats.lost == 1
+        assert replica not in actors._replicas.rotation
+        ray.kill(real)
+        await wait_until(lambda: actors.stats.ready == 1, seconds=30)
+
+
+async def test_the_autoscaler_follows_the_load_and_the_proxy_follows_it() -> None:
+    from batchproxy import Autoscaling
+
+    scaling = Autoscaling(
+        min_replicas=1,
+        max_replicas=3,
+        upscale_delay=0.2,
+        downscale_delay=0.5,
+        interval=0.05,
+    )
+    async with (
+        RayActors(slow_doubler, 1, num_cpus=CPU, autoscaling=scaling) as actors,
+        Proxy[Any, Any](offload=actors, batch_size=2) as proxy,
+    ):
+        load = asyncio.ensure_future(asyncio.gather(*(proxy.inference(i) for i in range(120))))
+        await wait_until(lambda: actors.num_replicas == 3, seconds=20)
+        assert proxy.stats.max_in_flight == 3  # the proxy follows the capacity
+        results = await asyncio.wait_for(load, 30)
+        assert [doubled for _, doubled in results] == [i * 2 for i in range(120)]
+        await wait_until(lambda: actors.num_replicas == 1, seconds=20)  # idle: back to min
+        stats = actors.stats.autoscaler
+        assert stats is not None
+        assert stats.scale_ups >= 1
+        assert stats.scale_downs >= 1
+        assert actors.autoscale_load() == 0
+
+
+def test_autoscaling_needs_its_range_to_hold_num_replicas() -> None:
+    from batchproxy import Autoscaling
+
+    with pytest.raises(ValueError, match="outside the autoscaling range \\[2, 4\\]"):
+        RayActors(doubler, 1, autoscaling=Autoscaling(min_replicas=2, max_replicas=4))
+    with pytest.raises(TypeError, match=r"must be a batchproxy\.Autoscaling"):
+        RayActors(doubler, 1, autoscaling={"max_replicas": 2})  # type: ignore[arg-type]
+
+
+async def test_without_probes_an_unavailable_replica_is_replaced() -> None:
+    from ray.exceptions import ActorUnavailableError
+
+    async with RayActors(doubler, 1, num_cpus=CPU, health_check_period=None) as actors:
+        replica = actors._replicas.rotation[0]
+        actors._replicas.unavailable(replica, ActorUnavailableError("connection lost", None))
+        assert actors.stats.lost == 1
+        assert replica not in actors._replicas.rotation
+        [(pid, doubled)] = await actors.run(None, [3])  # type: ignore[arg-type]
+        assert doubled == 6
+        assert alive(pid)
+
+
+async def test_prometheus_exports_a_real_pool() -> None:
+    prometheus = pytest.importorskip("prometheus_client")
+    from batchproxy.integrations.prometheus import PrometheusMetrics, render
+
+    metrics = PrometheusMetrics(registry=prometheus.CollectorRegistry())
+    async with RayActors(doubler, 2, num_cpus=CPU, name="embed") as actors:
+        metrics.instrument_pool(actors)
+        text = render(metrics.registry).decode()
+        for state, value in (("target", 2), ("ready", 2), ("pending", 0)):
+            assert f'batchproxy_pool_replicas{{pool="embed",state="{state}"}} {value}.0' in text

@@ -42,6 +42,7 @@ from .. import (
     DeadlineExceeded,
     Executor,
     InvalidItem,
+    PoolUnavailable,
     Proxy,
     ProxyClosed,
     QueueFull,
@@ -86,7 +87,7 @@ def answer_for(error: BatchProxyError, *, retry_after: float = 1.0) -> Answer:
     cannot serve 422, any other 500. The body is `{"detail": message, "error": class
     name}`."""
     body = {"detail": str(error), "error": type(error).__name__}
-    if isinstance(error, (QueueFull, ProxyClosed, NotReady, WorkerDied)):
+    if isinstance(error, (QueueFull, ProxyClosed, NotReady, WorkerDied, PoolUnavailable)):
         return Answer(503, body, _retry(retry_after))
     if isinstance(error, (DeadlineExceeded, BatchTimeout)):
         return Answer(504, body)

@@ -5,6 +5,7 @@ from batchproxy.integrations.prometheus import CONTENT_TYPE, PrometheusMetrics, 
 
 metrics = PrometheusMetrics()          # the default registry, namespace "batchproxy"
 metrics.instrument(embedder)           # any number of proxies, labelled by proxy name
+metrics.instrument_pool(actors)        # a pool of replicas (RayActors): replicas, autoscaling
 
 @app.get("/metrics")                   # FastAPI
 async def serve_metrics() -> Response:
@@ -18,8 +19,9 @@ async def serve_metrics(request: web.Request) -> web.Response:  # aiohttp
 Serve it from an ``async def`` route, so the gauges read `proxy.stats` on the
 event loop that runs the proxies.
 
-Every metric has one label, ``proxy`` (the proxy's `name`). With the default
-namespace:
+Every proxy metric has one label, ``proxy`` (the proxy's `name`); the pool
+metrics (`instrument_pool`) have ``pool`` (the pool's `name`) instead, and the
+replica gauge ``state`` too. With the default namespace:
 
 | metric | type | what |
 |---|---|---|
@@ -41,6 +43,9 @@ namespace:
 | `batchproxy_queue_depth` | gauge | requests waiting now |
 | `batchproxy_in_flight_batches` | gauge | batches running now |
 | `batchproxy_healthy` | gauge | 1; 0 from a `batch_timeout` overrun until a batch returns in time |
+| `batchproxy_pool_replicas` | gauge | a pool's replicas by `state`: `target`, `ready`, `pending` |
+| `batchproxy_pool_scale_ups_total` | counter | autoscaling decisions that added replicas |
+| `batchproxy_pool_scale_downs_total` | counter | autoscaling decisions that removed replicas |
 
 Counters and histograms are fed by `Listener` hooks as things happen; the
 gauges read `proxy.stats` and `proxy.health` when scraped. `PrometheusMetrics`
@@ -48,6 +53,11 @@ holds proxies only weakly: a proxy that is garbage-collected drops out of the
 gauges, while its counters and histograms stay (Prometheus counters never go
 backwards). Proxies that share a name share a label: their counts add up and so
 do their gauges, except `healthy`, which is 0 if any of them is unhealthy.
+
+The pool series are all read from `pool.stats` when scraped (the scaling
+counters from its autoscaler's counts, 0 without one), and pools too are held
+weakly: a pool that is garbage-collected drops out of all three. Pools that
+share a name add up.
 """
 
 from __future__ import annotations
@@ -56,13 +66,14 @@ import threading
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from typing_extensions import override
 
+from .._autoscaling import AutoscalerStats
 from .._decorator import Batched
 from .._listeners import Listener
 from .._proxy import Proxy
@@ -72,6 +83,8 @@ __all__ = [
     "CONTENT_TYPE",
     "LATENCY_BUCKETS",
     "PrometheusMetrics",
+    "ReplicaPool",
+    "ReplicaPoolStats",
     "render",
 ]
 
@@ -85,6 +98,40 @@ BATCH_SIZE_BUCKETS: tuple[float, ...] = tuple(float(2**i) for i in range(10))
 
 CONTENT_TYPE: str = CONTENT_TYPE_LATEST
 """The Content-Type header to send with `render()`'s bytes."""
+
+
+class ReplicaPoolStats(Protocol):
+    """What `instrument_pool` reads from a pool's `stats` at each scrape."""
+
+    @property
+    def replicas(self) -> int:
+        """The replica count asked for (the target)."""
+        ...
+
+    @property
+    def ready(self) -> int:
+        """Replicas that have started and take batches."""
+        ...
+
+    @property
+    def pending(self) -> int:
+        """Replicas still starting."""
+        ...
+
+    @property
+    def autoscaler(self) -> AutoscalerStats | None:
+        """The autoscaler's counts, or None for a pool without autoscaling."""
+        ...
+
+
+class ReplicaPool(Protocol):
+    """A pool of replicas `instrument_pool` takes (`RayActors`, say): a name and stats."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def stats(self) -> ReplicaPoolStats: ...
 
 
 def render(registry: CollectorRegistry | None = None) -> bytes:
@@ -133,6 +180,7 @@ class PrometheusMetrics(Listener):
         self.registry: CollectorRegistry = REGISTRY if registry is None else registry
         self.namespace = namespace
         self._proxies: weakref.WeakSet[Proxy[Any, Any]] = weakref.WeakSet()
+        self._pools: weakref.WeakSet[ReplicaPool] = weakref.WeakSet()
         self._lock = threading.Lock()  # instrument() vs a scrape on another thread
         self._children: dict[str, _Children] = {}
 
@@ -187,6 +235,7 @@ class PrometheusMetrics(Listener):
         )
         self._batch_size = histogram("batch_size", "Items per batch.", BATCH_SIZE_BUCKETS)
         self.registry.register(_Gauges(self))
+        self.registry.register(_PoolSeries(self))
 
     # -- proxies -------------------------------------------------------------------------
 
@@ -237,6 +286,32 @@ class PrometheusMetrics(Listener):
             )
             self._children[proxy] = children
         return children
+
+    # -- pools ---------------------------------------------------------------------------
+
+    def instrument_pool(self, pool: ReplicaPool) -> None:
+        """Export `pool`'s replica counts and scaling decisions, labelled by its name.
+        Again is a no-op."""
+        if isinstance(pool, (Proxy, Batched)):
+            raise TypeError("instrument_pool takes a pool of replicas (for a proxy: instrument())")
+        stats = pool.stats
+        wanted = ("replicas", "ready", "pending", "autoscaler")
+        if not all(hasattr(stats, field) for field in wanted):
+            raise TypeError(
+                f"instrument_pool takes a pool whose stats have {', '.join(wanted)}; "
+                f"got {pool!r} with stats {stats!r}"
+            )
+        with self._lock:
+            self._pools.add(pool)
+
+    def uninstrument_pool(self, pool: ReplicaPool) -> None:
+        """Drop `pool`'s series; unknown pools are ignored."""
+        with self._lock:
+            self._pools.discard(pool)
+
+    def _live_pools(self) -> list[ReplicaPool]:
+        with self._lock:
+            return list(self._pools)
 
     # -- listener hooks ------------------------------------------------------------------
 
@@ -338,3 +413,56 @@ class _Gauges:
         yield depth
         yield in_flight
         yield healthy
+
+
+class _PoolSeries:
+    """A collector reading the instrumented pools' `stats` at scrape time (it holds the
+    `PrometheusMetrics` weakly, as `_Gauges` does)."""
+
+    def __init__(self, metrics: PrometheusMetrics) -> None:
+        self._metrics = weakref.ref(metrics)
+        self._replicas = f"{metrics.namespace}_pool_replicas".lstrip("_")
+        self._ups = f"{metrics.namespace}_pool_scale_ups".lstrip("_")
+        self._downs = f"{metrics.namespace}_pool_scale_downs".lstrip("_")
+
+    def _families(self) -> tuple[GaugeMetricFamily, CounterMetricFamily, CounterMetricFamily]:
+        return (
+            GaugeMetricFamily(
+                self._replicas,
+                "Replicas of the pool: asked for (target), started (ready), starting (pending).",
+                labels=("pool", "state"),
+            ),
+            CounterMetricFamily(
+                self._ups, "Autoscaling decisions that added replicas.", labels=("pool",)
+            ),
+            CounterMetricFamily(
+                self._downs, "Autoscaling decisions that removed replicas.", labels=("pool",)
+            ),
+        )
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        replicas, ups, downs = self._families()
+        metrics = self._metrics()
+        totals: dict[str, list[int]] = {}
+        for pool in [] if metrics is None else metrics._live_pools():
+            stats = pool.stats
+            scaling = stats.autoscaler
+            counts = totals.setdefault(pool.name, [0, 0, 0, 0, 0])
+            counts[0] += stats.replicas
+            counts[1] += stats.ready
+            counts[2] += stats.pending
+            if scaling is not None:
+                counts[3] += scaling.scale_ups
+                counts[4] += scaling.scale_downs
+        for name, (target, ready, pending, up, down) in sorted(totals.items()):
+            replicas.add_metric((name, "target"), target)
+            replicas.add_metric((name, "ready"), ready)
+            replicas.add_metric((name, "pending"), pending)
+            ups.add_metric((name,), up)
+            downs.add_metric((name,), down)
+        yield replicas
+        yield ups
+        yield downs

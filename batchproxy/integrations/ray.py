@@ -2,7 +2,7 @@
 
 ```python
 import ray
-from batchproxy import Proxy
+from batchproxy import Autoscaling, Proxy
 from batchproxy.integrations.ray import RayActors
 
 def load():                            # picklable, no arguments; runs once in each actor
@@ -11,7 +11,7 @@ def load():                            # picklable, no arguments; runs once in e
         return model(items)
     return run
 
-ray.init()                             # one machine; a cluster: ray.init(address="ray://head:10001")
+ray.init()                             # one machine; a cluster: ray.init(address="auto")
 async with RayActors(load, num_replicas=2, num_gpus=1) as actors:
     async with Proxy(offload=actors, batch_size=32) as proxy:
         y = await proxy.inference(x)   # the batch runs as load()(items) in an actor
@@ -21,31 +21,56 @@ async with RayActors(load, num_replicas=2, num_gpus=1) as actors:
 Call `ray.init()` before first use. Without it Ray starts a private local
 instance at the first actor creation, blocking the event loop for seconds; it
 never joins a cluster by itself. The actors import batchproxy, so install it on
-every node of a cluster (or ship it with a runtime environment).
+every node of a cluster (or ship it with `actor_options={"runtime_env": ...}`).
 
 Each replica is one actor that calls `factory()` once, when it starts, and then
 `model(items)` once per batch (awaiting the result if it is awaitable). A plain
 `def` model runs on the actor's event loop, so one actor runs one batch at a time.
 
-- `capacity` is the replica count (`num_replicas`, then `scale()`): a proxy that
-  follows it keeps that many batches in flight. `run` sends a batch to the
-  least-loaded replica (fewest batches in flight; a replica still loading its
-  model counts as holding one; ties: the lowest index); it awaits the Ray
-  `ObjectRef` and never blocks the event loop.
+Placement: `actor_options` go to Ray's `.options(...)` for every replica
+(`resources`, `memory`, `runtime_env`, `scheduling_strategy`, `max_restarts`,
+and Ray's other actor options; `num_cpus`/`num_gpus` are arguments). They are
+checked when the pool is built. Replicas spread over the cluster's nodes
+(`scheduling_strategy="SPREAD"`) unless you give a strategy, so a node lost
+takes only its share of the pool.
+
+- `capacity` is the replica count (`num_replicas`, then `scale()` or the
+  autoscaler): a proxy that follows it keeps that many batches in flight.
+- Routing: a batch goes to a ready replica with the fewest batches in flight
+  (ties: the oldest). When every ready replica is busy and another one is still
+  starting, the batch waits for whichever comes first (a replica freed, one
+  ready) rather than queueing on a replica that may never start. With no replica
+  ready for `start_timeout` seconds the batch fails with `PoolUnavailable`.
 - The model raising: the batch fails with the model's own exception, unwrapped
   from Ray's `RayTaskError` (which becomes its `__cause__`, remote traceback
   included). Exceptions returned in the result list are plain values.
-- `factory()` raising: the batches sent to that replica fail with its exception,
-  and so does `start()`/`scale()`; the replica is dropped and a new one is tried
-  at the next batch.
+- `factory()` raising: `start()`/`scale()` raise its exception, and so do the
+  batches waiting when no other replica can start; the replica is dropped and a
+  new one is tried at the next batch.
 - A replica dying (its process killed or crashed, its node lost: Ray's
-  `RayActorError`) while it holds a batch: that batch fails with
-  `batchproxy.WorkerDied`, or with `retry_on_crash=True` it runs once more on the
-  least-loaded replica and the caller gets its result (beware models with side
-  effects). The dead replica is replaced by a new actor at once; Ray queues the
-  batches sent to it until its model is loaded.
-- `scale(n)`: new replicas take batches at once; removed ones (the most idle)
+  `ActorDiedError`) while it holds a batch: that batch fails with
+  `batchproxy.WorkerDied`, or with `retry_on_crash=True` runs once more on
+  another replica and the caller gets its result (beware models with side
+  effects). Ray's `ActorUnavailableError` (the actor unreachable for now; the
+  batch may or may not have run) is handled the same way for the batch, but the
+  replica is only taken out of rotation, not replaced, until a probe says.
+- Health probes: every `health_check_period` seconds each idle or unavailable
+  replica is asked to answer within that time. An answer puts an unavailable
+  replica back; Ray saying it died replaces it; three probes in a row without an
+  answer replace it too. So a replica lost while idle leaves the rotation within
+  about one period, before a batch is sent to it.
+- Start deadline: `start()` and `scale()` raise `TimeoutError` when replicas are
+  not ready after `start_timeout` seconds (the cluster has no room, say). Those
+  replicas stay pending and join when Ray places them. A replacement or an
+  autoscaled replica that overruns logs a warning instead. `stats.pending` and
+  `repr` count them; `health` is unhealthy while no replica is ready, so a proxy
+  on the pool is too (a readiness route then answers 503).
+- `scale(n)`: new replicas take batches once ready; removed ones (the most idle)
   take no more and are killed when their in-flight batches end.
+- `autoscaling=Autoscaling(...)`: the pool follows its load between
+  `min_replicas` and `max_replicas` (see `batchproxy.Autoscaling`); the load is
+  the items running on the pool or waiting for a replica plus those queued in
+  the proxies it serves, counted in full batches.
 - A `run` cancelled: the actor task is cancelled with `ray.cancel` (an `async`
   model stops at its next `await`; a plain `def` model runs to its end).
 - `aclose()`: new batches are refused with `RuntimeError` at once; batches in
@@ -59,76 +84,65 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import inspect
 import logging
-import math
-import numbers
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from .. import _validate
+from .._autoscaling import Autoscaler, AutoscalerStats, Autoscaling
 from .._errors import WorkerDied
 from .._executor import ModelFactory, ModelFn, PoolExecutor
+from .._stats import Health
 from .._validate import count, flag
+from ._ray_pool import Replicas
+from ._ray_replica import actor_options, resource, short, unwrap
 
-__all__ = ["RayActors"]
+__all__ = ["PoolStats", "RayActors"]
 
 logger = logging.getLogger("batchproxy")
 
 
-class _ReplicaActor:
-    """What runs in each actor: the model built once from the factory, then batches."""
+@dataclass(frozen=True)
+class PoolStats:
+    """`actors.stats`: a snapshot of the pool's replicas and batches."""
 
-    def __init__(self, factory: ModelFactory) -> None:
-        self._error: Exception | None = None
-        try:
-            self._model: ModelFn | None = factory()
-        except Exception as exc:  # kept, so the caller gets the factory's own error type
-            self._model, self._error = None, exc
-
-    async def ready(self) -> None:
-        """Return once the model is built; raise what `factory()` raised."""
-        if self._error is not None:
-            raise self._error
-
-    async def run(self, items: list[Any]) -> Any:
-        if self._model is None:
-            assert self._error is not None
-            raise self._error
-        result = self._model(items)
-        if inspect.isawaitable(result):
-            result = await result
-        return result
-
-
-class _Replica:
-    """One actor as the executor sees it."""
-
-    __slots__ = ("handle", "in_flight", "number", "ready", "retired", "started")
-
-    def __init__(self, number: int, handle: Any, started: asyncio.Future[Any]) -> None:
-        self.number = number
-        self.handle = handle
-        self.started = started  # resolves when factory() has returned in the actor
-        self.ready = False
-        self.in_flight = 0
-        self.retired = False  # out of rotation: killed once its last batch ends
-
-    def label(self) -> str:
-        actor_id = getattr(self.handle, "_actor_id", None)
-        return f"{self.number}" if actor_id is None else f"{self.number} (actor {actor_id.hex()})"
+    replicas: int
+    """The replica count asked for (the constructor's, `scale()`'s or the autoscaler's)."""
+    ready: int
+    """Replicas that take batches now."""
+    pending: int
+    """Replicas created and not ready yet: waiting for room on a node, or building their model."""
+    overdue: int
+    """Of those, pending for longer than `start_timeout`."""
+    unavailable: int
+    """Ready replicas out of rotation until a health probe is answered."""
+    in_flight: int
+    """Batches running on the replicas."""
+    waiting: int
+    """Batches waiting in the pool for a replica."""
+    lost: int
+    """Replicas lost since the pool started (died, or unreachable for good), each replaced."""
+    retried: int
+    """Batches run again after their replica died (`retry_on_crash`)."""
+    nodes: Mapping[str, int]
+    """Ready replicas per Ray node id."""
+    autoscaler: AutoscalerStats | None
+    """Scaling decisions, with `autoscaling=`; else None."""
 
 
 class RayActors(PoolExecutor):
     """A pool of Ray actors, each running the model that `factory()` builds.
 
     Pass it as `Proxy(offload=RayActors(factory, num_replicas))`, without a
-    subclass. `num_cpus` and `num_gpus` are each actor's Ray resources. The
-    actors start at the first batch, or at `await start()`; close the pool
-    yourself (`await aclose()` or `async with`). See the module docstring for
+    subclass. `num_cpus` and `num_gpus` are each actor's Ray resources;
+    `actor_options` any other option of Ray's `.options(...)`. The actors start
+    at the first batch, or at `await start()`; close the pool yourself
+    (`await aclose()` or `async with`). See the module docstring for placement,
     failures, scaling and shutdown.
     """
 
@@ -141,7 +155,11 @@ class RayActors(PoolExecutor):
         *,
         num_cpus: float = 1,
         num_gpus: float = 0,
+        actor_options: Mapping[str, Any] | None = None,
         retry_on_crash: bool = False,
+        start_timeout: float | None = 60.0,
+        health_check_period: float | None = 5.0,
+        autoscaling: Autoscaling | None = None,
         name: str = "RayActors",
     ) -> None:
         if not callable(factory):
@@ -152,18 +170,31 @@ class RayActors(PoolExecutor):
         flag("retry_on_crash", retry_on_crash)
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
+        if autoscaling is not None and not isinstance(autoscaling, Autoscaling):
+            raise TypeError(f"autoscaling must be a batchproxy.Autoscaling, got {autoscaling!r}")
         self.name = name
         self._factory = factory
         self._target = count("num_replicas", num_replicas)
-        self._num_cpus = _resource("num_cpus", num_cpus)
-        self._num_gpus = _resource("num_gpus", num_gpus)
+        if autoscaling is not None and not (
+            autoscaling.min_replicas <= self._target <= autoscaling.max_replicas
+        ):
+            raise ValueError(
+                f"num_replicas={self._target} is outside the autoscaling range "
+                f"[{autoscaling.min_replicas}, {autoscaling.max_replicas}]"
+            )
         self._retry = retry_on_crash
-        self._actor_class: Any = None
-        self._started = False
-        self._rotation: list[_Replica] = []  # the replicas that take batches
-        self._retired: set[_Replica] = set()  # out of rotation, batches still running
-        self._created = 0
-        self._in_flight = 0
+        self._replicas = Replicas(
+            name,
+            factory,
+            _ray_options(num_cpus, num_gpus, actor_options),
+            _validate.timeout("start_timeout", start_timeout),
+            _validate.timeout("health_check_period", health_check_period),
+        )
+        self._autoscaler = None if autoscaling is None else Autoscaler(self, autoscaling)
+        self._retried = 0
+        self._batches = 0  # in run(): waiting for a replica, running, or retried
+        self._items = 0  # the items of those batches
+        self._largest_batch = 0
         self._idle: asyncio.Event | None = None  # set by the last batch to end, once closing
         self._closed = False
         self._close_done = asyncio.Event()
@@ -171,11 +202,14 @@ class RayActors(PoolExecutor):
     def __repr__(self) -> str:
         if self._closed:
             state = "closed"
-        elif not self._started:
+        elif not self._replicas.started:
             state = "not started"
         else:
-            ready = sum(replica.ready for replica in self._rotation)
-            state = f"{ready} ready, {self._in_flight} batches in flight"
+            stats = self.stats
+            state = f"{stats.ready} ready, {stats.pending} pending"
+            if stats.unavailable:
+                state += f", {stats.unavailable} unavailable"
+            state += f", {stats.in_flight} batches in flight"
         return f"<RayActors {self.name!r} num_replicas={self._target} {state}>"
 
     @property
@@ -185,45 +219,86 @@ class RayActors(PoolExecutor):
 
     @property
     def num_replicas(self) -> int:
-        """The replica count asked for (the constructor's, then `scale()`'s)."""
+        """The replica count asked for (the constructor's, then `scale()`'s or the autoscaler's)."""
         return self._target
 
     @property
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def stats(self) -> PoolStats:
+        """A snapshot of replicas (ready, pending, unavailable) and batches."""
+        replicas = self._replicas
+        rotation = replicas.rotation
+        return PoolStats(
+            replicas=self._target,
+            ready=sum(r.usable for r in rotation),
+            pending=sum(not r.ready for r in rotation),
+            overdue=sum(r.overdue and not r.ready for r in rotation),
+            unavailable=sum(r.ready and r.unavailable for r in rotation),
+            in_flight=replicas.in_flight,
+            waiting=replicas.waiting,
+            lost=replicas.lost_count,
+            retried=self._retried,
+            nodes=dict(Counter(r.node for r in rotation if r.usable and r.node)),
+            autoscaler=None if self._autoscaler is None else self._autoscaler.stats,
+        )
+
+    @property
+    def health(self) -> Health:
+        """Unhealthy while the pool is started and no replica is ready (or once closed)."""
+        if self._closed:
+            return Health(False, f"{self.name} is closed", None)
+        since = self._replicas.unready_since
+        if since is None:
+            return Health(True, None, None)
+        stats = self.stats
+        reason = (
+            f"{self.name}: no replica ready ({stats.pending} pending, "
+            f"{stats.unavailable} unavailable, of {stats.replicas})"
+        )
+        return Health(False, reason, since)
+
     # -- lifecycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
         """Create the actors (if not yet) and wait until each has built its model.
 
-        Optional: the first batch creates them. Raises what a `factory()` raised.
+        Optional: the first batch creates them. Raises what a `factory()` raised,
+        or `TimeoutError` when replicas are still pending after `start_timeout`.
         """
         self._check_open()
         self._fill()
-        await self._wait_started()
+        await self._replicas.wait_started()
 
     async def scale(self, num_replicas: int) -> None:
         """Change the replica count; return once the new replicas have built their models.
 
         Removed replicas (the most idle first) take no new batch at once and are
         killed when their running batches end. Before the first batch this only
-        sets how many actors will start. Raises what a new replica's `factory()` raised.
+        sets how many actors will start. Raises what a new replica's `factory()`
+        raised, or `TimeoutError` after `start_timeout`.
         """
         target = count("num_replicas", num_replicas)
         self._check_open()
-        changed, self._target = target != self._target, target
-        if self._started:
-            surplus = len(self._rotation) - target
-            if surplus > 0:
-                idle_first = sorted(self._rotation, key=lambda r: (r.in_flight, r.ready, -r.number))
-                for replica in idle_first[:surplus]:
-                    self._retire(replica)
-            self._fill()
-        if changed:
-            self._capacity_changed()
-        if self._started:
-            await self._wait_started()
+        self._resize(target)
+        if self._replicas.started:
+            await self._replicas.wait_started()
+
+    def autoscale_load(self) -> float:
+        """The load the autoscaler reads, in full batches: the items running here or
+        waiting for a replica, plus the items queued in the proxies this pool serves,
+        over their largest `batch_size` (no proxy: the largest batch seen). Items,
+        not batches: more replicas make smaller batches, which must not read as more
+        load."""
+        queued, batch_size = self.queued_items()
+        return (self._items + queued) / (batch_size or self._largest_batch or 1)
+
+    def autoscale_to(self, num_replicas: int) -> None:
+        """The autoscaler's resize: like `scale()`, without waiting for the replicas."""
+        if not self._closed:
+            self._resize(num_replicas)
 
     async def aclose(self, *, timeout: float | None = 10.0) -> None:
         """Refuse new batches, give running ones `timeout` seconds, then kill every actor.
@@ -236,155 +311,93 @@ class RayActors(PoolExecutor):
             await self._close_done.wait()
             return
         self._closed = True
+        replicas = self._replicas
         try:
-            if self._in_flight:
+            if self._autoscaler is not None:
+                await self._autoscaler.aclose()
+            if self._batches:
                 self._idle = asyncio.Event()
                 with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
                     await asyncio.wait_for(self._idle.wait(), timeout)
         finally:
-            for replica in [*self._rotation, *self._retired]:
-                self._kill(replica)
-            self._rotation.clear()
-            self._retired.clear()
+            await replicas.close()  # batches still waiting for a replica fail now
+            replicas.kill_all()
             self._close_done.set()
 
     # -- batches -----------------------------------------------------------------------
 
     async def run(self, fn: ModelFn, items: list[Any]) -> Any:
-        """Run `items` on the least-loaded replica's model (`fn` is not used)."""
+        """Run `items` on a ready replica's model (`fn` is not used)."""
         del fn
         self._check_open()
         self._fill()
+        self._batches += 1
+        self._items += len(items)
+        self._largest_batch = max(self._largest_batch, len(items))
         try:
-            return await self._call(self._pick(), items)
-        except WorkerDied:
-            if not self._retry or self._closed:
-                raise
-        logger.warning("%s: retrying a batch of %d on another replica", self.name, len(items))
-        self._fill()
-        return await self._call(self._pick(), items)
+            try:
+                return await self._call(items)
+            except WorkerDied:
+                if not self._retry or self._closed:
+                    raise
+            logger.warning("%s: retrying a batch of %d on another replica", self.name, len(items))
+            self._retried += 1
+            self._fill()
+            return await self._call(items)
+        finally:
+            self._batches -= 1
+            self._items -= len(items)
+            if self._batches == 0 and self._idle is not None:
+                self._idle.set()
 
-    async def _call(self, replica: _Replica, items: list[Any]) -> Any:
-        replica.in_flight += 1
-        self._in_flight += 1
+    async def _call(self, items: list[Any]) -> Any:
+        replicas = self._replicas
+        replica = await replicas.acquire()
         ref = None
         try:
             ref = replica.handle.run.remote(items)
             return await ref
-        except RayTaskError as exc:  # the model (or the factory) raised in the actor
-            raise _unwrap(exc) from exc
+        except RayTaskError as exc:  # the model raised in the actor
+            raise unwrap(exc) from exc
         except RayActorError as exc:
-            self._lost(replica, exc)
+            if isinstance(exc, ActorUnavailableError):  # may come back: a probe decides
+                replicas.unavailable(replica, exc)
+            else:
+                replicas.lost(replica, exc)
             if self._closed:
                 raise RuntimeError(f"{self.name} was closed while it ran this batch") from exc
-            raise WorkerDied(self.name, replica.label(), len(items), _short(exc)) from exc
+            raise WorkerDied(self.name, replica.label(), len(items), short(exc)) from exc
         except asyncio.CancelledError:
             if ref is not None:
                 with contextlib.suppress(Exception):  # already finished, or the actor is gone
                     ray.cancel(ref)
             raise
         finally:
-            replica.in_flight -= 1
-            self._in_flight -= 1
-            if replica.retired and replica.in_flight == 0:
-                self._kill(replica)
-            if self._in_flight == 0 and self._idle is not None:
-                self._idle.set()
+            replicas.release(replica)
 
-    def _pick(self) -> _Replica:
-        """The replica with the fewest batches (a loading one counts one); ties: the oldest."""
-        return min(self._rotation, key=lambda r: (r.in_flight + (not r.ready), not r.ready))
-
-    # -- replicas ----------------------------------------------------------------------
+    # -- the replica count -------------------------------------------------------------
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"{self.name} is closed and runs no more batches")
 
+    def _resize(self, target: int) -> None:
+        changed, self._target = target != self._target, target
+        if self._replicas.started:
+            self._replicas.shrink(target)
+            self._fill()
+        if changed:
+            self._capacity_changed()
+
     def _fill(self) -> None:
-        """Create actors until the rotation holds the replica count."""
-        self._started = True
-        while len(self._rotation) < self._target:
-            self._rotation.append(self._create())
+        self._replicas.fill(self._target, self._start_autoscaler)
 
-    def _create(self) -> _Replica:
-        if self._actor_class is None:
-            remote: Any = ray.remote(num_cpus=self._num_cpus, num_gpus=self._num_gpus)
-            self._actor_class = remote(_ReplicaActor)
-        handle = self._actor_class.remote(self._factory)
-        started = asyncio.wrap_future(handle.ready.remote().future())
-        replica = _Replica(self._created, handle, started)
-        self._created += 1
-        started.add_done_callback(functools.partial(self._on_started, replica))
-        return replica
-
-    def _on_started(self, replica: _Replica, started: asyncio.Future[Any]) -> None:
-        if started.cancelled():
-            return
-        error = started.exception()
-        if error is None:
-            replica.ready = True
-            return
-        if replica.retired or self._closed:
-            return
-        if isinstance(error, RayTaskError):
-            error = _unwrap(error)
-        logger.error("%s: replica %s failed to start: %r", self.name, replica.label(), error)
-        self._retire(replica)  # the next batch tries a new one
-
-    async def _wait_started(self) -> None:
-        replicas = list(self._rotation)
-        await asyncio.wait([replica.started for replica in replicas])
-        for replica in replicas:
-            if replica.started.cancelled():  # killed meanwhile (died, scaled down, closed)
-                continue
-            error = replica.started.exception()
-            if error is not None:
-                raise _unwrap(error) if isinstance(error, RayTaskError) else error
-
-    def _lost(self, replica: _Replica, error: RayActorError) -> None:
-        """`replica`'s actor died: kill it for certain and put a new one in its place."""
-        if replica in self._rotation and not self._closed:
-            logger.warning("%s: replica %s died: %s", self.name, replica.label(), _short(error))
-            self._rotation[self._rotation.index(replica)] = self._create()
-            replica.retired = True
-        self._kill(replica)
-
-    def _retire(self, replica: _Replica) -> None:
-        """Take `replica` out of rotation; kill it now if idle, else after its last batch."""
-        if replica in self._rotation:
-            self._rotation.remove(replica)
-        replica.retired = True
-        if replica.in_flight:
-            self._retired.add(replica)
-        else:
-            self._kill(replica)
-
-    def _kill(self, replica: _Replica) -> None:
-        self._retired.discard(replica)
-        replica.started.cancel()
-        with contextlib.suppress(Exception):  # already dead, or Ray is shut down
-            ray.kill(replica.handle, no_restart=True)
+    def _start_autoscaler(self) -> None:
+        if self._autoscaler is not None:
+            self._autoscaler.start()
 
 
-def _resource(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    number = float(value)
-    if not math.isfinite(number) or number < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    return number
-
-
-def _unwrap(error: RayTaskError) -> BaseException:
-    """The exception the model raised, out of Ray's wrapper."""
-    cause = error.cause
-    return cause if isinstance(cause, BaseException) else error
-
-
-def _short(error: BaseException) -> str:
-    """A one-line reason out of Ray's many-line actor error."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    reason = next((line for line in lines if line.startswith("The actor is dead because")), "")
-    reason = (reason or (lines[0] if lines else "")).split(". ")[0].rstrip(".")
-    return f"{type(error).__name__}: {reason}" if reason else type(error).__name__
+def _ray_options(
+    num_cpus: object, num_gpus: object, options: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    return actor_options(resource("num_cpus", num_cpus), resource("num_gpus", num_gpus), options)
