@@ -41,6 +41,7 @@ FULL_SUITE_ONLY = {
     "test_pipeline_examples.py": "torch, transformers",
     "test_prometheus.py": "prometheus-client",
     "test_ray.py": "Ray",
+    "test_ray_cluster.py": "Ray",
     "test_readme_service.py": "a server",
     "test_servers.py": "servers, torch",
     "test_tensor_proxy.py": "torch",
