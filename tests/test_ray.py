@@ -361,6 +361,10 @@ async def test_unstarted_executor_creates_nothing_and_scales_lazily() -> None:
         ({"num_gpus": None}, TypeError, "num_gpus must be a number"),
         ({"retry_on_crash": 1}, TypeError, "retry_on_crash must be a bool"),
         ({"name": ""}, TypeError, "name must be a non-empty str"),
+        ({"start_timeout": 0}, ValueError, "start_timeout must be"),
+        ({"start_timeout": "60"}, TypeError, "start_timeout must be"),
+        ({"health_check_period": -1}, ValueError, "health_check_period must be"),
+        ({"health_check_period": 0}, ValueError, "health_check_period must be"),
     ],
 )
 def test_bad_arguments(options: dict[str, Any], error: type[Exception], message: str) -> None:

@@ -140,10 +140,13 @@ class RayActors(PoolExecutor):
 
     Pass it as `Proxy(offload=RayActors(factory, num_replicas))`, without a
     subclass. `num_cpus` and `num_gpus` are each actor's Ray resources;
-    `actor_options` any other option of Ray's `.options(...)`. The actors start
-    at the first batch, or at `await start()`; close the pool yourself
-    (`await aclose()` or `async with`). See the module docstring for placement,
-    failures, scaling and shutdown.
+    `actor_options` any other option of Ray's `.options(...)`. `start_timeout`
+    (seconds; None: no deadline) bounds how long `start()`, `scale()` and a
+    batch wait for replicas to come up; `health_check_period` (seconds; None: no
+    probes) is how often idle replicas are probed; `autoscaling` lets the
+    replica count follow the load. The actors start at the first batch, or at
+    `await start()`; close the pool yourself (`await aclose()` or `async with`).
+    See the module docstring for placement, failures, scaling and shutdown.
     """
 
     hosts_model = True
@@ -173,7 +176,6 @@ class RayActors(PoolExecutor):
         if autoscaling is not None and not isinstance(autoscaling, Autoscaling):
             raise TypeError(f"autoscaling must be a batchproxy.Autoscaling, got {autoscaling!r}")
         self.name = name
-        self._factory = factory
         self._target = count("num_replicas", num_replicas)
         if autoscaling is not None and not (
             autoscaling.min_replicas <= self._target <= autoscaling.max_replicas
