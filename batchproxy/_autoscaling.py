@@ -38,6 +38,8 @@ __all__ = [
     "Scalable",
     "ScalingDecision",
     "ScalingPolicy",
+    "autoscaler_for",
+    "load_in_batches",
 ]
 
 logger = logging.getLogger("batchproxy")
@@ -336,6 +338,13 @@ class Autoscaler:
             ) from None
         self._task = new_task(loop, self._run(), name=self._task_name)
 
+    def stop(self) -> None:
+        """Stop sampling, from any thread, without waiting (`aclose()` waits). Idempotent."""
+        self._closed = True
+        task = self._task
+        if task is not None and not task.done():
+            task.get_loop().call_soon_threadsafe(task.cancel)
+
     async def aclose(self) -> None:
         """Stop sampling and wait for the task to end. Idempotent."""
         self._closed = True
@@ -400,6 +409,30 @@ class Autoscaler:
             error,
             exc_info=error,
         )
+
+
+def autoscaler_for(target: Scalable, config: object, replicas: int) -> Autoscaler | None:
+    """A pool's autoscaler, from its `autoscaling=` argument (None: none), checked
+    against the pool's first replica count."""
+    if config is None:
+        return None
+    if not isinstance(config, Autoscaling):
+        raise TypeError(f"autoscaling must be a batchproxy.Autoscaling, got {config!r}")
+    if not config.min_replicas <= replicas <= config.max_replicas:
+        raise ValueError(
+            f"the replica count to begin with, {replicas}, is outside the autoscaling "
+            f"range [{config.min_replicas}, {config.max_replicas}]"
+        )
+    return Autoscaler(target, config)
+
+
+def load_in_batches(items: int, queued: tuple[int, int], largest_batch: int) -> float:
+    """A pool's load: `items` it runs or holds, plus `queued = (items, batch_size)`
+    from its proxies (`Executor.queued_items()`), in full batches of that size (no
+    proxy: the largest batch the pool has seen). Items, not batches: more replicas
+    make smaller batches, which must not read as more load."""
+    queued_items, batch_size = queued
+    return (items + queued_items) / (batch_size or largest_batch or 1)
 
 
 def _why(decision: ScalingDecision, config: Autoscaling) -> str:

@@ -27,6 +27,10 @@ Failure, written down:
   process.
 - The factory raises in a worker: that worker takes no batches; when no worker
   is left, every batch fails at once with the factory's error.
+- `scale(n)` (or the autoscaler, with `autoscaling=Autoscaling(...)`): new
+  workers take batches once their process is up; removed ones (broken or
+  starting first, then the least loaded) take no new batch, run the batches
+  already handed to them, and stop.
 - `aclose()` (or `close()`): batches already handed over run to the end, then
   each worker is told to stop, joined, and terminated or killed if it does not
   exit within `stop_timeout` (at most about 24.8 days: longer is cut to that).
@@ -46,6 +50,7 @@ import weakref
 from typing import Any
 
 from . import _validate
+from ._autoscaling import AutoscalerStats, Autoscaling, autoscaler_for, load_in_batches
 from ._executor import ModelFactory, ModelFn, PoolExecutor
 from ._process_worker import STOP, Job, Worker
 from ._worker_thread import _Raised
@@ -81,6 +86,7 @@ class ProcessWorkers(PoolExecutor):
         retry_on_crash: bool = False,
         name: str = "ProcessWorkers",
         stop_timeout: float = 5.0,
+        autoscaling: Autoscaling | None = None,
     ) -> None:
         if not callable(factory):
             raise TypeError(f"factory must be callable, got {type(factory).__name__} {factory!r}")
@@ -104,8 +110,13 @@ class ProcessWorkers(PoolExecutor):
         )
         self._lock = threading.Lock()
         self._workers = [Worker(self, i) for i in range(_validate.count("n", n))]
+        self._retiring: list[Worker] = []  # scaled away, finishing their batches
+        self._created = len(self._workers)
+        self._items = 0  # of the batches in run() (under the lock)
+        self._largest_batch = 0
         self._closed = False
         self._started = False
+        self._autoscaler = autoscaler_for(self, autoscaling, len(self._workers))
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "running" if self._started else "idle"
@@ -114,6 +125,16 @@ class ProcessWorkers(PoolExecutor):
     @property
     def capacity(self) -> int:
         return len(self._workers)
+
+    @property
+    def num_replicas(self) -> int:
+        """The worker count (the constructor's `n`, then `scale()`'s or the autoscaler's)."""
+        return len(self._workers)
+
+    @property
+    def autoscaler(self) -> AutoscalerStats | None:
+        """The autoscaler's decisions so far, with `autoscaling=`; else None."""
+        return None if self._autoscaler is None else self._autoscaler.stats
 
     @property
     def pids(self) -> list[int | None]:
@@ -138,22 +159,73 @@ class ProcessWorkers(PoolExecutor):
             if self._started:
                 return
             self._started = True
+            workers = list(self._workers)
         _open_executors.add(self)
-        for worker in self._workers:
+        for worker in workers:
             worker.thread.start()
+        if self._autoscaler is not None:
+            self._autoscaler.start()
+
+    async def scale(self, n: int) -> None:
+        """Change the worker count; return once new workers are up (raising the
+        factory's error if none could build the model). Removed workers take no new
+        batch and stop after the batches handed to them."""
+        self._resize(_validate.count("n", n))
+        if self._started:
+            await self.start()
+
+    def autoscale_load(self) -> float:
+        """The autoscaler's load: the items handed over or queued in the proxies this
+        pool serves, in full batches of their largest `batch_size`."""
+        with self._lock:
+            items, largest = self._items, self._largest_batch
+        return load_in_batches(items, self.queued_items(), largest)
+
+    def autoscale_to(self, n: int) -> None:
+        """The autoscaler's resize: like `scale()`, without waiting for new workers."""
+        self._resize(n)
+
+    def _resize(self, n: int) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self.name} is closed")
+            workers = self._workers
+            self._retiring = [w for w in self._retiring if not w.exited.done()]
+            surplus = sorted(
+                workers, key=lambda w: (w.broken is None, not w.starting, w.load, -w.index)
+            )[: max(0, len(workers) - n)]
+            for worker in surplus:
+                workers.remove(worker)
+                if self._started:  # else its thread never runs: nothing to stop
+                    self._retiring.append(worker)
+                    worker.jobs.put(STOP)  # after the jobs handed to it
+            added = [Worker(self, self._created + i) for i in range(max(0, n - len(workers)))]
+            self._created += len(added)
+            workers.extend(added)
+            started = self._started
+        if started:
+            for worker in added:
+                worker.thread.start()
+        if surplus or added:
+            self._capacity_changed()
 
     async def aclose(self) -> None:
         """Finish the batches handed over, then stop every worker. Idempotent."""
+        if self._autoscaler is not None:
+            await self._autoscaler.aclose()
         threads = self._request_stop()
         if not threads:
             return
         loop = asyncio.get_running_loop()
-        await asyncio.gather(*(asyncio.wrap_future(w.exited, loop=loop) for w in self._workers))
+        workers = [*self._workers, *self._retiring]
+        await asyncio.gather(*(asyncio.wrap_future(w.exited, loop=loop) for w in workers))
         for thread in threads:
             thread.join()
 
     def close(self) -> None:
         """`aclose()` for synchronous code: blocks until every worker has stopped."""
+        if self._autoscaler is not None:
+            self._autoscaler.stop()
         for thread in self._request_stop():
             thread.join()
 
@@ -164,9 +236,10 @@ class ProcessWorkers(PoolExecutor):
         _open_executors.discard(self)
         if not started:
             return []
-        for worker in self._workers:
-            worker.jobs.put(STOP)
-        return [w.thread for w in self._workers if w.thread is not threading.current_thread()]
+        workers = [*self._workers, *self._retiring]
+        for worker in workers:
+            worker.jobs.put(STOP)  # a second one to a retiring worker is never read
+        return [w.thread for w in workers if w.thread is not threading.current_thread()]
 
     # -- running batches -------------------------------------------------------------------
 
@@ -176,11 +249,17 @@ class ProcessWorkers(PoolExecutor):
         self._start_threads()
         job = Job(items, asyncio.get_running_loop())
         self._dispatch(job)
+        with self._lock:
+            self._items += len(items)
+            self._largest_batch = max(self._largest_batch, len(items))
         try:
             outcome = await job.future
         except asyncio.CancelledError:
             self._abandon(job)
             raise
+        finally:
+            with self._lock:
+                self._items -= len(items)
         if type(outcome) is _Raised:
             raise outcome.exc
         return outcome
@@ -208,7 +287,7 @@ class ProcessWorkers(PoolExecutor):
                 usable = [w for w in usable if w is not avoid]
             worker = min(usable, key=lambda w: (w.starting, w.load))
             worker.load += 1
-        worker.jobs.put(job)
+            worker.jobs.put(job)  # under the lock: before a stop that scale() puts there
 
     def _pass_on(self, job: Job, source: Worker) -> bool:
         """Hand `job` to a worker other than `source` that is up and idle, if there is

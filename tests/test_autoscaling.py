@@ -542,3 +542,12 @@ def test_the_fake_is_a_scalable() -> None:
         assert pool.num_replicas == 1
 
     asyncio.run(check())
+
+
+def test_a_pools_load_is_counted_in_items_over_the_batch_size() -> None:
+    from batchproxy._autoscaling import load_in_batches
+
+    assert load_in_batches(6, (10, 8), 3) == 2.0  # 16 items, batches of 8
+    assert load_in_batches(6, (0, 0), 3) == 2.0  # no proxy: the largest batch seen
+    assert load_in_batches(0, (0, 0), 0) == 0.0  # nothing seen yet
+    assert load_in_batches(5, (0, 0), 0) == 5.0

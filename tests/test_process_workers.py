@@ -466,3 +466,91 @@ def test_repr_and_public_export() -> None:
     assert batchproxy.ProcessWorkers is ProcessWorkers
     workers.close()
     assert "closed" in repr(workers)
+
+
+# -- scale and autoscaling -------------------------------------------------------------------
+
+
+async def test_scale_adds_and_retires_workers_and_the_proxy_follows() -> None:
+    async with (
+        ProcessWorkers(_workers.tagging, 1) as workers,
+        Proxy(offload=workers, batch_size=1) as proxy,
+    ):
+        await workers.scale(3)
+        assert (workers.capacity, workers.num_replicas) == (3, 3)
+        assert proxy.stats.max_in_flight == 3  # it follows the capacity
+        results = await asyncio.gather(*(proxy.inference(("sleep", 0.05)) for _ in range(12)))
+        assert len({pid for pid, _ in results}) == 3
+        # a batch handed to the worker that goes away still runs to its end
+        held = asyncio.ensure_future(proxy.inference(("sleep", 0.5)))
+        holder = await busy_worker_pid(workers)
+        others = [pid for pid in workers.pids if pid != holder]
+        await workers.scale(1)
+        assert workers.capacity == 1
+        kept = workers.pids[0]
+        assert (await held)[0] == holder
+        for pid in {holder, *others} - {kept}:
+            await wait_until(lambda pid=pid: gone(pid), seconds=10)  # stopped and reaped
+        assert {
+            pid for pid, _ in await asyncio.gather(*(proxy.inference(i) for i in range(4)))
+        } == {kept}
+        assert proxy.stats.failed_batches == 0
+
+
+async def test_scale_before_start_only_sets_the_count() -> None:
+    workers = ProcessWorkers(_workers.tagging, 3)
+    await workers.scale(1)
+    assert workers.pids == [None]
+    await workers.scale(2)
+    async with workers:
+        assert len({pid for pid in workers.pids if pid}) == 2
+    with pytest.raises(RuntimeError, match="is closed"):
+        await workers.scale(3)
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        await ProcessWorkers(_workers.tagging, 1).scale(0)
+
+
+async def test_the_autoscaler_grows_the_pool_under_load_and_shrinks_it_when_idle() -> None:
+    scaling = batchproxy.Autoscaling(
+        min_replicas=1, max_replicas=2, upscale_delay=0.2, downscale_delay=0.5, interval=0.05
+    )
+    async with (
+        ProcessWorkers(_workers.tagging, 1, autoscaling=scaling) as workers,
+        Proxy(offload=workers, batch_size=2) as proxy,
+    ):
+        load = asyncio.gather(*(proxy.inference(("sleep", 0.05)) for _ in range(80)))
+        await wait_until(lambda: workers.num_replicas == 2, seconds=20)
+        results = await load
+        assert len({pid for pid, _ in results}) == 2  # the new worker served
+        await wait_until(lambda: workers.num_replicas == 1, seconds=20)  # idle: back to min
+        stats = workers.autoscaler
+        assert stats is not None
+        assert (stats.scale_ups, stats.scale_downs) == (1, 1)
+        assert workers.autoscale_load() == 0
+    assert workers.autoscaler is not None
+    assert "closed" in repr(workers)
+
+
+def test_autoscaling_arguments_are_checked() -> None:
+    with pytest.raises(
+        ValueError, match=r"to begin with, 3, is outside the autoscaling range \[1, 2\]"
+    ):
+        ProcessWorkers(_workers.tagging, 3, autoscaling=batchproxy.Autoscaling(max_replicas=2))
+    with pytest.raises(TypeError, match=r"must be a batchproxy\.Autoscaling"):
+        ProcessWorkers(_workers.tagging, 1, autoscaling=2)  # type: ignore[arg-type]
+
+
+def test_close_from_sync_code_stops_the_autoscaler() -> None:
+    scaling = batchproxy.Autoscaling(max_replicas=2, interval=0.05)
+
+    async def main() -> ProcessWorkers:
+        workers = ProcessWorkers(_workers.tagging, 1, autoscaling=scaling)
+        await workers.start()
+        await asyncio.sleep(0.1)
+        workers.close()
+        await asyncio.sleep(0.1)
+        assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+        return workers
+
+    workers = asyncio.run(main())
+    assert "closed" in repr(workers)

@@ -615,7 +615,9 @@ async def test_the_autoscaler_follows_the_load_and_the_proxy_follows_it() -> Non
 def test_autoscaling_needs_its_range_to_hold_num_replicas() -> None:
     from batchproxy import Autoscaling
 
-    with pytest.raises(ValueError, match="outside the autoscaling range \\[2, 4\\]"):
+    with pytest.raises(
+        ValueError, match=r"to begin with, 1, is outside the autoscaling range \[2, 4\]"
+    ):
         RayActors(doubler, 1, autoscaling=Autoscaling(min_replicas=2, max_replicas=4))
     with pytest.raises(TypeError, match=r"must be a batchproxy\.Autoscaling"):
         RayActors(doubler, 1, autoscaling={"max_replicas": 2})  # type: ignore[arg-type]

@@ -94,7 +94,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from .. import _validate
-from .._autoscaling import Autoscaler, AutoscalerStats, Autoscaling
+from .._autoscaling import AutoscalerStats, Autoscaling, autoscaler_for, load_in_batches
 from .._errors import WorkerDied
 from .._executor import ModelFactory, ModelFn, PoolExecutor
 from .._stats import Health
@@ -173,17 +173,8 @@ class RayActors(PoolExecutor):
         flag("retry_on_crash", retry_on_crash)
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
-        if autoscaling is not None and not isinstance(autoscaling, Autoscaling):
-            raise TypeError(f"autoscaling must be a batchproxy.Autoscaling, got {autoscaling!r}")
         self.name = name
         self._target = count("num_replicas", num_replicas)
-        if autoscaling is not None and not (
-            autoscaling.min_replicas <= self._target <= autoscaling.max_replicas
-        ):
-            raise ValueError(
-                f"num_replicas={self._target} is outside the autoscaling range "
-                f"[{autoscaling.min_replicas}, {autoscaling.max_replicas}]"
-            )
         self._retry = retry_on_crash
         self._replicas = Replicas(
             name,
@@ -192,7 +183,7 @@ class RayActors(PoolExecutor):
             _validate.timeout("start_timeout", start_timeout),
             _validate.timeout("health_check_period", health_check_period),
         )
-        self._autoscaler = None if autoscaling is None else Autoscaler(self, autoscaling)
+        self._autoscaler = autoscaler_for(self, autoscaling, self._target)
         self._retried = 0
         self._batches = 0  # in run(): waiting for a replica, running, or retried
         self._items = 0  # the items of those batches
@@ -289,13 +280,9 @@ class RayActors(PoolExecutor):
             await self._replicas.wait_started()
 
     def autoscale_load(self) -> float:
-        """The load the autoscaler reads, in full batches: the items running here or
-        waiting for a replica, plus the items queued in the proxies this pool serves,
-        over their largest `batch_size` (no proxy: the largest batch seen). Items,
-        not batches: more replicas make smaller batches, which must not read as more
-        load."""
-        queued, batch_size = self.queued_items()
-        return (self._items + queued) / (batch_size or self._largest_batch or 1)
+        """The autoscaler's load: the items running here or waiting for a replica,
+        plus those queued in the proxies this pool serves, in full batches."""
+        return load_in_batches(self._items, self.queued_items(), self._largest_batch)
 
     def autoscale_to(self, num_replicas: int) -> None:
         """The autoscaler's resize: like `scale()`, without waiting for the replicas."""
