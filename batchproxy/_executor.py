@@ -5,7 +5,7 @@ items, calls it once, and returns what it returned (or raises what it raised).
 It knows nothing of requests, futures, result counts or statistics; the proxy
 does all of that on its own event loop.
 
-Two things an executor tells the proxy:
+What an executor tells the proxy:
 
 - `capacity`: how many batches it runs at once (a thread: 1; a pool of n
   workers: n). A proxy created without `max_concurrent_batches` keeps that many
@@ -14,6 +14,12 @@ Two things an executor tells the proxy:
 - `hosts_model`: whether it holds a model of its own, built from a factory in
   each of its workers (processes, Ray actors). A proxy on such an executor has
   no `_inference`; `run` ignores the callable it is given and calls its own model.
+- `health`: None, or whether it can run a batch now (a pool with no worker
+  ready cannot); a proxy's `health` includes it.
+
+And what it learns of its proxies: `queued_items()`, the items they hold queued
+and their batch size (an autoscaling pool's load), through the same watchers as
+the capacity (`WeakWatcher`, which holds each proxy weakly).
 """
 
 from __future__ import annotations
