@@ -33,7 +33,7 @@ from ._executor import Executor, ModelFactory
 from ._generation import GenerationProxy, Slot, Step
 from ._listeners import Listener
 from ._options import Options
-from ._process_workers import ProcessWorkers
+from ._process_workers import ProcessWorkers, WorkersStats
 from ._proxy import Proxy
 from ._stats import Health, Percentiles, ProxyStats
 from ._streaming import END, Last, StreamEnd
@@ -78,6 +78,7 @@ __all__ = [
     "TensorProxy",
     "WorkerDied",
     "WorkerThread",
+    "WorkersStats",
     "__version__",
     "batch",
     "caller_contexts",

@@ -47,6 +47,7 @@ import logging
 import pickle
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 from . import _validate
@@ -55,7 +56,7 @@ from ._executor import ModelFactory, ModelFn, PoolExecutor
 from ._process_worker import STOP, Job, Worker
 from ._worker_thread import _Raised
 
-__all__ = ["ProcessWorkers"]
+__all__ = ["ProcessWorkers", "WorkersStats"]
 
 logger = logging.getLogger("batchproxy")
 
@@ -63,6 +64,26 @@ logger = logging.getLogger("batchproxy")
 # The longest `process.join` can wait: it polls the process's sentinel with
 # `select.poll`, which takes a C int of milliseconds (longer: OverflowError).
 _JOIN_MAX = (2**31 - 1) // 1000  # seconds, about 24.8 days
+
+
+@dataclass(frozen=True)
+class WorkersStats:
+    """`workers.stats`: a snapshot of a `ProcessWorkers` pool."""
+
+    replicas: int
+    """The worker count (the constructor's `n`, then `scale()`'s or the autoscaler's)."""
+    ready: int
+    """Workers whose process is up (idle or running a batch)."""
+    pending: int
+    """Workers whose process is starting (or restarting after a death)."""
+    broken: int
+    """Workers whose factory failed: they take no batch."""
+    retiring: int
+    """Workers scaled away that still run the batches handed to them."""
+    in_flight: int
+    """Batches handed to the workers and not answered yet (running or queued there)."""
+    autoscaler: AutoscalerStats | None
+    """Scaling decisions, with `autoscaling=`; else None."""
 
 
 class ProcessWorkers(PoolExecutor):
@@ -132,9 +153,21 @@ class ProcessWorkers(PoolExecutor):
         return len(self._workers)
 
     @property
-    def autoscaler(self) -> AutoscalerStats | None:
-        """The autoscaler's decisions so far, with `autoscaling=`; else None."""
-        return None if self._autoscaler is None else self._autoscaler.stats
+    def stats(self) -> WorkersStats:
+        """A snapshot of the workers and the batches handed to them."""
+        with self._lock:
+            workers = list(self._workers)
+            retiring = [w for w in self._retiring if not w.exited.done()]
+            in_flight = sum(w.load for w in (*workers, *retiring))
+        return WorkersStats(
+            replicas=len(workers),
+            ready=sum(w.broken is None and not w.starting and not w.stopped for w in workers),
+            pending=sum(w.broken is None and w.starting for w in workers),
+            broken=sum(w.broken is not None for w in workers),
+            retiring=len(retiring),
+            in_flight=in_flight,
+            autoscaler=None if self._autoscaler is None else self._autoscaler.stats,
+        )
 
     @property
     def pids(self) -> list[int | None]:

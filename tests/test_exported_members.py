@@ -45,6 +45,7 @@ PUBLIC = [
     "TensorProxy",
     "WorkerDied",
     "WorkerThread",
+    "WorkersStats",
     "__version__",
     "batch",
     "caller_contexts",

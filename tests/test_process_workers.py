@@ -523,11 +523,11 @@ async def test_the_autoscaler_grows_the_pool_under_load_and_shrinks_it_when_idle
         results = await load
         assert len({pid for pid, _ in results}) == 2  # the new worker served
         await wait_until(lambda: workers.num_replicas == 1, seconds=20)  # idle: back to min
-        stats = workers.autoscaler
+        stats = workers.stats.autoscaler
         assert stats is not None
         assert (stats.scale_ups, stats.scale_downs) == (1, 1)
         assert workers.autoscale_load() == 0
-    assert workers.autoscaler is not None
+    assert workers.stats.autoscaler is not None
     assert "closed" in repr(workers)
 
 
@@ -554,3 +554,40 @@ def test_close_from_sync_code_stops_the_autoscaler() -> None:
 
     workers = asyncio.run(main())
     assert "closed" in repr(workers)
+
+
+async def test_stats_count_the_workers_and_their_batches() -> None:
+    workers = ProcessWorkers(_workers.tagging, 2)
+    assert workers.stats == batchproxy.WorkersStats(
+        replicas=2, ready=0, pending=2, broken=0, retiring=0, in_flight=0, autoscaler=None
+    )
+    async with workers:
+        assert (workers.stats.ready, workers.stats.pending) == (2, 0)
+        held = [
+            asyncio.ensure_future(workers.run(None, [("sleep", 0.5)]))  # type: ignore[arg-type]
+            for _ in range(2)
+        ]
+        await wait_until(lambda: all(w.load for w in workers._workers))  # one each
+        assert workers.stats.in_flight == 2
+        await workers.scale(1)  # both busy: one goes once its batch is done
+        assert (workers.stats.replicas, workers.stats.retiring) == (1, 1)
+        assert workers.stats.in_flight == 2  # the retiring one's batch included
+        await asyncio.gather(*held)
+        await wait_until(lambda: workers.stats.retiring == 0)
+    broken = ProcessWorkers(_workers.failing, 1)
+    with pytest.raises(RuntimeError, match="factory raised"):
+        await broken.start()
+    assert (broken.stats.broken, broken.stats.ready) == (1, 0)
+    await broken.aclose()
+
+
+async def test_prometheus_exports_the_workers() -> None:
+    prometheus = pytest.importorskip("prometheus_client")
+    from batchproxy.integrations.prometheus import PrometheusMetrics, render
+
+    metrics = PrometheusMetrics(registry=prometheus.CollectorRegistry())
+    async with ProcessWorkers(_workers.tagging, 2, name="cpu") as workers:
+        metrics.instrument_pool(workers)
+        text = render(metrics.registry).decode()
+        for state, value in (("target", 2), ("ready", 2), ("pending", 0)):
+            assert f'batchproxy_pool_replicas{{pool="cpu",state="{state}"}} {value}.0' in text
