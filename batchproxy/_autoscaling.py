@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import numbers
 import weakref
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -91,8 +90,8 @@ class Autoscaling:
         normal = {
             "max_replicas": most,
             "min_replicas": fewest,
-            "target_batches_per_replica": _positive(
-                "target_batches_per_replica", self.target_batches_per_replica
+            "target_batches_per_replica": _validate.finite(
+                "target_batches_per_replica", self.target_batches_per_replica, allow_zero=False
             ),
             "upscale_delay": _validate.duration(
                 "upscale_delay", self.upscale_delay, allow_zero=True
@@ -104,16 +103,6 @@ class Autoscaling:
         }
         for name, value in normal.items():
             object.__setattr__(self, name, value)
-
-
-def _positive(name: str, value: object) -> float:
-    """A finite number > 0."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    number = float(value)
-    if not (math.isfinite(number) and number > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return number
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ __all__ = [
     "choice",
     "count",
     "duration",
+    "finite",
     "flag",
     "name",
     "optional_count",
@@ -52,6 +53,17 @@ def choice(name: str, value: object, options: tuple[str, ...]) -> str:
         wanted = " or ".join(f'"{option}"' for option in options)
         raise ValueError(f"{name} must be {wanted}, got {value!r}")
     return value
+
+
+def finite(name: str, value: object, *, allow_zero: bool) -> float:
+    """A finite number > 0 (or >= 0 with `allow_zero`): a quantity, not a duration."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    number = float(value)
+    if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
+    return number
 
 
 def optional_count(name: str, value: object) -> int | None:

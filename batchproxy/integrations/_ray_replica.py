@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
 import numbers
 from collections.abc import Mapping
 from typing import Any
@@ -14,6 +13,7 @@ import ray
 from ray.exceptions import RayTaskError
 
 from .._executor import ModelFactory, ModelFn
+from .._validate import finite
 
 # Options the pool sets itself, or that would break it: named or detached actors
 # outlive the pool or collide between replicas; the resource counts have arguments.
@@ -143,7 +143,7 @@ def _check_known(options: dict[str, Any]) -> None:
         if not isinstance(resources, Mapping):
             raise TypeError(f"actor_options['resources'] must be a dict, got {resources!r}")
         for name, quantity in resources.items():
-            resource(f"actor_options['resources'][{name!r}]", quantity)
+            finite(f"actor_options['resources'][{name!r}]", quantity, allow_zero=True)
         options["resources"] = dict(resources)
     memory = options.get("memory")
     if memory is not None and (
@@ -189,15 +189,6 @@ def room_for(wanted: Mapping[str, float]) -> bool | None:
         all(node.get("Resources", {}).get(name, 0.0) >= q for name, q in wanted.items())
         for node in nodes
     )
-
-
-def resource(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    number = float(value)
-    if not math.isfinite(number) or number < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    return number
 
 
 def unwrap(error: BaseException) -> BaseException:

@@ -98,9 +98,9 @@ from .._autoscaling import AutoscalerStats, Autoscaling, autoscaler_for, load_in
 from .._errors import WorkerDied
 from .._executor import ModelFactory, ModelFn, PoolExecutor
 from .._stats import Health
-from .._validate import count, flag
+from .._validate import count, finite, flag
 from ._ray_pool import Replicas
-from ._ray_replica import actor_options, resource, short, unwrap
+from ._ray_replica import actor_options, short, unwrap
 
 __all__ = ["PoolStats", "RayActors"]
 
@@ -389,4 +389,5 @@ class RayActors(PoolExecutor):
 def _ray_options(
     num_cpus: object, num_gpus: object, options: Mapping[str, Any] | None
 ) -> dict[str, Any]:
-    return actor_options(resource("num_cpus", num_cpus), resource("num_gpus", num_gpus), options)
+    cpus = finite("num_cpus", num_cpus, allow_zero=True)
+    return actor_options(cpus, finite("num_gpus", num_gpus, allow_zero=True), options)
