@@ -51,6 +51,7 @@ class Replicas:
         self.name = name
         self._factory = factory
         self.options = options
+        self.demand = demand(options)  # what one replica asks a node for
         self.start_timeout = start_timeout
         self._probe_period = probe_period
         self._actor_class: Any = None
@@ -98,10 +99,7 @@ class Replicas:
                     deadline = loop.time() + self.start_timeout
                 elif deadline is not None and loop.time() >= deadline:
                     assert self.start_timeout is not None
-                    pending = sum(not r.ready for r in self.rotation)
-                    unavailable = sum(r.ready and r.unavailable for r in self.rotation)
-                    detail = f"{pending} pending, {unavailable} unavailable"
-                    raise PoolUnavailable(self.name, self.start_timeout, detail)
+                    raise PoolUnavailable(self.name, self.start_timeout, self.not_ready())
                 changed = self._changed
                 timeout = None if deadline is None else max(0.0, deadline - loop.time())
                 with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
@@ -116,6 +114,22 @@ class Replicas:
         if replica.retired and replica.in_flight == 0:
             self.kill(replica)
         self.notify()
+
+    def tally(self) -> tuple[int, int, int, int]:
+        """The replicas in rotation that are ready (usable), pending, overdue (pending
+        past `start_timeout`) and unavailable."""
+        rotation = self.rotation
+        return (
+            sum(r.usable for r in rotation),
+            sum(not r.ready for r in rotation),
+            sum(r.overdue and not r.ready for r in rotation),
+            sum(r.ready and r.unavailable for r in rotation),
+        )
+
+    def not_ready(self) -> str:
+        """Why batches wait: "2 pending, 0 unavailable"."""
+        _, pending, _, unavailable = self.tally()
+        return f"{pending} pending, {unavailable} unavailable"
 
     def notify(self) -> None:
         """Wake the batches waiting in `acquire`; keep `unready_since`."""
@@ -173,7 +187,7 @@ class Replicas:
             raise TimeoutError(
                 f"{self.name}: {len(pending)} of {len(replicas)} replicas not started after "
                 f"{self.start_timeout:g} s (the cluster may have no room for "
-                f"{demand(self.options)}); they stay pending and take batches once placed"
+                f"{self.demand}); they stay pending and take batches once placed"
             )
 
     async def close(self) -> None:
@@ -196,12 +210,12 @@ class Replicas:
     def _create(self) -> Replica:
         if self._actor_class is None:
             self._actor_class = ray.remote(ReplicaActor).options(**self.options)
-            if room_for(demand(self.options)) is False:
+            if room_for(self.demand) is False:
                 logger.warning(
                     "%s: no node of the Ray cluster has %s for a replica; replicas "
                     "stay pending until one joins",
                     self.name,
-                    demand(self.options),
+                    self.demand,
                 )
         handle = self._actor_class.remote(self._factory)
         started = asyncio.wrap_future(handle.ready.remote().future())
@@ -215,9 +229,7 @@ class Replicas:
         return replica
 
     def _on_started(self, replica: Replica, started: asyncio.Future[Any]) -> None:
-        if replica.timer is not None:
-            replica.timer.cancel()
-            replica.timer = None
+        replica.stop_timer()
         if started.cancelled():
             return
         error = started.exception()
@@ -244,7 +256,7 @@ class Replicas:
             self.name,
             replica.label(),
             self.start_timeout,
-            demand(self.options),
+            self.demand,
         )
         self.notify()
 
@@ -254,12 +266,11 @@ class Replicas:
         if self._probe_period is None:
             self.lost(replica, reason)
         elif not replica.unavailable and not replica.retired:
-            why = short(reason) if isinstance(reason, BaseException) else reason
             logger.warning(
                 "%s: replica %s unavailable, out of rotation until it answers: %s",
                 self.name,
                 replica.label(),
-                why,
+                _why(reason),
             )
             replica.unavailable = True
             self.notify()
@@ -274,8 +285,7 @@ class Replicas:
     def lost(self, replica: Replica, reason: str | BaseException) -> None:
         """`replica` died or stays unreachable: kill it for certain, replace it."""
         if replica in self.rotation and not self.closed:
-            why = short(reason) if isinstance(reason, BaseException) else reason
-            logger.warning("%s: replica %s lost: %s", self.name, replica.label(), why)
+            logger.warning("%s: replica %s lost: %s", self.name, replica.label(), _why(reason))
             self.lost_count += 1
             self.rotation[self.rotation.index(replica)] = self._create()
             replica.retired = True
@@ -295,9 +305,7 @@ class Replicas:
     def kill(self, replica: Replica) -> None:
         self.retired.discard(replica)
         replica.started.cancel()
-        if replica.timer is not None:
-            replica.timer.cancel()
-            replica.timer = None
+        replica.stop_timer()
         with contextlib.suppress(Exception):  # already dead, or Ray is shut down
             ray.kill(replica.handle, no_restart=True)
 
@@ -314,12 +322,17 @@ class Replicas:
                 self.lost(replica, f"{replica.failed_probes} health probes unanswered")
             else:
                 self.unavailable(replica, exc if isinstance(exc, RayActorError) else "no answer")
+            return
         except RayActorError as exc:  # Ray says it died
             self.lost(replica, exc)
+            return
         except Exception:  # it answers, with its factory's error: reachable
-            self._available(replica)
-        else:
-            self._available(replica)
+            pass
+        self._available(replica)
+
+
+def _why(reason: str | BaseException) -> str:
+    return short(reason) if isinstance(reason, BaseException) else reason
 
 
 async def _probe_forever(replicas_ref: weakref.ref[Replicas], period: float) -> None:

@@ -94,6 +94,12 @@ class Replica:
         self.in_flight = 0
         self.retired = False
 
+    def stop_timer(self) -> None:
+        """Cancel the start deadline (started, or killed)."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
     @property
     def usable(self) -> bool:
         """Takes a batch now."""

@@ -224,12 +224,13 @@ class RayActors(PoolExecutor):
         """A snapshot of replicas (ready, pending, unavailable) and batches."""
         replicas = self._replicas
         rotation = replicas.rotation
+        ready, pending, overdue, unavailable = replicas.tally()
         return PoolStats(
             replicas=self._target,
-            ready=sum(r.usable for r in rotation),
-            pending=sum(not r.ready for r in rotation),
-            overdue=sum(r.overdue and not r.ready for r in rotation),
-            unavailable=sum(r.ready and r.unavailable for r in rotation),
+            ready=ready,
+            pending=pending,
+            overdue=overdue,
+            unavailable=unavailable,
             in_flight=replicas.in_flight,
             waiting=replicas.waiting,
             lost=replicas.lost_count,
@@ -246,11 +247,7 @@ class RayActors(PoolExecutor):
         since = self._replicas.unready_since
         if since is None:
             return Health(True, None, None)
-        stats = self.stats
-        reason = (
-            f"{self.name}: no replica ready ({stats.pending} pending, "
-            f"{stats.unavailable} unavailable, of {stats.replicas})"
-        )
+        reason = f"{self.name}: no replica ready ({self._replicas.not_ready()}, of {self._target})"
         return Health(False, reason, since)
 
     # -- lifecycle ---------------------------------------------------------------------
