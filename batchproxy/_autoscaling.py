@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -34,6 +35,7 @@ __all__ = [
     "Autoscaler",
     "AutoscalerStats",
     "Autoscaling",
+    "HeldItems",
     "Scalable",
     "ScalingDecision",
     "ScalingPolicy",
@@ -413,6 +415,31 @@ def autoscaler_for(target: Scalable, config: object, replicas: int) -> Autoscale
             f"range [{config.min_replicas}, {config.max_replicas}]"
         )
     return Autoscaler(target, config)
+
+
+class HeldItems:
+    """The items a pool holds (its batches running or waiting for a worker), for its
+    autoscaler's load. Safe from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items = 0
+        self._largest = 0  # the largest batch seen
+
+    def add(self, batch: int) -> None:
+        with self._lock:
+            self._items += batch
+            self._largest = max(self._largest, batch)
+
+    def remove(self, batch: int) -> None:
+        with self._lock:
+            self._items -= batch
+
+    def in_batches(self, queued: tuple[int, int]) -> float:
+        """The pool's load with `queued` from its proxies (see `load_in_batches`)."""
+        with self._lock:
+            items, largest = self._items, self._largest
+        return load_in_batches(items, queued, largest)
 
 
 def load_in_batches(items: int, queued: tuple[int, int], largest_batch: int) -> float:

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _validate
-from ._autoscaling import AutoscalerStats, Autoscaling, autoscaler_for, load_in_batches
+from ._autoscaling import AutoscalerStats, Autoscaling, HeldItems, autoscaler_for
 from ._executor import ModelFactory, ModelFn, PoolExecutor
 from ._process_worker import STOP, Job, Worker
 from ._worker_thread import _Raised
@@ -133,8 +133,7 @@ class ProcessWorkers(PoolExecutor):
         self._workers = [Worker(self, i) for i in range(_validate.count("n", n))]
         self._retiring: list[Worker] = []  # scaled away, finishing their batches
         self._created = len(self._workers)
-        self._items = 0  # of the batches in run() (under the lock)
-        self._largest_batch = 0
+        self._held = HeldItems()  # the items of the batches in run()
         self._closed = False
         self._started = False
         self._autoscaler = autoscaler_for(self, autoscaling, len(self._workers))
@@ -210,9 +209,7 @@ class ProcessWorkers(PoolExecutor):
     def autoscale_load(self) -> float:
         """The autoscaler's load: the items handed over or queued in the proxies this
         pool serves, in full batches of their largest `batch_size`."""
-        with self._lock:
-            items, largest = self._items, self._largest_batch
-        return load_in_batches(items, self.queued_items(), largest)
+        return self._held.in_batches(self.queued_items())
 
     def autoscale_to(self, n: int) -> None:
         """The autoscaler's resize: like `scale()`, without waiting for new workers."""
@@ -282,17 +279,14 @@ class ProcessWorkers(PoolExecutor):
         self._start_threads()
         job = Job(items, asyncio.get_running_loop())
         self._dispatch(job)
-        with self._lock:
-            self._items += len(items)
-            self._largest_batch = max(self._largest_batch, len(items))
+        self._held.add(len(items))
         try:
             outcome = await job.future
         except asyncio.CancelledError:
             self._abandon(job)
             raise
         finally:
-            with self._lock:
-                self._items -= len(items)
+            self._held.remove(len(items))
         if type(outcome) is _Raised:
             raise outcome.exc
         return outcome

@@ -94,7 +94,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from .. import _validate
-from .._autoscaling import AutoscalerStats, Autoscaling, autoscaler_for, load_in_batches
+from .._autoscaling import AutoscalerStats, Autoscaling, HeldItems, autoscaler_for
 from .._errors import WorkerDied
 from .._executor import ModelFactory, ModelFn, PoolExecutor
 from .._stats import Health
@@ -186,8 +186,7 @@ class RayActors(PoolExecutor):
         self._autoscaler = autoscaler_for(self, autoscaling, self._target)
         self._retried = 0
         self._batches = 0  # in run(): waiting for a replica, running, or retried
-        self._items = 0  # the items of those batches
-        self._largest_batch = 0
+        self._held = HeldItems()  # the items of those batches
         self._idle: asyncio.Event | None = None  # set by the last batch to end, once closing
         self._closed = False
         self._close_done = asyncio.Event()
@@ -279,7 +278,7 @@ class RayActors(PoolExecutor):
     def autoscale_load(self) -> float:
         """The autoscaler's load: the items running here or waiting for a replica,
         plus those queued in the proxies this pool serves, in full batches."""
-        return load_in_batches(self._items, self.queued_items(), self._largest_batch)
+        return self._held.in_batches(self.queued_items())
 
     def autoscale_to(self, num_replicas: int) -> None:
         """The autoscaler's resize: like `scale()`, without waiting for the replicas."""
@@ -318,8 +317,7 @@ class RayActors(PoolExecutor):
         self._check_open()
         self._fill()
         self._batches += 1
-        self._items += len(items)
-        self._largest_batch = max(self._largest_batch, len(items))
+        self._held.add(len(items))
         try:
             try:
                 return await self._call(items)
@@ -332,7 +330,7 @@ class RayActors(PoolExecutor):
             return await self._call(items)
         finally:
             self._batches -= 1
-            self._items -= len(items)
+            self._held.remove(len(items))
             if self._batches == 0 and self._idle is not None:
                 self._idle.set()
 
