@@ -367,6 +367,12 @@ class PrometheusMetrics(Listener):
         (children.oom_splits if reason == "oom" else children.isolation_splits).inc()
 
 
+def _scraped(metrics: PrometheusMetrics, name: str) -> str:
+    """A scrape-time series' full name: the namespace's, as prometheus_client names
+    the others (no leading "_" with an empty namespace)."""
+    return f"{metrics.namespace}_{name}".lstrip("_")
+
+
 class _Gauges:
     """A collector reading the instrumented proxies' `stats` and `health` at scrape time.
 
@@ -376,9 +382,9 @@ class _Gauges:
 
     def __init__(self, metrics: PrometheusMetrics) -> None:
         self._metrics = weakref.ref(metrics)
-        self._queue_depth = f"{metrics.namespace}_queue_depth".lstrip("_")
-        self._in_flight = f"{metrics.namespace}_in_flight_batches".lstrip("_")
-        self._healthy = f"{metrics.namespace}_healthy".lstrip("_")
+        self._queue_depth = _scraped(metrics, "queue_depth")
+        self._in_flight = _scraped(metrics, "in_flight_batches")
+        self._healthy = _scraped(metrics, "healthy")
 
     def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
         return (
@@ -421,9 +427,9 @@ class _PoolSeries:
 
     def __init__(self, metrics: PrometheusMetrics) -> None:
         self._metrics = weakref.ref(metrics)
-        self._replicas = f"{metrics.namespace}_pool_replicas".lstrip("_")
-        self._ups = f"{metrics.namespace}_pool_scale_ups".lstrip("_")
-        self._downs = f"{metrics.namespace}_pool_scale_downs".lstrip("_")
+        self._replicas = _scraped(metrics, "pool_replicas")
+        self._ups = _scraped(metrics, "pool_scale_ups")
+        self._downs = _scraped(metrics, "pool_scale_downs")
 
     def _families(self) -> tuple[GaugeMetricFamily, CounterMetricFamily, CounterMetricFamily]:
         return (
