@@ -14,6 +14,7 @@ from collections.abc import (
     Awaitable,
     Callable,
     Coroutine,
+    Hashable,
     Iterable,
     Sequence,
 )
@@ -92,10 +93,18 @@ class Batched(Generic[T, U]):
         return bound
 
     def __call__(
-        self, item: T, *, timeout: float | None = None, priority: int = 0
+        self,
+        item: T,
+        *,
+        timeout: float | None = None,
+        priority: int = 0,
+        tenant: Hashable | None = None,
+        key: Hashable | None = None,
     ) -> Coroutine[Any, Any, U]:
         """`await f(item)`: the proxy's own coroutine, no extra layer per call."""
-        return self.proxy.inference(item, timeout=timeout, priority=priority)
+        return self.proxy.inference(
+            item, timeout=timeout, priority=priority, tenant=tenant, key=key
+        )
 
     @overload
     async def many(
@@ -104,6 +113,8 @@ class Batched(Generic[T, U]):
         *,
         timeout: float | None = ...,
         priority: int = ...,
+        tenant: Hashable | None = ...,
+        key: Hashable | None = ...,
         return_exceptions: Literal[False] = ...,
     ) -> list[U]: ...
 
@@ -114,6 +125,8 @@ class Batched(Generic[T, U]):
         *,
         timeout: float | None = ...,
         priority: int = ...,
+        tenant: Hashable | None = ...,
+        key: Hashable | None = ...,
         return_exceptions: bool,
     ) -> list[U | Exception]: ...
 
@@ -123,22 +136,45 @@ class Batched(Generic[T, U]):
         *,
         timeout: float | None = None,
         priority: int = 0,
+        tenant: Hashable | None = None,
+        key: Hashable | None = None,
         return_exceptions: bool = False,
     ) -> list[U] | list[U | Exception]:
         """`Proxy.inference_many`: each item batched like a call of its own."""
         return await self.proxy.inference_many(
-            items, timeout=timeout, priority=priority, return_exceptions=return_exceptions
+            items,
+            timeout=timeout,
+            priority=priority,
+            tenant=tenant,
+            key=key,
+            return_exceptions=return_exceptions,
         )
 
     def stream(
-        self, item: T, *, timeout: float | None = None, priority: int = 0
+        self,
+        item: T,
+        *,
+        timeout: float | None = None,
+        priority: int = 0,
+        tenant: Hashable | None = None,
+        key: Hashable | None = None,
     ) -> AsyncGenerator[U, None]:
         """`Proxy.stream`: `async for chunk in f.stream(item)`, for a generator `f`."""
-        return self.proxy.stream(item, timeout=timeout, priority=priority)
+        return self.proxy.stream(item, timeout=timeout, priority=priority, tenant=tenant, key=key)
 
-    def sync(self, item: T, *, timeout: float | None = None, priority: int = 0) -> U:
+    def sync(
+        self,
+        item: T,
+        *,
+        timeout: float | None = None,
+        priority: int = 0,
+        tenant: Hashable | None = None,
+        key: Hashable | None = None,
+    ) -> U:
         """`Proxy.inference_sync`: `f.sync(item)` blocks a plain thread for the result."""
-        return self.proxy.inference_sync(item, timeout=timeout, priority=priority)
+        return self.proxy.inference_sync(
+            item, timeout=timeout, priority=priority, tenant=tenant, key=key
+        )
 
     @property
     def stats(self) -> ProxyStats:

@@ -67,6 +67,8 @@ class Intake(Generic[In]):
         item: In,
         timeout: object,
         priority: object,
+        tenant: object = None,
+        key: object = None,
         *,
         stream: bool = False,
     ) -> Request[In]:
@@ -98,6 +100,9 @@ class Intake(Generic[In]):
                 self._shed_if_late(binding, priority, deadline, cost, seconds)
             request = kind(item, binding.new_future(), priority, now, cost, deadline)
             request.deadline_timer = loop.call_at(deadline, self.expire, binding, request, seconds)
+        if tenant is not None or key is not None:
+            request.tenant = _validate.hashable("tenant", tenant)
+            request.key = _validate.hashable("key", key)
         if options.caller_context:
             request.context = contextvars.copy_context()  # the model may read it, not change it
         scheduler.submit(request)
@@ -113,6 +118,8 @@ class Intake(Generic[In]):
         items: list[In],
         timeout: object,
         priority: object,
+        tenant: object,
+        key: object,
         *,
         return_exceptions: bool,
     ) -> list[Any]:
@@ -124,7 +131,7 @@ class Intake(Generic[In]):
         requests: list[Request[In]] = []
         try:
             for item in items:
-                requests.append(self.admit(binding, item, timeout, priority))
+                requests.append(self.admit(binding, item, timeout, priority, tenant, key))
         except BaseException:  # an item refused (its length, shed_late) refuses the list:
             self.withdraw(binding, requests)  # those queued before it never reach the model
             raise

@@ -20,21 +20,19 @@ the run kinds (`_streaming`, `_generation`; chosen in `_model`)."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import functools
 import types
 import weakref
 from abc import ABC
-from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
-from typing import Any, Generic, Literal, TypeVar, overload
+from collections.abc import AsyncGenerator, Callable, Hashable, Iterable, Mapping
+from typing import Any, Literal, TypeVar, overload
 
 from typing_extensions import Self, Unpack
 
 from . import _validate
 from ._binding import Binder
-from ._bridge import LoopBridge
-from ._errors import BatchProxyError, DeadlineExceeded
+from ._errors import BatchProxyError
 from ._executor import Executor, WeakWatcher
 from ._fork import forget_threads_in_forked_children
 from ._intake import Intake
@@ -46,6 +44,7 @@ from ._runs import ModelOutput, RunKind, Runner, current_batch
 from ._settle import Settlement
 from ._stats import Health, ProxyStats, StatsRecorder
 from ._streaming import _CLOSED, StreamRequest
+from ._thread_calls import ThreadCalls
 from ._worker_thread import WorkerThread
 
 __all__ = ["Proxy"]
@@ -57,7 +56,7 @@ _UNINITIALIZED = Lifecycle("(uninitialized)", State.UNINITIALIZED)
 _NO_BINDER: Any = types.SimpleNamespace(current=None)  # so a first call reaches _require_init
 
 
-class Proxy(ABC, Generic[In, Out]):
+class Proxy(ABC, ThreadCalls[In, Out]):
     """Batch concurrent `await proxy.inference(item)` calls into `_inference(items)` calls.
 
     Subclass it and implement `_inference`. `batch_size` is the most items in one
@@ -294,19 +293,30 @@ class Proxy(ABC, Generic[In, Out]):
 
     # -- calls ---------------------------------------------------------------------------
 
-    async def inference(self, item: In, *, timeout: float | None = None, priority: int = 0) -> Out:
+    async def inference(
+        self,
+        item: In,
+        *,
+        timeout: float | None = None,
+        priority: int = 0,
+        tenant: Hashable | None = None,
+        key: Hashable | None = None,
+    ) -> Out:
         """Queue one item, wait for its batch, return its own result.
 
         `timeout` (seconds; default: the proxy's) bounds the whole call; `priority`:
-        higher goes first, FIFO within a level.
+        higher goes first, FIFO within a level. `tenant`: whose call it is, for fair
+        sharing; `key`: batch it only with calls of the same key.
         """
         binding = self._binder.current
         if binding is None or binding.loop is not asyncio.get_running_loop():
             self._require_init()  # bind here, or route to the loop it runs in
             return await self._binder.serve_elsewhere(  # (a lambda here costs cells per call)
-                functools.partial(self.inference, item, timeout=timeout, priority=priority)
+                functools.partial(
+                    self.inference, item, timeout=timeout, priority=priority, tenant=tenant, key=key
+                )
             )
-        request = self._intake.admit(binding, item, timeout, priority)
+        request = self._intake.admit(binding, item, timeout, priority, tenant, key)
         try:
             result: Out = await request.future
             return result
@@ -322,7 +332,13 @@ class Proxy(ABC, Generic[In, Out]):
                 timer.cancel()
 
     async def stream(
-        self, item: In, *, timeout: float | None = None, priority: int = 0
+        self,
+        item: In,
+        *,
+        timeout: float | None = None,
+        priority: int = 0,
+        tenant: Hashable | None = None,
+        key: Hashable | None = None,
     ) -> AsyncGenerator[Out, None]:
         """Queue one item; yield its chunks as its batch's steps produce them.
 
@@ -333,10 +349,12 @@ class Proxy(ABC, Generic[In, Out]):
         loop early (`break`), closing the iterator or being cancelled withdraws the
         call: a queued one never reaches the model, a running one is dropped from its
         batch at the next step. `timeout` bounds the whole stream. On a proxy that
-        does not stream, the stream is its one result.
+        does not stream, the stream is its one result. The keywords are `inference`'s.
         """
         if not self._runner.kind.streams:
-            yield await self.inference(item, timeout=timeout, priority=priority)
+            yield await self.inference(
+                item, timeout=timeout, priority=priority, tenant=tenant, key=key
+            )
             return
         self._require_init()
         binding = self._binder.bind(asyncio.get_running_loop())
@@ -344,7 +362,7 @@ class Proxy(ABC, Generic[In, Out]):
             raise RuntimeError(
                 f"{self.name} runs in an event loop in another thread; stream from there"
             )
-        request = self._intake.admit(binding, item, timeout, priority, stream=True)
+        request = self._intake.admit(binding, item, timeout, priority, tenant, key, stream=True)
         assert isinstance(request, StreamRequest)
         chunks, future = request.chunks, request.future
         over = False  # the consumer read the end of the stream
@@ -363,6 +381,8 @@ class Proxy(ABC, Generic[In, Out]):
         *,
         timeout: float | None = ...,
         priority: int = ...,
+        tenant: Hashable | None = ...,
+        key: Hashable | None = ...,
         return_exceptions: Literal[False] = ...,
     ) -> list[Out]: ...
 
@@ -373,6 +393,8 @@ class Proxy(ABC, Generic[In, Out]):
         *,
         timeout: float | None = ...,
         priority: int = ...,
+        tenant: Hashable | None = ...,
+        key: Hashable | None = ...,
         return_exceptions: bool,
     ) -> list[Out | Exception]: ...
 
@@ -382,6 +404,8 @@ class Proxy(ABC, Generic[In, Out]):
         *,
         timeout: float | None = None,
         priority: int = 0,
+        tenant: Hashable | None = None,
+        key: Hashable | None = None,
         return_exceptions: bool = False,
     ) -> list[Out] | list[Out | Exception]:
         """Queue each item as its own request; return their results in order.
@@ -391,6 +415,7 @@ class Proxy(ABC, Generic[In, Out]):
         failure is raised as soon as it happens and the remaining items are
         withdrawn; with `return_exceptions=True` failures take their item's place
         in the list. An empty input returns `[]` without touching the model.
+        `tenant` and `key` apply to every item (see `inference`).
         """
         if isinstance(items, (str, bytes, bytearray, Mapping)):
             raise TypeError(
@@ -407,59 +432,16 @@ class Proxy(ABC, Generic[In, Out]):
             self._require_init()
             return await self._binder.serve_elsewhere(
                 lambda: self.inference_many(
-                    batch, timeout=timeout, priority=priority, return_exceptions=return_exceptions
+                    batch,
+                    timeout=timeout,
+                    priority=priority,
+                    tenant=tenant,
+                    key=key,
+                    return_exceptions=return_exceptions,
                 )
             )
         return await self._intake.admit_many(
-            binding, batch, timeout, priority, return_exceptions=return_exceptions
-        )
-
-    def submit(
-        self, item: In, *, timeout: float | None = None, priority: int = 0
-    ) -> concurrent.futures.Future[Out]:
-        """Thread-safe entry: queue `item` from any thread; returns a concurrent future.
-
-        The call goes through the proxy's event loop if that runs in another
-        thread; a proxy running in no event loop is started on the default
-        `BackgroundLoop`. Calling this from the proxy's own loop thread is
-        refused: blocking on the future would deadlock.
-        """
-        future, _ = self._from_thread("submit", item, timeout, priority)
-        return future
-
-    def inference_sync(self, item: In, *, timeout: float | None = None, priority: int = 0) -> Out:
-        """Blocking `inference`, for plain threads (Flask, Django sync views, scripts).
-
-        Goes through the proxy's loop like `submit()`. `timeout` bounds the whole
-        call (`DeadlineExceeded`); a wait interrupted by `KeyboardInterrupt` or
-        the like withdraws the call. If the proxy's loop ends first, the call gets
-        `InferenceError` (`ProxyClosed` if the proxy was closed): it never blocks
-        for ever. Refused on the proxy's own loop thread.
-        """
-        self._require_init()
-        seconds = (
-            self._options.timeout if timeout is None else _validate.timeout("timeout", timeout)
-        )
-        future, bridge = self._from_thread("inference_sync", item, timeout, priority)
-        # the proxy's loop enforces the deadline; the extra wait here only guards
-        # against a loop too busy to answer at all
-        if bridge is not None and not bridge.wait(
-            future, None if seconds is None else seconds + 0.5
-        ):
-            assert seconds is not None  # only a bounded wait ends without the result
-            raise DeadlineExceeded(self.name, seconds)
-        return future.result()
-
-    def _from_thread(
-        self, method: str, item: In, timeout: float | None, priority: int
-    ) -> tuple[concurrent.futures.Future[Out], LoopBridge | None]:
-        self._require_init()
-        self._intake.refuse_own_model(self._binder.current, method)
-        # here, in the caller's thread: a first call made just before the interpreter
-        # exits would otherwise start the thread during the exit (refused on 3.12+)
-        self._start_worker()
-        return self._binder.from_thread(
-            method, functools.partial(self.inference, item, timeout=timeout, priority=priority)
+            binding, batch, timeout, priority, tenant, key, return_exceptions=return_exceptions
         )
 
     # -- observation ---------------------------------------------------------------------

@@ -29,7 +29,7 @@ import bisect
 import contextvars
 import math
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from typing import Any, Generic, TypeVar
 
 __all__ = ["Request", "RequestQueue"]
@@ -53,10 +53,12 @@ class Request(Generic[T]):
         "enqueued_at",
         "future",
         "item",
+        "key",
         "passed_over",
         "priority",
         "queued",
         "seq",
+        "tenant",
     )
     context: contextvars.Context  # unset unless intake sets it
 
@@ -79,6 +81,8 @@ class Request(Generic[T]):
         self.queued = True
         self.passed_over = 0  # times left out of a batch while among the oldest
         self.deadline_timer: asyncio.TimerHandle | None = None
+        self.tenant: Hashable | None = None  # whose call (fair sharing); set by intake
+        self.key: Hashable | None = None  # batched only with its own key; set by intake
 
 
 class _Level(Generic[T]):

@@ -126,6 +126,7 @@ class Scheduler(Generic[T]):
         self,
         loop: asyncio.AbstractEventLoop,
         *,
+        queue: RequestQueue[T] | None = None,
         batch_size: int,
         max_delay: float,
         max_concurrent_batches: int,
@@ -141,7 +142,7 @@ class Scheduler(Generic[T]):
     ) -> None:
         self.loop = loop
         self.name = name  # the proxy's, in the log lines
-        self.queue: RequestQueue[T] = RequestQueue(aging)
+        self.queue: RequestQueue[T] = RequestQueue(aging) if queue is None else queue
         self.in_flight = 0
         self._batch_size = batch_size
         self._max_delay = max_delay

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 import threading
+from typing import TypeVar
 
 __all__ = [
     "MAX_WAIT",
@@ -20,11 +21,14 @@ __all__ = [
     "duration",
     "finite",
     "flag",
+    "hashable",
     "name",
     "optional_count",
     "priority",
     "timeout",
 ]
+
+T = TypeVar("T")
 
 MAX_WAIT = threading.TIMEOUT_MAX
 """The longest duration in seconds (about 292 years on Linux): what `threading`'s
@@ -118,3 +122,14 @@ def priority(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"priority must be an int, got {type(value).__name__} {value!r}")
     return int(value)
+
+
+def hashable(name: str, value: T) -> T:
+    """A value used as a dict key (a tenant, a batch key): it must be hashable."""
+    try:
+        hash(value)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be hashable (a str, int, tuple, ...), got {type(value).__name__}"
+        ) from None
+    return value
