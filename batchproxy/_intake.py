@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import math
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
 from . import _validate
 from ._binding import Binding
+from ._dedup import MISSING, Caller, Deduplicator, ResultCache, SharedSlot
 from ._errors import DeadlineExceeded, QueueFull
 from ._lifecycle import Lifecycle
 from ._options import Options
@@ -60,6 +62,17 @@ class Intake(Generic[In]):
             self._length = sequence_length
         self.measures = self._length is not None
         self._cost = cost if self.measures else None  # the proxy's hook, or none
+        self._dedup: Deduplicator[In] | None = None
+        if options.dedup:
+            if streams:
+                raise TypeError(f"{name}: dedup does not apply to a proxy that streams")
+            key_of = None if options.dedup is True else options.dedup
+            cache = (
+                None
+                if options.cache_size is None
+                else ResultCache(options.cache_size, options.cache_ttl)
+            )
+            self._dedup = settlement.dedup = Deduplicator(name, key_of, cache)
 
     def admit(
         self,
@@ -84,6 +97,8 @@ class Intake(Generic[In]):
             priority = _validate.priority(priority)
         options = self.options
         seconds = options.timeout if timeout is None else _validate.timeout("timeout", timeout)
+        if self._dedup is not None:
+            return self._admit_shared(binding, item, seconds, priority, tenant, key)
         cost = 1 if self._cost is None else self._cost(item)
         loop, scheduler = binding.loop, binding.scheduler
         if not self._lifecycle.open or (  # (`check_room`, inline: every call passes here)
@@ -106,11 +121,68 @@ class Intake(Generic[In]):
         if options.caller_context:
             request.context = contextvars.copy_context()  # the model may read it, not change it
         scheduler.submit(request)
+        self._count_accepted(scheduler.queue.live)
+        return request
+
+    def _count_accepted(self, queued: int) -> None:
         settlement = self._settlement
         settlement.stats.requests += 1
         if settlement.listeners.on:
-            settlement.listeners.request_queued(scheduler.queue.live)
-        return request
+            settlement.listeners.request_queued(queued)
+
+    def _admit_shared(
+        self,
+        binding: Binding[In],
+        item: In,
+        seconds: float | None,
+        priority: int,
+        tenant: object,
+        key: object,
+    ) -> Request[In]:
+        """`admit` with `dedup`: answer the call from the cache, or make it a caller of
+        the slot in flight for its key (a new slot, queued like any request, if none)."""
+        dedup = self._dedup
+        assert dedup is not None
+        if not self._lifecycle.open:
+            raise self._lifecycle.closed_error()
+        tenant = None if tenant is None else _validate.hashable("tenant", tenant)
+        batch_key = None if key is None else _validate.hashable("key", key)
+        shared_key = dedup.key(item, batch_key)
+        now = binding.clock()
+        scheduler = binding.scheduler
+        cached = dedup.cached(shared_key, now)
+        if cached is not MISSING:
+            request: Request[In] = Request(item, binding.new_future(), priority, now)
+            self._count_accepted(scheduler.queue.live)
+            self._settlement.answer_cached(request, cached)
+            return request
+        slot = dedup.slot_for(shared_key, binding.loop)
+        deadline = math.inf if seconds is None else now + seconds
+        if slot is None:  # the first call with this key: a new slot, checked like any call
+            cost = 1 if self._cost is None else self._cost(item)
+            self.check_room(binding, 1)
+            if seconds is not None and self.options.shed_late:
+                self._shed_if_late(binding, priority, deadline, cost, seconds)
+        caller: Caller[In] = Caller(item, binding.new_future(), priority, now, 1, deadline)
+        caller.queued = False  # the slot is queued, not the caller
+        if seconds is not None:
+            caller.deadline_timer = binding.loop.call_at(
+                deadline, self.expire, binding, caller, seconds
+            )
+        if slot is None:
+            slot = SharedSlot(item, binding.new_future(), priority, now, cost, deadline)
+            slot.tenant, slot.key = tenant, batch_key
+            if self.options.caller_context:
+                slot.context = contextvars.copy_context()  # the first caller's
+            dedup.open(shared_key, slot, caller)
+            scheduler.submit(slot)
+        else:  # never refused for room nor shed: it adds no work, and is answered no later
+            moved = dedup.join(slot, caller)  # than a slot of its own would be
+            if moved is not None:
+                scheduler.requeue(slot, moved)
+            self._settlement.stats.deduplicated += 1
+        self._count_accepted(scheduler.queue.live)
+        return caller
 
     async def admit_many(
         self,
@@ -218,14 +290,14 @@ class Intake(Generic[In]):
     def expire(self, binding: Binding[In], request: Request[In], seconds: float) -> None:
         """Deadline timer: fail the call; a queued request leaves without reaching the model."""
         if self._settlement.expire(request, DeadlineExceeded(self.name, seconds)):
-            binding.scheduler.queue.discard(request)
+            self._dequeue(binding, request)
 
     def abandon(self, binding: Binding[In], request: Request[In]) -> None:
         """The caller was cancelled (its future with it): a queued request leaves; the
         call counts as cancelled, once."""
         if not request.future.cancelled():
             return
-        binding.scheduler.queue.discard(request)
+        self._dequeue(binding, request)
         _cancel_timer(request)
         self._settlement.count_cancelled(request)
 
@@ -242,11 +314,22 @@ class Intake(Generic[In]):
     def withdraw(self, binding: Binding[In], requests: Iterable[Request[In]]) -> None:
         """The caller leaves: cancel its calls not answered yet (queued ones leave the
         queue, running ones are dropped from their batch); cancel every deadline timer."""
-        queue = binding.scheduler.queue
         for request in requests:
             if self._settlement.withdraw(request):
-                queue.discard(request)
+                self._dequeue(binding, request)
             _cancel_timer(request)
+
+    def _dequeue(self, binding: Binding[In], request: Request[In]) -> None:
+        """A call left before its answer: its request leaves the queue if it is still
+        there; a caller of a shared slot leaves the slot, which leaves the queue with
+        its last caller (`_dedup`)."""
+        if type(request) is Caller:
+            assert self._dedup is not None
+            slot = self._dedup.leave(request)
+            if slot is None:
+                return
+            request = slot
+        binding.scheduler.queue.discard(request)
 
 
 def _cancel_timer(request: Request[Any]) -> None:

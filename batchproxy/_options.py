@@ -11,7 +11,7 @@ keyword arguments of `Proxy(...)`, `@batch(...)` and `configure(...)`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict
 
@@ -44,6 +44,9 @@ class ProxyOptions(_Changeable, total=False):
     length: Callable[[Any], int] | None
     max_batch_tokens: int | None
     oom_backoff: bool | OomPredicate
+    dedup: bool | Callable[[Any], Hashable]
+    cache_size: int | None
+    cache_ttl: float | None
 
 
 class ConfigurableOptions(_Changeable, total=False):
@@ -113,6 +116,15 @@ class Options:
       context with its call, for the model to read with
       `batchproxy.caller_contexts()` (request ids, the user, the trace). The
       model still runs in a fresh context of its own.
+    - `dedup` (opt-in): identical calls in flight are computed once. `True`: calls
+      with equal (hashable) items share one slot in a batch and its result;
+      a function of the item: calls with equal keys do. Each caller keeps its
+      own deadline and cancellation; an `Exception` in the slot fails each of
+      them. Counted in `stats.deduplicated`. Not for streaming proxies.
+    - `cache_size` (with `dedup`): also keep the results of this many recent keys
+      (least recently used out first) and answer a call with a kept key at
+      once, without the queue or the model (`stats.cache_hits`). Errors are
+      never kept. `cache_ttl`: seconds a result is kept (default: until evicted).
     """
 
     batch_size: int = 64
@@ -132,6 +144,9 @@ class Options:
     on_batch_timeout: Literal["serve", "stop"] = "serve"
     stream_buffer: int | None = 1024
     caller_context: bool = False
+    dedup: bool | Callable[[Any], Hashable] = False
+    cache_size: int | None = None
+    cache_ttl: float | None = None
 
     # derived, in the units the machinery works in (not arguments)
     max_delay: float = field(init=False, repr=False, compare=False)
@@ -166,7 +181,20 @@ class Options:
             ),
             "stream_buffer": _validate.optional_count("stream_buffer", self.stream_buffer),
             "caller_context": _validate.flag("caller_context", self.caller_context),
+            "cache_size": _validate.optional_count("cache_size", self.cache_size),
+            "cache_ttl": (
+                None
+                if self.cache_ttl is None
+                else _validate.duration("cache_ttl", self.cache_ttl, allow_zero=False)
+            ),
         }
+        dedup = self.dedup
+        if not (isinstance(dedup, bool) or callable(dedup)):
+            raise TypeError(f"dedup must be a bool or a function of the item, got {dedup!r}")
+        if not dedup and (self.cache_size is not None or self.cache_ttl is not None):
+            raise ValueError("cache_size and cache_ttl keep results by key: they need dedup=")
+        if self.cache_ttl is not None and self.cache_size is None:
+            raise ValueError("cache_ttl needs cache_size (how many results to keep)")
         oom = self.oom_backoff
         if not (isinstance(oom, bool) or callable(oom)):
             raise TypeError(f"oom_backoff must be a bool or a predicate, got {oom!r}")

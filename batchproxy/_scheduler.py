@@ -194,6 +194,13 @@ class Scheduler(Generic[T]):
         elif not self._decision_scheduled:  # (inline test: every arrival passes here)
             self._schedule_decision()
 
+    def requeue(self, old: Request[T], new: Request[T]) -> None:
+        """`new` takes queued `old`'s place, at its own priority and deadline (a shared
+        slot moved up by a caller that joined it: `_dedup`)."""
+        self.queue.discard(old)
+        self.queue.push(new)
+        self._schedule_decision()  # an earlier deadline may move the departure earlier
+
     def take_reserved(self) -> list[Request[T]]:
         """The batch of a task started by an arrival to an idle proxy: what is queued
         now, in the usual order. Empty (and the slot freed) if every request left."""

@@ -13,6 +13,7 @@ The outcomes, and who reaches them:
   caller i alone);
 - `fail`: the batch failed as a whole, the proxy refused a queued call as it
   closed, a stream overflowed, the loop ended;
+- `answer_cached`: a call answered from the result cache (`dedup`);
 - `expire`: the call's deadline passed (`DeadlineExceeded`);
 - `withdraw`: the caller left (a stream's consumer, `inference_many` after a
   failure): its future is cancelled here;
@@ -28,6 +29,7 @@ import asyncio
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from ._dedup import Deduplicator
 from ._errors import DeadlineExceeded, InferenceError
 from ._listeners import Listeners
 from ._queue import Request
@@ -39,15 +41,19 @@ __all__ = ["Settlement", "caller_error"]
 class Settlement:
     """Settles one proxy's requests: their futures, its stats and its listeners."""
 
-    __slots__ = ("listeners", "name", "stats")
+    __slots__ = ("dedup", "listeners", "name", "stats")
 
     def __init__(self, name: str, stats: StatsRecorder, listeners: Listeners) -> None:
         self.name = name
         self.stats = stats
         self.listeners = listeners
+        # with `dedup`: a shared slot's outcome goes to each of its callers (`_dedup`)
+        self.dedup: Deduplicator[Any] | None = None
 
     def deliver(self, requests: Sequence[Request[Any]], results: Sequence[Any], now: float) -> None:
         """Result i to caller i (as many of each; an `Exception` fails its caller alone)."""
+        if self.dedup is not None:  # a shared slot's result goes to each of its callers
+            requests, results = self.dedup.callers_of(requests, results, now)
         stats, listeners = self.stats, self.listeners.on
         latency = stats.total_latency
         succeeded = errors = 0
@@ -71,6 +77,8 @@ class Settlement:
 
     def fail(self, requests: Iterable[Request[Any]], error: BaseException) -> None:
         """Every one of `requests` still waiting gets `error`."""
+        if self.dedup is not None:  # a shared slot's callers each get it
+            requests, _ = self.dedup.callers_of(list(requests), None, 0.0)
         for request in requests:
             if not request.future.done():
                 request.future.set_exception(error)
@@ -98,6 +106,16 @@ class Settlement:
                 stats.total_latency.append(now - request.enqueued_at)
                 if self.listeners.on:
                     self._finished("succeeded", request)
+
+    def answer_cached(self, request: Request[Any], result: Any) -> None:
+        """A call answered from the result cache (`dedup`), without reaching the queue."""
+        request.future.set_result(result)
+        stats = self.stats
+        stats.cache_hits += 1
+        stats.succeeded += 1
+        stats.total_latency.append(0.0)
+        if self.listeners.on:
+            self._finished("succeeded", request)
 
     def withdraw(self, request: Request[Any]) -> bool:
         """Its caller left: cancel the call if it still waits; whether it did."""

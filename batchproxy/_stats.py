@@ -64,7 +64,8 @@ class ProxyStats:
 
     name: str
     requests: int
-    """Calls accepted into the queue."""
+    """Calls accepted: queued, joined to an identical call in flight (`deduplicated`)
+    or answered from the cache (`cache_hits`)."""
     succeeded: int
     errors: int
     """Requests that ended with an error from the model (raised, returned, or a wrong count)."""
@@ -106,6 +107,11 @@ class ProxyStats:
     max_in_flight: int = 0
     """How many batches may run at once now: `max_concurrent_batches`, or the
     executor's capacity."""
+    deduplicated: int = 0
+    """Calls that joined an identical call in flight (`dedup`) instead of taking a
+    batch slot of their own."""
+    cache_hits: int = 0
+    """Calls answered from the result cache (`cache_size`), without the model."""
 
     @property
     def mean_batch_size(self) -> float:
@@ -148,6 +154,8 @@ class StatsRecorder:
         self.oom_splits = 0
         self.isolation_splits = 0
         self.timed_out_batches = 0
+        self.deduplicated = 0
+        self.cache_hits = 0
         self.real_elements = 0
         self.padded_elements = 0
         self.tracks_padding = False
@@ -191,6 +199,8 @@ class StatsRecorder:
             isolation_splits=self.isolation_splits,
             timed_out_batches=self.timed_out_batches,
             max_in_flight=max_in_flight,
+            deduplicated=self.deduplicated,
+            cache_hits=self.cache_hits,
         )
 
     def _padding_waste(self) -> float | None:

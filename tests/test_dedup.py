@@ -1,0 +1,374 @@
+"""`dedup`: identical calls in flight computed once; `cache_size`/`cache_ttl` on top.
+
+On looptime's virtual clock: a `Recorder` model takes `delay` virtual seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+from _support import Recorder, assert_settled
+
+import batchproxy
+
+pytestmark = pytest.mark.looptime
+
+
+async def settle(rounds: int = 5) -> None:
+    for _ in range(rounds):
+        await asyncio.sleep(0)
+
+
+async def test_identical_calls_share_one_slot_and_each_gets_the_result() -> None:
+    p = Recorder(delay=1.0, batch_size=8, dedup=True)
+    results = await asyncio.gather(*(p.inference(x) for x in ["a", "b", "a", "a", "c", "b"]))
+    assert results == [("out", x) for x in ["a", "b", "a", "a", "c", "b"]]
+    assert [sorted(batch) for batch in p.batches] == [["a", "b", "c"]]
+    stats = p.stats
+    assert (stats.requests, stats.succeeded, stats.deduplicated, stats.items) == (6, 6, 3, 3)
+    assert stats.total_latency.count == 6  # each caller's latency, not the slot's
+    assert_settled(stats)
+    await p.aclose()
+
+
+async def test_a_call_joins_a_slot_whose_batch_is_running() -> None:
+    p = Recorder(delay=10.0, batch_size=4, dedup=True)
+    first = asyncio.create_task(p.inference("x"))
+    await asyncio.sleep(5.0)  # its batch runs
+    assert p.batches == [["x"]]
+    second = asyncio.create_task(p.inference("x"))
+    assert await asyncio.gather(first, second) == [("out", "x")] * 2
+    assert p.batches == [["x"]]
+    assert p.stats.deduplicated == 1
+    # settled: the next call with that key makes a new slot
+    assert await p.inference("x") == ("out", "x")
+    assert p.batches == [["x"], ["x"]]
+    await p.aclose()
+
+
+async def test_a_key_function_decides_what_is_identical() -> None:
+    p = Recorder(delay=1.0, batch_size=8, dedup=lambda item: item["id"])
+    a, b, c = {"id": 1, "v": "first"}, {"id": 1, "v": "second"}, {"id": 2, "v": "third"}
+    results = await asyncio.gather(p.inference(a), p.inference(b), p.inference(c))
+    assert results == [("out", a), ("out", a), ("out", c)]  # b gets the slot's result
+    assert p.batches == [[a, c]]
+    await p.aclose()
+
+
+async def test_an_unhashable_item_is_refused_with_the_fix() -> None:
+    p = Recorder(batch_size=8, dedup=True)
+    with pytest.raises(TypeError, match=r"hashable key, got list; pass dedup=<a function"):
+        await p.inference([1, 2])
+    bad = Recorder(batch_size=8, dedup=lambda item: [item])
+    with pytest.raises(TypeError, match="the dedup function must return a hashable value"):
+        await bad.inference(1)
+    assert p.stats.requests == bad.stats.requests == 0
+    await p.aclose()
+    await bad.aclose()
+
+
+async def test_an_exception_in_the_slot_fails_each_of_its_callers() -> None:
+    def respond(items: list[Any]) -> list[Any]:
+        return [ValueError(f"bad {x}") if x == "bad" else ("out", x) for x in items]
+
+    p = Recorder(respond, delay=1.0, batch_size=8, dedup=True)
+    outcomes = await asyncio.gather(
+        p.inference("bad"), p.inference("ok"), p.inference("bad"), return_exceptions=True
+    )
+    assert isinstance(outcomes[0], ValueError)
+    assert isinstance(outcomes[2], ValueError)
+    assert outcomes[1] == ("out", "ok")
+    stats = p.stats
+    assert (stats.errors, stats.succeeded, stats.items) == (2, 1, 2)
+    assert_settled(stats)
+    await p.aclose()
+
+
+async def test_a_failed_batch_fails_every_caller_of_its_slots() -> None:
+    def respond(items: list[Any]) -> list[Any]:
+        raise RuntimeError("model down")
+
+    p = Recorder(respond, batch_size=8, dedup=True)
+    outcomes = await asyncio.gather(*(p.inference(x) for x in "aab"), return_exceptions=True)
+    assert all(isinstance(o, RuntimeError) for o in outcomes)
+    assert p.stats.errors == 3
+    assert_settled(p.stats)
+    await p.aclose()
+
+
+async def busy(p: Recorder) -> asyncio.Task[Any]:
+    """Hold the proxy's one slot until t0 + 10 with a first call."""
+    first = asyncio.create_task(p.inference("first"))
+    await settle()
+    assert p.batches == [["first"]]
+    return first
+
+
+async def test_one_caller_cancelled_while_queued_leaves_the_others_their_result() -> None:
+    p = Recorder(delay=10.0, batch_size=4, max_concurrent_batches=1, dedup=True)
+    first = await busy(p)
+    a, b = (asyncio.create_task(p.inference("x")) for _ in range(2))
+    await settle()
+    a.cancel()
+    await settle()
+    assert p.stats.queue_depth == 1  # the slot stays: b still waits
+    assert await b == ("out", "x")
+    await first
+    assert p.batches == [["first"], ["x"]]
+    stats = p.stats
+    assert (stats.cancelled, stats.succeeded) == (1, 2)
+    assert_settled(stats)
+    await p.aclose()
+
+
+async def test_every_caller_gone_the_slot_never_reaches_the_model() -> None:
+    p = Recorder(delay=10.0, batch_size=4, max_concurrent_batches=1, dedup=True)
+    first = await busy(p)
+    calls = [asyncio.create_task(p.inference("x")) for _ in range(3)]
+    await settle()
+    for call in calls:
+        call.cancel()
+    await settle()
+    assert p.stats.queue_depth == 0
+    await first
+    await asyncio.sleep(20.0)
+    assert p.batches == [["first"]]
+    # and the key is free again: a new call makes a new slot
+    assert await p.inference("x") == ("out", "x")
+    assert p.batches == [["first"], ["x"]]
+    assert p.stats.cancelled == 3
+    assert_settled(p.stats)
+    await p.aclose()
+
+
+async def test_a_caller_cancelled_while_its_slot_runs_does_not_disturb_the_others() -> None:
+    p = Recorder(delay=10.0, batch_size=4, dedup=True)
+    a, b = (asyncio.create_task(p.inference("x")) for _ in range(2))
+    await asyncio.sleep(5.0)
+    a.cancel()
+    assert await b == ("out", "x")
+    with pytest.raises(asyncio.CancelledError):
+        await a
+    assert p.stats.cancelled == 1
+    assert_settled(p.stats)
+    await p.aclose()
+
+
+async def test_each_caller_keeps_its_own_deadline() -> None:
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    p = Recorder(delay=10.0, batch_size=4, max_concurrent_batches=1, dedup=True)
+    first = await busy(p)
+    short = asyncio.create_task(p.inference("x", timeout=3.0))
+    patient = asyncio.create_task(p.inference("x"))
+    with pytest.raises(batchproxy.DeadlineExceeded):
+        await short
+    assert loop.time() - t0 == pytest.approx(3.0)
+    assert await patient == ("out", "x")
+    assert loop.time() - t0 == pytest.approx(20.0)
+    await first
+    assert p.batches == [["first"], ["x"]]
+    assert (p.stats.timed_out, p.stats.succeeded) == (1, 2)
+    assert_settled(p.stats)
+    await p.aclose()
+
+
+async def test_every_caller_expired_the_slot_leaves_the_queue() -> None:
+    p = Recorder(delay=10.0, batch_size=4, max_concurrent_batches=1, dedup=True)
+    first = await busy(p)
+    calls = [asyncio.create_task(p.inference("x", timeout=2.0 + i)) for i in range(2)]
+    outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    assert all(isinstance(o, batchproxy.DeadlineExceeded) for o in outcomes)
+    assert p.stats.queue_depth == 0
+    await first
+    await asyncio.sleep(20.0)
+    assert p.batches == [["first"]]
+    assert_settled(p.stats)
+    await p.aclose()
+
+
+async def test_a_caller_of_higher_priority_moves_the_slot_up() -> None:
+    p = Recorder(delay=10.0, batch_size=1, max_concurrent_batches=1, dedup=True)
+    first = await busy(p)
+    low = [asyncio.create_task(p.inference(x)) for x in ["other", "shared"]]
+    await settle()
+    urgent = asyncio.create_task(p.inference("shared", priority=5))
+    await settle()
+    assert p.stats.queue_depth == 2  # still one slot for "shared"
+    await asyncio.gather(first, *low, urgent)
+    assert p.batches == [["first"], ["shared"], ["other"]]  # ahead of "other" now
+    await p.aclose()
+
+
+async def test_a_caller_with_an_earlier_deadline_moves_the_slot_up() -> None:
+    p = Recorder(delay=10.0, batch_size=1, max_concurrent_batches=1, dedup=True)
+    first = await busy(p)
+    queued = [asyncio.create_task(p.inference(x, timeout=100.0)) for x in ["other", "shared"]]
+    await settle()
+    sooner = asyncio.create_task(p.inference("shared", timeout=50.0))
+    await asyncio.gather(first, *queued, sooner)
+    assert p.batches == [["first"], ["shared"], ["other"]]
+    await p.aclose()
+
+
+async def test_joining_a_slot_is_never_refused_for_room() -> None:
+    p = Recorder(delay=10.0, batch_size=1, max_concurrent_batches=1, max_queue_size=1, dedup=True)
+    first = await busy(p)
+    queued = asyncio.create_task(p.inference("x"))
+    await settle()
+    with pytest.raises(batchproxy.QueueFull):
+        await p.inference("y")
+    joined = asyncio.create_task(p.inference("x"))  # the queue is full, but x adds no work
+    assert await asyncio.gather(first, queued, joined) == [("out", v) for v in ["first", "x", "x"]]
+    await p.aclose()
+
+
+async def test_inference_many_with_repeats() -> None:
+    p = Recorder(delay=1.0, batch_size=8, dedup=True)
+    assert await p.inference_many(["a", "b", "a"]) == [("out", "a"), ("out", "b"), ("out", "a")]
+    assert [sorted(b) for b in p.batches] == [["a", "b"]]
+    await p.aclose()
+
+
+async def test_calls_with_different_batch_keys_never_share() -> None:
+    p = Recorder(delay=1.0, batch_size=8, dedup=True)
+    await asyncio.gather(p.inference("x", key="en"), p.inference("x", key="de"))
+    assert sum(len(batch) for batch in p.batches) == 2
+    assert p.stats.deduplicated == 0
+    await p.aclose()
+
+
+async def test_the_cache_answers_a_repeated_call_without_the_model() -> None:
+    p = Recorder(delay=1.0, batch_size=8, dedup=True, cache_size=2)
+    assert await p.inference("a") == ("out", "a")
+    loop = asyncio.get_running_loop()
+    t = loop.time()
+    assert await p.inference("a") == ("out", "a")
+    assert loop.time() == t  # at once
+    assert p.batches == [["a"]]
+    stats = p.stats
+    assert (stats.requests, stats.succeeded, stats.cache_hits) == (2, 2, 1)
+    assert_settled(stats)
+    await p.aclose()
+
+
+async def test_the_cache_keeps_the_most_recently_used_keys() -> None:
+    p = Recorder(batch_size=8, dedup=True, cache_size=2)
+    for x in ["a", "b", "a", "c"]:  # "a" used again, so "b" is the one evicted by "c"
+        await p.inference(x)
+    assert p.batches == [["a"], ["b"], ["c"]]
+    await p.inference("a")
+    await p.inference("b")
+    assert p.batches == [["a"], ["b"], ["c"], ["b"]]
+    await p.aclose()
+
+
+async def test_a_cached_result_expires_after_the_ttl() -> None:
+    p = Recorder(batch_size=8, dedup=True, cache_size=8, cache_ttl=60.0)
+    await p.inference("a")
+    await asyncio.sleep(59.0)
+    await p.inference("a")
+    assert len(p.batches) == 1
+    await asyncio.sleep(1.0)
+    await p.inference("a")
+    assert len(p.batches) == 2
+    await p.aclose()
+
+
+async def test_errors_are_never_cached() -> None:
+    p = Recorder(
+        lambda items: [ValueError("no")] * len(items), batch_size=8, dedup=True, cache_size=8
+    )
+    for _ in range(2):
+        with pytest.raises(ValueError):
+            await p.inference("a")
+    assert len(p.batches) == 2
+    assert p.stats.cache_hits == 0
+    await p.aclose()
+
+
+async def test_a_closed_proxy_refuses_even_a_cached_key() -> None:
+    p = Recorder(batch_size=8, dedup=True, cache_size=8)
+    await p.inference("a")
+    await p.aclose()
+    with pytest.raises(batchproxy.ProxyClosed):
+        await p.inference("a")
+
+
+async def test_aclose_answers_every_caller_of_a_queued_slot() -> None:
+    p = Recorder(delay=10.0, batch_size=1, max_concurrent_batches=1, dedup=True)
+    first = await busy(p)
+    calls = [asyncio.create_task(p.inference("x")) for _ in range(3)]
+    await settle()
+    await p.aclose()
+    assert await asyncio.gather(first, *calls) == [("out", "first")] + [("out", "x")] * 3
+    assert_settled(p.stats)
+
+
+async def test_the_batch_watchdog_fails_every_caller_of_a_slot() -> None:
+    p = Recorder(delay=100.0, batch_size=4, dedup=True, batch_timeout=5.0)
+    outcomes = await asyncio.gather(*(p.inference("x") for _ in range(3)), return_exceptions=True)
+    assert all(isinstance(o, batchproxy.BatchTimeout) for o in outcomes)
+    assert p.stats.errors == 3
+    await p.aclose()
+
+
+def test_calls_from_threads_join_a_running_slot() -> None:
+    started, release = threading.Event(), threading.Event()
+    batches: list[list[str]] = []
+
+    class Held(batchproxy.Proxy[str, str]):
+        def _inference(self, items: list[str]) -> list[str]:  # on a worker thread
+            batches.append(list(items))
+            started.set()
+            assert release.wait(10)
+            return [item.upper() for item in items]
+
+    background = batchproxy.BackgroundLoop.default()
+    try:
+        p = Held(batch_size=8, dedup=True)
+        futures = [p.submit("x")]
+        assert started.wait(10)
+        futures += [p.submit("x") for _ in range(2)]
+        release.set()
+        assert [f.result(timeout=10) for f in futures] == ["X"] * 3
+        assert batches == [["x"]]
+        assert p.stats.deduplicated == 2
+        background.run(p.aclose())
+    finally:
+        release.set()
+        background.close()
+
+
+def test_options_are_checked() -> None:
+    with pytest.raises(TypeError, match="dedup must be a bool or a function"):
+        Recorder(dedup="yes")
+    with pytest.raises(ValueError, match="need dedup="):
+        Recorder(cache_size=10)
+    with pytest.raises(ValueError, match="cache_ttl needs cache_size"):
+        Recorder(dedup=True, cache_ttl=5.0)
+    with pytest.raises(ValueError, match="cache_size"):
+        Recorder(dedup=True, cache_size=0)
+    with pytest.raises(ValueError, match="cache_ttl"):
+        Recorder(dedup=True, cache_size=4, cache_ttl=0)
+    with pytest.raises(TypeError, match="configure"):
+        Recorder(dedup=True).configure(dedup=False)  # type: ignore[call-arg]
+
+
+def test_a_streaming_proxy_refuses_dedup() -> None:
+    class Streamer(batchproxy.Proxy[str, str]):
+        async def _inference(self, items: list[str]) -> Any:  # type: ignore[override]
+            yield items
+
+    with pytest.raises(TypeError, match="dedup does not apply to a proxy that streams"):
+        Streamer(dedup=True)
+
+
+def test_a_proxy_serves_a_second_loop_after_the_first_ended() -> None:
+    p = Recorder(batch_size=8, dedup=True)
+    for _ in range(2):  # each asyncio.run is a new loop: the slots of the old one are gone
+        assert asyncio.run(p.inference("x")) == ("out", "x")
+    assert p.batches == [["x"], ["x"]]
