@@ -19,6 +19,7 @@ from ._decorator import Batched, batch
 from ._errors import (
     BatchProxyError,
     BatchSizeMismatch,
+    BatchSizeUnreachable,
     BatchTimeout,
     DeadlineExceeded,
     InferenceError,
@@ -51,6 +52,7 @@ __all__ = [
     "BackgroundLoop",
     "BatchProxyError",
     "BatchSizeMismatch",
+    "BatchSizeUnreachable",
     "BatchTimeout",
     "Batched",
     "CostEstimate",

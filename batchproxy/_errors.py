@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "BatchProxyError",
     "BatchSizeMismatch",
+    "BatchSizeUnreachable",
     "BatchTimeout",
     "DeadlineExceeded",
     "InferenceError",
@@ -187,3 +188,10 @@ class PoolUnavailable(BatchProxyError, RuntimeError):
         self.executor = executor
         self.waited = waited
         self.detail = detail
+
+
+class BatchSizeUnreachable(UserWarning):
+    """A bound in front of the batcher keeps batches below `batch_size`: fewer calls
+    than that can ever wait (`max_queue_size`), or reach the service at once (the
+    server's caller limit given to `Serving(max_callers=...)`). A warning, not an
+    error: the proxy works, with smaller batches than configured."""

@@ -40,6 +40,7 @@ from ._lifecycle import Lifecycle, State
 from ._listeners import Listener, Listeners
 from ._model import choose_executor, refuse_reruns, run_kind_of
 from ._options import ConfigurableOptions, Options, ProxyOptions
+from ._reachable import check_queue_bound
 from ._runs import ModelOutput, RunKind, Runner, current_batch
 from ._settle import Settlement
 from ._stats import Health, ProxyStats, StatsRecorder
@@ -134,6 +135,7 @@ class Proxy(ABC, ThreadCalls[In, Out]):
             # a proxy dropped without aclose() still stops its thread
             weakref.finalize(self, executor.close).atexit = False
         forget_threads_in_forked_children(self)
+        check_queue_bound(self, self.name, opts)
         self._lifecycle = lifecycle  # initialized: the proxy can be used
 
     # -- the model (hooks) ---------------------------------------------------------------
@@ -273,6 +275,7 @@ class Proxy(ABC, ThreadCalls[In, Out]):
         self._require_init()
         new = self._options.evolve(**changes)
         refuse_reruns(self.name, self._runner.kind, new)
+        check_queue_bound(self, self.name, new)
         self._options = self._runner.options = self._intake.options = new
         self._runner.cap.set_limit(new.batch_size)
         self._apply_limits()

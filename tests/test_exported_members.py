@@ -18,6 +18,7 @@ PUBLIC = [
     "BackgroundLoop",
     "BatchProxyError",
     "BatchSizeMismatch",
+    "BatchSizeUnreachable",
     "BatchTimeout",
     "Batched",
     "CostEstimate",

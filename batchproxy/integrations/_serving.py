@@ -48,6 +48,7 @@ from .. import (
     QueueFull,
     WorkerDied,
 )
+from .._reachable import check_callers
 
 __all__ = ["Answer", "NotReady", "Serving", "State", "answer_for"]
 
@@ -103,6 +104,9 @@ class Serving:
     `load`: a coroutine function run first (load weights, build the proxies' model);
     `executors`: shared `WorkerThread`s and pools to start before the proxies and
     close after them (a proxy's own worker thread is the proxy's to start and close).
+    `max_callers`: how many requests the server lets in at once (uvicorn's
+    `--limit-concurrency`, say), if it bounds them: a proxy whose batch slots need
+    more callers than that to fill gets a `BatchSizeUnreachable` warning.
     """
 
     def __init__(
@@ -111,10 +115,25 @@ class Serving:
         executors: Iterable[Executor] = (),
         load: Callable[[], Awaitable[None]] | None = None,
         retry_after: float = 1.0,
+        max_callers: int | None = None,
     ) -> None:
         for proxy in proxies:
             if not isinstance(proxy, Proxy):
                 raise TypeError(f"Serving takes batchproxy proxies, got {proxy!r}")
+        if max_callers is not None:
+            if isinstance(max_callers, bool) or not isinstance(max_callers, int):
+                raise TypeError(f"max_callers must be an int or None, got {max_callers!r}")
+            if max_callers < 1:
+                raise ValueError(f"max_callers must be at least 1, got {max_callers}")
+            for proxy in proxies:
+                stats = proxy.stats
+                check_callers(
+                    proxy.name,
+                    max_callers,
+                    proxy.options.batch_size,
+                    stats.max_in_flight,
+                    stacklevel=2,
+                )
         names = [proxy.name for proxy in proxies]
         if len(set(names)) != len(names):
             raise ValueError(f"two proxies share a name: {names}; give each a name=")
