@@ -44,15 +44,17 @@ __all__ = ["MISSING", "Caller", "Deduplicator", "ResultCache", "SharedSlot"]
 T = TypeVar("T")
 
 _MISSING: Any = object()
+_PRUNE_SLACK = 16  # callers that left, kept in a slot's list before it is pruned
 
 
 class SharedSlot(Request[T]):
     """The request that runs once for every call with its key."""
 
-    __slots__ = ("callers", "dedup_key")
+    __slots__ = ("callers", "dedup_key", "waiting")
 
-    callers: list[Caller[T]]
+    callers: list[Caller[T]]  # every caller still waiting, and some that left (pruned)
     dedup_key: Hashable
+    waiting: int  # callers that have not left
 
 
 class Caller(Request[T]):
@@ -141,6 +143,7 @@ class Deduplicator(Generic[T]):
         """`slot` is the new slot of `key`, its first caller `first`."""
         slot.dedup_key = key
         slot.callers = [first]
+        slot.waiting = 1
         first.slot = slot
         self.inflight[key] = slot
 
@@ -150,6 +153,7 @@ class Deduplicator(Generic[T]):
         original), else None."""
         caller.slot = slot
         slot.callers.append(caller)
+        slot.waiting += 1
         if not slot.queued or not _ahead(caller, slot):
             return None
         moved: SharedSlot[T] = SharedSlot(
@@ -163,20 +167,25 @@ class Deduplicator(Generic[T]):
         moved.tenant, moved.key = slot.tenant, slot.key
         if hasattr(slot, "context"):
             moved.context = slot.context
-        moved.dedup_key, moved.callers = slot.dedup_key, slot.callers
+        moved.dedup_key, moved.callers, moved.waiting = slot.dedup_key, slot.callers, slot.waiting
         for each in moved.callers:
             each.slot = moved
         self.inflight[slot.dedup_key] = moved
         return moved
 
     def leave(self, caller: Caller[T]) -> SharedSlot[T] | None:
-        """`caller` left (answered, cancelled, expired). If it was the last one waiting on
-        a slot still in flight, the slot is dropped: returned, its future cancelled, for
-        the caller to take out of the queue. Else None."""
+        """`caller` left before its answer (cancelled, expired, withdrawn: called once
+        per caller that left). If it was the last one waiting on a slot still in flight,
+        the slot is dropped: returned, its future cancelled, for the caller to take out of
+        the queue. Else None."""
         slot = caller.slot
         if slot.future.done():
             return None  # settled already: nothing in flight
-        if any(not each.future.done() for each in slot.callers):
+        slot.waiting -= 1
+        if slot.waiting:
+            callers = slot.callers
+            if len(callers) > 2 * slot.waiting + _PRUNE_SLACK:  # (amortised: a flood of
+                callers[:] = [c for c in callers if not c.future.done()]  # leavers stays O(1))
             return None
         slot.future.cancel()  # (not a call's future: nobody is told, nothing counted)
         self._forget(slot)

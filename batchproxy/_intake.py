@@ -6,8 +6,11 @@ request (a future, the arrival time, a deadline timer if it has a deadline) and
 hands it to the scheduler. A request leaves before dispatch when its deadline
 passes (`expire`) or its caller leaves (`abandon`, `withdraw`); settling it is
 `Settlement`'s, taking it out of the queue is the queue's, and timers are
-cancelled here. A call pays only for what it uses: no timer without a deadline,
-no cost without a `length`, no listener call without listeners.
+cancelled here. With `dedup`, a call is answered from the cache or becomes a
+caller of the shared slot of its key (`_admit_shared`; the slot, not the caller,
+is queued, and leaves the queue with its last caller: `_dedup`). A call pays
+only for what it uses: no timer without a deadline, no cost without a `length`,
+no listener call without listeners.
 """
 
 from __future__ import annotations
@@ -157,6 +160,7 @@ class Intake(Generic[In]):
             self._settlement.answer_cached(request, cached)
             return request
         slot = dedup.slot_for(shared_key, binding.loop)
+        joins = slot is not None
         deadline = math.inf if seconds is None else now + seconds
         if slot is None:  # the first call with this key: a new slot, checked like any call
             cost = 1 if self._cost is None else self._cost(item)
@@ -180,8 +184,12 @@ class Intake(Generic[In]):
             moved = dedup.join(slot, caller)  # than a slot of its own would be
             if moved is not None:
                 scheduler.requeue(slot, moved)
-            self._settlement.stats.deduplicated += 1
         self._count_accepted(scheduler.queue.live)
+        if joins:
+            settlement = self._settlement
+            settlement.stats.deduplicated += 1
+            if settlement.listeners.on:
+                settlement.listeners.request_deduplicated(False)
         return caller
 
     async def admit_many(

@@ -40,6 +40,10 @@ class Listener:
     def request_shed(self, proxy: str) -> None:
         """A call was refused at once: it was predicted to miss its deadline."""
 
+    def request_deduplicated(self, proxy: str, cached: bool) -> None:
+        """A call (accepted, `request_queued` told) costs the model nothing (`dedup`): it
+        joined an identical call in flight, or, `cached`, was answered from the cache."""
+
     def batch_started(self, proxy: str, size: int, queue_waits: Sequence[float]) -> None:
         """A batch of `size` items goes to the model; seconds each waited in the queue."""
 
@@ -96,6 +100,11 @@ class Listeners:
 
     def request_shed(self) -> None:
         self._each("request_shed", lambda hook: hook.request_shed(self.proxy))
+
+    def request_deduplicated(self, cached: bool) -> None:
+        self._each(
+            "request_deduplicated", lambda hook: hook.request_deduplicated(self.proxy, cached)
+        )
 
     def batch_started(self, size: int, queue_waits: Sequence[float]) -> None:
         self._each("batch_started", lambda hook: hook.batch_started(self.proxy, size, queue_waits))

@@ -115,6 +115,7 @@ class Settlement:
         stats.succeeded += 1
         stats.total_latency.append(0.0)
         if self.listeners.on:
+            self.listeners.request_deduplicated(True)
             self._finished("succeeded", request)
 
     def withdraw(self, request: Request[Any]) -> bool:

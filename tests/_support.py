@@ -105,6 +105,9 @@ class RaisingListener(batchproxy.Listener):
     def request_shed(self, proxy: str) -> None:
         self._broke("request_shed")
 
+    def request_deduplicated(self, proxy: str, cached: bool) -> None:
+        self._broke("request_deduplicated")
+
     def batch_started(self, proxy: str, size: int, queue_waits: Sequence[float]) -> None:
         self._broke("batch_started")
 

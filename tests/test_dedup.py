@@ -10,7 +10,7 @@ import threading
 from typing import Any
 
 import pytest
-from _support import Recorder, assert_settled
+from _support import RaisingListener, Recorder, assert_settled
 
 import batchproxy
 
@@ -372,3 +372,75 @@ def test_a_proxy_serves_a_second_loop_after_the_first_ended() -> None:
     for _ in range(2):  # each asyncio.run is a new loop: the slots of the old one are gone
         assert asyncio.run(p.inference("x")) == ("out", "x")
     assert p.batches == [["x"], ["x"]]
+
+
+class Outcomes(batchproxy.Listener):
+    def __init__(self) -> None:
+        self.events: list[tuple[str, object]] = []
+
+    def request_finished(self, proxy: str, outcome: str, seconds: float) -> None:
+        self.events.append(("finished", outcome))
+
+    def request_deduplicated(self, proxy: str, cached: bool) -> None:
+        self.events.append(("deduplicated", cached))
+
+
+async def test_listeners_hear_of_each_caller() -> None:
+    p = Recorder(delay=1.0, batch_size=8, dedup=True, cache_size=4)
+    log = Outcomes()
+    p.add_listener(log)
+    await asyncio.gather(p.inference("a"), p.inference("a"))
+    await p.inference("a")
+    assert log.events == [
+        ("deduplicated", False),
+        ("finished", "succeeded"),
+        ("finished", "succeeded"),
+        ("deduplicated", True),
+        ("finished", "succeeded"),
+    ]
+    await p.aclose()
+
+
+async def test_a_raising_listener_changes_no_outcome() -> None:
+    p = Recorder(delay=1.0, batch_size=8, dedup=True, cache_size=4)
+    p.add_listener(RaisingListener())
+    assert await asyncio.gather(p.inference("a"), p.inference("a")) == [("out", "a")] * 2
+    assert await p.inference("a") == ("out", "a")
+    assert_settled(p.stats)
+    await p.aclose()
+
+
+async def test_a_tensor_proxy_shares_rows_between_identical_calls() -> None:
+    np = pytest.importorskip("numpy")
+
+    class Doubler(batchproxy.TensorProxy[Any, Any]):
+        def _forward(self, batch: Any, /) -> Any:
+            self.sizes.append(len(batch.data))
+            return batch.data * 2
+
+    p = Doubler(batch_size=8, dedup=lambda row: tuple(row.tolist()))
+    p.sizes = []
+    rows = [np.array([1.0, 2.0]), np.array([1.0, 2.0]), np.array([3.0, 4.0])]
+    results = await asyncio.gather(*(p.inference(row) for row in rows))
+    assert [r.tolist() for r in results] == [[2.0, 4.0], [2.0, 4.0], [6.0, 8.0]]
+    assert p.sizes == [2]
+    await p.aclose()
+
+
+async def test_callers_that_leave_a_long_queued_slot_are_not_kept() -> None:
+    """A popular slot stuck behind a long batch, its callers timing out one by one: the
+    slot keeps no record of them (memory stays bounded by the callers still waiting)."""
+    p = Recorder(delay=10_000.0, batch_size=1, max_concurrent_batches=1, dedup=True)
+    first = await busy(p)
+    patient = asyncio.create_task(p.inference("x"))
+    leaving = [asyncio.create_task(p.inference("x", timeout=1.0 + i)) for i in range(1000)]
+    await asyncio.gather(*leaving, return_exceptions=True)
+    slot = p._intake._dedup.inflight["x"]  # type: ignore[union-attr]
+    assert slot.waiting == 1
+    assert len(slot.callers) <= 2 + 16
+    assert p.stats.timed_out == 1000
+    patient.cancel()
+    first.cancel()
+    await asyncio.gather(patient, first, return_exceptions=True)
+    assert not p._intake._dedup.inflight  # type: ignore[union-attr]
+    await p.aclose()

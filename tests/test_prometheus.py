@@ -48,6 +48,7 @@ def value(samples: Samples, name: str, proxy: str, **labels: str) -> float | Non
 COUNTERS = (
     *("requests", "batches", "failed_batches", "errors", "rejected", "shed", "timed_out"),
     *("cancelled", "timed_out_batches", "oom_splits", "isolation_splits"),
+    *("deduplicated", "cache_hits"),
 )
 
 
@@ -181,6 +182,18 @@ async def test_shed_calls_are_counted(
             await proxy.inference("late", timeout=0.05)
         await asyncio.gather(*backlog)
     assert counts(scrape(registry), "late") == zero_counts(requests=28.0, batches=28.0, shed=1.0)
+
+
+@pytest.mark.looptime
+async def test_deduplicated_calls_and_cache_hits_are_counted(
+    registry: CollectorRegistry, metrics: PrometheusMetrics
+) -> None:
+    async with Recorder(batch_size=8, delay=1.0, dedup=True, cache_size=8, name="d") as proxy:
+        metrics.instrument(proxy)
+        await asyncio.gather(*(proxy.inference(x) for x in "aaab"))  # two joined "a"
+        await proxy.inference("a")  # from the cache
+    expected = zero_counts(requests=5.0, batches=1.0, deduplicated=2.0, cache_hits=1.0)
+    assert counts(scrape(registry), "d") == expected
 
 
 @pytest.mark.looptime

@@ -31,6 +31,8 @@ replica gauge ``state`` too. With the default namespace:
 | `batchproxy_errors_total` | counter | calls that ended with an error from the model |
 | `batchproxy_rejected_total` | counter | calls refused with `QueueFull` |
 | `batchproxy_shed_total` | counter | calls refused at once as too late (`shed_late`) |
+| `batchproxy_deduplicated_total` | counter | calls that joined an identical call (`dedup`) |
+| `batchproxy_cache_hits_total` | counter | calls answered from the result cache (`cache_size`) |
 | `batchproxy_timed_out_total` | counter | calls whose deadline passed |
 | `batchproxy_cancelled_total` | counter | calls whose caller was cancelled |
 | `batchproxy_timed_out_batches_total` | counter | batches that overran `batch_timeout` |
@@ -149,6 +151,8 @@ class _Children:
     errors: Counter
     rejected: Counter
     shed: Counter
+    deduplicated: Counter
+    cache_hits: Counter
     timed_out: Counter
     cancelled: Counter
     timed_out_batches: Counter
@@ -209,6 +213,10 @@ class PrometheusMetrics(Listener):
         self._shed = counter(
             "shed", "Calls refused at once: predicted to miss their deadline (shed_late)."
         )
+        self._deduplicated = counter(
+            "deduplicated", "Calls that joined an identical call in flight (dedup)."
+        )
+        self._cache_hits = counter("cache_hits", "Calls answered from the result cache.")
         self._timed_out = counter("timed_out", "Calls whose deadline passed.")
         self._cancelled = counter("cancelled", "Calls whose caller was cancelled.")
         self._timed_out_batches = counter(
@@ -274,6 +282,8 @@ class PrometheusMetrics(Listener):
                 errors=self._errors.labels(proxy),
                 rejected=self._rejected.labels(proxy),
                 shed=self._shed.labels(proxy),
+                deduplicated=self._deduplicated.labels(proxy),
+                cache_hits=self._cache_hits.labels(proxy),
                 timed_out=self._timed_out.labels(proxy),
                 cancelled=self._cancelled.labels(proxy),
                 timed_out_batches=self._timed_out_batches.labels(proxy),
@@ -326,6 +336,10 @@ class PrometheusMetrics(Listener):
     @override
     def request_shed(self, proxy: str) -> None:
         self._child(proxy).shed.inc()
+
+    def request_deduplicated(self, proxy: str, cached: bool) -> None:
+        children = self._child(proxy)
+        (children.cache_hits if cached else children.deduplicated).inc()
 
     @override
     def batch_started(self, proxy: str, size: int, queue_waits: Sequence[float]) -> None:
