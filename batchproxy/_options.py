@@ -11,12 +11,13 @@ keyword arguments of `Proxy(...)`, `@batch(...)` and `configure(...)`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict
 
 from . import _validate
 from ._oom import OomPredicate, is_out_of_memory
+from ._sizes import NO_ITEM, check_sizes
 
 __all__ = ["CONFIGURABLE", "Options", "ProxyOptions"]
 
@@ -44,6 +45,8 @@ class ProxyOptions(_Changeable, total=False):
     length: Callable[[Any], int] | None
     max_batch_tokens: int | None
     oom_backoff: bool | OomPredicate
+    batch_sizes: Sequence[int] | None
+    pad_item: Any
 
 
 class ConfigurableOptions(_Changeable, total=False):
@@ -109,6 +112,19 @@ class Options:
       consumer that stops reading without closing its stream (a `break` while it
       still holds the iterator) is dropped from its batch at that point with
       `StreamBufferFull`, instead of chunks piling up; None: no bound.
+    - `batch_sizes` (opt-in): the only batch sizes the model is given (static-shape
+      engines: TensorRT, CUDA graphs, compiled models), e.g. `(1, 2, 4, 8)`:
+      positive, no repeats, the smallest no larger than `batch_size`; sizes above
+      `batch_size` are not used (the largest batch formed is the largest allowed
+      size <= `batch_size`). With a filler (`pad_item`, or a `TensorProxy`, which
+      pads with `pad_value` rows) a batch of n runs padded to the smallest allowed
+      size >= n, and the filler's results are dropped (`stats.padded_rows`);
+      without one the sizes must include 1, and a batch leaves cut to the largest
+      allowed size that fits, the rest waiting for the next batch (or it waits
+      for the next allowed size when the missing requests are expected before
+      its window closes). Not for streaming models.
+    - `pad_item` (with `batch_sizes`): the item that fills a batch up to an
+      allowed size; its results are dropped.
     - `caller_context` (opt-in): keep a copy of each caller's `contextvars`
       context with its call, for the model to read with
       `batchproxy.caller_contexts()` (request ids, the user, the trace). The
@@ -132,6 +148,9 @@ class Options:
     on_batch_timeout: Literal["serve", "stop"] = "serve"
     stream_buffer: int | None = 1024
     caller_context: bool = False
+    batch_sizes: Sequence[int] | None = None
+    """Checked: a tuple, ascending."""
+    pad_item: Any = field(default=NO_ITEM, compare=False)
 
     # derived, in the units the machinery works in (not arguments)
     max_delay: float = field(init=False, repr=False, compare=False)
@@ -166,6 +185,7 @@ class Options:
             ),
             "stream_buffer": _validate.optional_count("stream_buffer", self.stream_buffer),
             "caller_context": _validate.flag("caller_context", self.caller_context),
+            "batch_sizes": check_sizes(self.batch_sizes, self.batch_size, self.pad_item),
         }
         oom = self.oom_backoff
         if not (isinstance(oom, bool) or callable(oom)):

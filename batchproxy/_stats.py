@@ -106,6 +106,9 @@ class ProxyStats:
     max_in_flight: int = 0
     """How many batches may run at once now: `max_concurrent_batches`, or the
     executor's capacity."""
+    padded_rows: int = 0
+    """Filler rows the model ran to bring batches up to an allowed size
+    (`batch_sizes`); they are not counted in `items` or `batch_sizes`."""
 
     @property
     def mean_batch_size(self) -> float:
@@ -148,6 +151,7 @@ class StatsRecorder:
         self.oom_splits = 0
         self.isolation_splits = 0
         self.timed_out_batches = 0
+        self.padded_rows = 0
         self.real_elements = 0
         self.padded_elements = 0
         self.tracks_padding = False
@@ -191,6 +195,7 @@ class StatsRecorder:
             isolation_splits=self.isolation_splits,
             timed_out_batches=self.timed_out_batches,
             max_in_flight=max_in_flight,
+            padded_rows=self.padded_rows,
         )
 
     def _padding_waste(self) -> float | None:
