@@ -140,7 +140,12 @@ class Runner(Generic[In]):
         self.sizes = sizes = batch_sizes(name, options, model_pads)
         if sizes is not None:
             executor = SizedExecutor(
-                executor, sizes, settlement.stats, filler=options.pad_item, model_pads=model_pads
+                executor,
+                sizes,
+                settlement.stats,
+                name=name,
+                filler=options.pad_item,
+                model_pads=model_pads,
             )
         self.executor = executor
         self.kind = kind

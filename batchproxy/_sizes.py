@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ._errors import BatchSizeMismatch
 from ._executor import Executor, ModelFn
 from ._stats import StatsRecorder
 
@@ -180,9 +181,11 @@ class SizedExecutor(Executor):
         sizes: BatchSizes,
         stats: StatsRecorder,
         *,
+        name: str,
         filler: object = NO_ITEM,
         model_pads: bool = False,
     ) -> None:
+        self.name = name
         self.inner = inner
         self.sizes = sizes
         self._stats = stats
@@ -204,30 +207,36 @@ class SizedExecutor(Executor):
         results: list[Any] = []
         start = 0
         for count, size in pieces:
-            part = await self._run_piece(fn, items[start : start + count], size)
-            results.extend(_as_list(part))
+            results.extend(await self._run_piece(fn, items[start : start + count], size))
             start += count
         return results
 
     async def _run_piece(self, fn: ModelFn, items: list[Any], size: int) -> Any:
-        """One model call on `items`, padded to `size` (pad mode) and the filler's
-        results dropped; a wrong result count is passed on for the proxy to report."""
-        extra = size - len(items)
-        if not extra:
-            return await self.inner.run(fn, items)
-        self._stats.padded_rows += extra
-        if self._model_pads:  # (TensorProxy; its invalid items, failed alone, count too)
-            return await self.inner.run(fn, items)
-        results = await self.inner.run(fn, items + [self._filler] * extra)
-        if not hasattr(results, "__len__") or len(results) != size:
-            return results
-        return _as_list(results)[: len(items)]
+        """One model call on `items`, padded to `size` (pad mode), its results checked
+        and the filler's dropped; `BatchSizeMismatch` for a wrong count (no telling
+        whose result is whose)."""
+        count = len(items)
+        extra = size - count
+        if extra:
+            self._stats.padded_rows += extra
+            if not self._model_pads:
+                items = items + [self._filler] * extra
+        results = await self.inner.run(fn, items)
+        if self._model_pads:
+            size = count  # its filler rows never leave the model
+        rows = _rows(results)
+        if len(rows) != size:
+            raise BatchSizeMismatch(self.name, size, len(rows))
+        return rows[:count] if extra else rows
 
 
-def _as_list(results: Any) -> list[Any] | tuple[Any, ...]:
+def _rows(results: Any) -> list[Any] | tuple[Any, ...]:
+    """The model's results as a list or tuple (an array becomes its rows)."""
     if type(results) is list or type(results) is tuple:
         return results
-    try:
-        return list(results)
-    except TypeError:
-        return [results]  # not a sequence: a count mismatch for the proxy to report
+    if not hasattr(results, "__len__") or isinstance(results, (str, bytes, Mapping)):
+        raise TypeError(
+            f"_inference must return a sequence with one result per item (list, tuple "
+            f"or array), got {type(results).__name__}"
+        )
+    return list(results)
