@@ -64,6 +64,13 @@ pass would make every other batch an unsorted one and undo the grouping under
 load. With `max_batch_tokens`, members x largest cost stays within the
 budget, and an item over the budget goes alone.
 
+Allowed batch sizes without a filler (`cut_to`, from `batch_sizes`): a batch
+takes the largest allowed size the queue fills, the rest stay queued; one due to
+leave at a size not allowed (but full, a full token budget, or draining) waits
+for the next allowed size while the missing requests are expected before its
+window closes and its deadline rule (`_sizes.BatchSizes.wait_until`). With a
+filler the scheduler does nothing special: `_sizes.SizedExecutor` pads.
+
 Order: highest priority first; within a priority, earliest deadline first,
 then requests without a deadline in arrival order; with `aging`, an old
 request climbs levels (see `_queue`).
