@@ -55,8 +55,9 @@ NO_ITEM: Any = _NoItem()
 
 
 def check_sizes(sizes: object, batch_size: int, pad_item: object) -> tuple[int, ...] | None:
-    """`batch_sizes` checked, sorted ascending: positive ints, no duplicates; 1 among
-    them unless there is a filler; the smallest no larger than `batch_size`."""
+    """`batch_sizes` checked, sorted ascending: positive ints, no duplicates, the
+    smallest no larger than `batch_size`; and `pad_item` given only with it. (Whether
+    1 is needed depends on the proxy: `batch_sizes`, below.)"""
     if sizes is None:
         if pad_item is not NO_ITEM:
             raise TypeError("pad_item fills batches up to an allowed size: it needs batch_sizes")
@@ -65,7 +66,9 @@ def check_sizes(sizes: object, batch_size: int, pad_item: object) -> tuple[int, 
         raise TypeError(f"batch_sizes must be a sequence of ints or None, got {sizes!r}")
     checked = []
     for size in sizes:
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise TypeError(f"batch_sizes must hold ints, got {size!r} in {sizes!r}")
+        if size < 1:
             raise ValueError(f"batch_sizes must hold positive ints, got {size!r} in {sizes!r}")
         checked.append(size)
     if not checked:

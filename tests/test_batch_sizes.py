@@ -70,8 +70,8 @@ class Strict(Proxy[Any, Any]):
         ((), ValueError, "at least one size"),
         ((1, 0), ValueError, "positive ints"),
         ((1, -2), ValueError, "positive ints"),
-        ((1, 2.0), ValueError, "positive ints"),
-        ((1, True), ValueError, "positive ints"),
+        ((1, 2.0), TypeError, "must hold ints"),
+        ((1, True), TypeError, "must hold ints"),
         ((1, 2, 2), ValueError, "must not repeat"),
         ((16, 32), ValueError, "below the smallest of batch_sizes"),
     ],
@@ -403,3 +403,17 @@ async def test_sized_executor_checks_each_piece(
         with pytest.raises(batchproxy.BatchSizeMismatch, match=f"for a batch of {expected}"):
             await executor.run(model, list(range(n)))
     assert all(size in allowed for size in seen)
+
+
+async def test_the_decorator_takes_batch_sizes_and_pad_item() -> None:
+    seen: list[int] = []
+
+    @batchproxy.batch(batch_size=8, batch_sizes=(4, 8), pad_item=0)
+    async def double(items: list[int]) -> list[int]:
+        seen.append(len(items))
+        check(len(items), (4, 8))
+        return [2 * i for i in items]
+
+    assert await double.many([1, 2, 3]) == [2, 4, 6]
+    assert seen == [4]
+    assert double.stats.padded_rows == 1
