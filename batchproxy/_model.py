@@ -14,6 +14,7 @@ from typing import Any
 from ._executor import Executor, LoopExecutor
 from ._options import Options
 from ._runs import BATCHES, RunKind
+from ._sizes import refuse_streams
 from ._streaming import STREAMS
 from ._worker_thread import WorkerThread
 
@@ -33,8 +34,9 @@ def run_kind_of(name: str, model: Callable[..., Any], offload: object) -> RunKin
 
 
 def refuse_reruns(name: str, kind: RunKind, options: Options) -> None:
-    """A streaming run cannot rerun parts of a batch: refuse the options that would (at
-    construction, and in `configure`)."""
+    """A streaming run cannot rerun parts of a batch, nor keep its batch at an allowed
+    size: refuse the options that would (at construction, and in `configure`)."""
+    refuse_streams(name, kind.streams, options.batch_sizes)
     if kind.streams and (options.isolate_errors or options.is_oom is not None):
         option = "isolate_errors" if options.isolate_errors else "oom_backoff"
         raise TypeError(

@@ -11,12 +11,13 @@ keyword arguments of `Proxy(...)`, `@batch(...)` and `configure(...)`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict
 
 from . import _validate
 from ._oom import OomPredicate, is_out_of_memory
+from ._sizes import NO_ITEM, check_sizes
 
 __all__ = ["CONFIGURABLE", "Options", "ProxyOptions"]
 
@@ -47,6 +48,8 @@ class ProxyOptions(_Changeable, total=False):
     dedup: bool | Callable[[Any], Hashable]
     cache_size: int | None
     cache_ttl: float | None
+    batch_sizes: Sequence[int] | None
+    pad_item: Any
 
 
 class ConfigurableOptions(_Changeable, total=False):
@@ -112,6 +115,19 @@ class Options:
       consumer that stops reading without closing its stream (a `break` while it
       still holds the iterator) is dropped from its batch at that point with
       `StreamBufferFull`, instead of chunks piling up; None: no bound.
+    - `batch_sizes` (opt-in): the only batch sizes the model is given (static-shape
+      engines: TensorRT, CUDA graphs, compiled models), e.g. `(1, 2, 4, 8)`:
+      positive, no repeats, the smallest no larger than `batch_size`; sizes above
+      `batch_size` are not used (the largest batch formed is the largest allowed
+      size <= `batch_size`). With a filler (`pad_item`, or a `TensorProxy`, which
+      pads with `pad_value` rows) a batch of n runs padded to the smallest allowed
+      size >= n, and the filler's results are dropped (`stats.padded_rows`);
+      without one the sizes must include 1, and a batch leaves cut to the largest
+      allowed size that fits, the rest waiting for the next batch (or it waits
+      for the next allowed size when the missing requests are expected before
+      its window closes). Not for streaming models.
+    - `pad_item` (with `batch_sizes`): the item that fills a batch up to an
+      allowed size; its results are dropped.
     - `caller_context` (opt-in): keep a copy of each caller's `contextvars`
       context with its call, for the model to read with
       `batchproxy.caller_contexts()` (request ids, the user, the trace). The
@@ -147,6 +163,9 @@ class Options:
     dedup: bool | Callable[[Any], Hashable] = False
     cache_size: int | None = None
     cache_ttl: float | None = None
+    batch_sizes: Sequence[int] | None = None
+    """Checked: a tuple, ascending."""
+    pad_item: Any = field(default=NO_ITEM, compare=False)
 
     # derived, in the units the machinery works in (not arguments)
     max_delay: float = field(init=False, repr=False, compare=False)
@@ -187,6 +206,7 @@ class Options:
                 if self.cache_ttl is None
                 else _validate.duration("cache_ttl", self.cache_ttl, allow_zero=False)
             ),
+            "batch_sizes": check_sizes(self.batch_sizes, self.batch_size, self.pad_item),
         }
         dedup = self.dedup
         if not (isinstance(dedup, bool) or callable(dedup)):

@@ -77,6 +77,7 @@ class Proxy(ABC, ThreadCalls[In, Out]):
     """
 
     _group_by_length = True  # TensorProxy(length_aware=False): costs without grouping
+    _pads_batch_axis = False  # TensorProxy: fills batches up to `batch_sizes` itself
     _model_name = "_inference"  # what the model is called in logs
     # the class defaults, so a subclass that forgot super().__init__() gets a clear error
     _lifecycle = _UNINITIALIZED
@@ -123,6 +124,7 @@ class Proxy(ABC, ThreadCalls[In, Out]):
             lifecycle=lifecycle,
             settlement=settlement,
             on_cap_change=self._apply_limits,
+            model_pads=self._pads_batch_axis,
         )
         runner = self._runner
         self._binder: Binder[In] = Binder(

@@ -73,6 +73,7 @@ from ._queue import Request, RequestQueue
 from ._reruns import call_with_reruns
 from ._scheduler import Limits, Scheduler
 from ._settle import Settlement, caller_error
+from ._sizes import SizedExecutor, batch_sizes
 from ._stats import Health, StatsRecorder
 from ._tasks import cancel_requested, new_task, uncancel
 
@@ -130,10 +131,22 @@ class Runner(Generic[In]):
         lifecycle: Lifecycle,
         settlement: Settlement,
         on_cap_change: Callable[[], None],
+        model_pads: bool = False,
     ) -> None:
         self.name = name
         self.model_name = model_name  # what the model is called in logs
         self.model = model
+        # with `batch_sizes`: the allowed sizes, and every model call kept to them
+        self.sizes = sizes = batch_sizes(name, options, model_pads)
+        if sizes is not None:
+            executor = SizedExecutor(
+                executor,
+                sizes,
+                settlement.stats,
+                name=name,
+                filler=options.pad_item,
+                model_pads=model_pads,
+            )
         self.executor = executor
         self.kind = kind
         self.options = options  # the proxy's, current: Proxy.configure() replaces it
@@ -161,6 +174,8 @@ class Runner(Generic[In]):
         options = self.options
         slots = options.max_concurrent_batches or self.executor.capacity
         size = 1 if self.kind.admits_itself else self.cap.cap
+        if self.sizes is not None:
+            size = self.sizes.top(size)
         predicts = slots > 1 or options.shed_late
         return size, options.max_delay, slots, options.adaptive, options.aging, predicts
 
@@ -185,6 +200,7 @@ class Runner(Generic[In]):
             group_by_cost=self.group_by_cost,
             max_batch_tokens=self.options.max_batch_tokens,
             cost_model=self.cost_model,
+            cut_to=None if self.sizes is None or self.sizes.pads else self.sizes,
             name=self.name,
         )
 

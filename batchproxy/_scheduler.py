@@ -64,6 +64,13 @@ pass would make every other batch an unsorted one and undo the grouping under
 load. With `max_batch_tokens`, members x largest cost stays within the
 budget, and an item over the budget goes alone.
 
+Allowed batch sizes without a filler (`cut_to`, from `batch_sizes`): a batch
+takes the largest allowed size the queue fills, the rest stay queued; one due to
+leave at a size not allowed (but full, a full token budget, or draining) waits
+for the next allowed size while the missing requests are expected before its
+window closes and its deadline rule (`_sizes.BatchSizes.wait_until`). With a
+filler the scheduler does nothing special: `_sizes.SizedExecutor` pads.
+
 Order: highest priority first; within a priority, earliest deadline first,
 then requests without a deadline in arrival order; with `aging`, an old
 request climbs levels (see `_queue`).
@@ -98,10 +105,13 @@ import asyncio
 import logging
 import math
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from ._cost_model import CostModel
 from ._queue import Request, RequestQueue
+
+if TYPE_CHECKING:
+    from ._sizes import BatchSizes
 
 __all__ = ["Limits", "Scheduler"]
 
@@ -117,6 +127,7 @@ _EWMA_WEIGHT = 0.2
 _QUIET_FACTOR = 2.0  # quiet for this many expected gaps: the stream has paused
 _TIME_TOLERANCE = 1e-6  # a timer may fire this early; treat it as on time
 _DEADLINE_MARGIN = 2.0  # start a batch this many predicted model times before a deadline
+_NO_WAIT = frozenset({"drain", "full", "token budget"})  # a cut batch goes at once
 
 
 class Scheduler(Generic[T]):
@@ -138,6 +149,7 @@ class Scheduler(Generic[T]):
         cost_model: CostModel | None = None,
         aging: float | None = None,
         predicts: bool = True,
+        cut_to: BatchSizes | None = None,
         name: str = "proxy",
     ) -> None:
         self.loop = loop
@@ -157,6 +169,7 @@ class Scheduler(Generic[T]):
         # several slots and what `shed_late` needs; with one slot and no shedding, a
         # batch pays nothing for it
         self._predicts = predicts
+        self._cut_to = cut_to  # `batch_sizes` without a filler: batches leave at those sizes
         self._last_dispatch = -math.inf
         self._last_duration = 0.0  # predicted model time of the batch last sent
         self._running_until: list[float] = []  # predicted ends of the batches in flight
@@ -297,6 +310,11 @@ class Scheduler(Generic[T]):
                 if when > self.loop.time() + _TIME_TOLERANCE:
                     self._arm_timer(when)
                     return
+            if self._cut_to is not None and why not in _NO_WAIT:
+                wait = self._size_wait(self._cut_to)
+                if wait is not None and wait > self.loop.time() + _TIME_TOLERANCE:
+                    self._arm_timer(wait)  # the next allowed size is expected in time
+                    return
             self._send(why)
         if not queue.live:
             self.close()  # nothing waits: no timer left armed
@@ -334,10 +352,13 @@ class Scheduler(Generic[T]):
 
     def _take(self) -> list[Request[T]]:
         now = 0.0 if self.queue.aging is None else self.loop.time()  # only aging needs it
+        size = self._batch_size
+        if self._cut_to is not None:  # the largest allowed size the queue fills
+            size = self._cut_to.fit(min(self.queue.live, size))
         if not self._by_cost:
-            return self.queue.pop_batch(self._batch_size, now)
+            return self.queue.pop_batch(size, now)
         return self.queue.pop_similar(
-            self._batch_size,
+            size,
             self._budget,
             max(4 * self._batch_size, 64),
             now=now,
@@ -418,6 +439,22 @@ class Scheduler(Generic[T]):
         units = size if not self._by_cost else size * queue.live_cost / max(1, queue.live)
         took = self._cost_model.predict(units)
         return None if took is None else deadline - _DEADLINE_MARGIN * took
+
+    def _size_wait(self, cut: BatchSizes) -> float | None:
+        """`batch_sizes` without a filler: until when a batch due now waits for the next
+        allowed size (see `BatchSizes.wait_until`); None: it leaves now, cut."""
+        queue = self.queue
+        oldest = queue.oldest_enqueued_at()
+        if oldest is None:
+            return None
+        deadline = queue.earliest_deadline()
+        return cut.wait_until(
+            min(queue.live, self._batch_size),
+            last_arrival=self._last_arrival,
+            gap=max(self._mean_gap, self._last_gap),
+            closes=oldest + self._max_delay,
+            deadline_start=None if deadline == math.inf else self._deadline_departure(deadline),
+        )
 
     def _arm_timer(self, when: float) -> None:
         timer = self._timer

@@ -112,6 +112,9 @@ class ProxyStats:
     batch slot of their own."""
     cache_hits: int = 0
     """Calls answered from the result cache (`cache_size`), without the model."""
+    padded_rows: int = 0
+    """Filler rows the model ran to bring batches up to an allowed size
+    (`batch_sizes`); they are not counted in `items` or `batch_sizes`."""
 
     @property
     def mean_batch_size(self) -> float:
@@ -156,6 +159,7 @@ class StatsRecorder:
         self.timed_out_batches = 0
         self.deduplicated = 0
         self.cache_hits = 0
+        self.padded_rows = 0
         self.real_elements = 0
         self.padded_elements = 0
         self.tracks_padding = False
@@ -201,6 +205,7 @@ class StatsRecorder:
             max_in_flight=max_in_flight,
             deduplicated=self.deduplicated,
             cache_hits=self.cache_hits,
+            padded_rows=self.padded_rows,
         )
 
     def _padding_waste(self) -> float | None:

@@ -20,7 +20,9 @@ import numpy as np
 
 from . import _validate, tensors
 from ._proxy import Proxy
+from ._sizes import BatchSizes
 from ._tensor_items import _problems
+from ._tensor_rows import first_rows, pad_rows
 from .tensors import Collated, PaddingSide
 
 if TYPE_CHECKING:
@@ -56,10 +58,17 @@ class TensorProxy(Proxy[In, Out]):
       is computed. Either way each item's cost is `tensors.length` (pass
       `length=` to change it), which `max_batch_tokens` and the padding stats use.
 
+    With `batch_sizes=` (static-shape engines) the batch axis is padded with
+    `pad_value` rows up to the smallest allowed size (mask `False` on them, no
+    entry in `lengths`), and their outputs are dropped before the split;
+    `pad_item` is not taken.
+
     A plain `def _forward` runs on the proxy's worker thread, with validation,
     collation and splitting; an `async def _forward` runs on the event loop
     unless `offload=True`.
     """
+
+    _pads_batch_axis = True  # (batch_sizes: pad_value rows, not a pad_item)
 
     def __init__(
         self,
@@ -80,8 +89,14 @@ class TensorProxy(Proxy[In, Out]):
         )
         self._device = _torch_device(device)
         options.setdefault("length", tensors.length)  # costs for max_batch_tokens and stats
+        if "pad_item" in options:
+            raise TypeError(
+                "TensorProxy pads the batch axis with pad_value rows itself; it takes no pad_item"
+            )
         self._group_by_length = _validate.flag("length_aware", length_aware)
         super().__init__(batch_size, **options)
+        sizes = self.options.batch_sizes
+        self._sizes = None if sizes is None else BatchSizes(tuple(sizes), pads=True)
 
     @abstractmethod
     def _forward(self, batch: Collated, /) -> Any:
@@ -110,14 +125,14 @@ class TensorProxy(Proxy[In, Out]):
 
     def _run_sync(self, items: list[In], /) -> list[Any]:
         batch = self._prepare(items)
-        if batch.collated is not None:
-            batch.deliver(self._forward(batch.collated))
+        if batch.padded is not None:
+            batch.deliver(self._forward(batch.padded))
         return batch.results
 
     async def _run_async(self, items: list[In], /) -> list[Any]:
         batch = self._prepare(items)
-        if batch.collated is not None:
-            batch.deliver(await self._forward(batch.collated))
+        if batch.padded is not None:
+            batch.deliver(await self._forward(batch.padded))
         return batch.results
 
     def _prepare(self, items: list[In]) -> _Batch:
@@ -139,20 +154,27 @@ class TensorProxy(Proxy[In, Out]):
                 data=_move(collated.data, self._device),
                 mask=None if collated.mask is None else _move(collated.mask, self._device),
             )
-        return _Batch(results, valid, collated)
+        padded = collated
+        if self._sizes is not None:  # filler rows up to an allowed size
+            padded = pad_rows(collated, self._sizes.cover(len(valid)), self._pad_value)
+        return _Batch(results, valid, collated, padded)
 
 
 @dataclasses.dataclass
 class _Batch:
-    """One batch in flight: per-item results (errors pre-filled) and who was collated."""
+    """One batch in flight: per-item results (errors pre-filled), who was collated, and
+    the batch the model sees (with filler rows, for `batch_sizes`)."""
 
     results: list[Any]
     valid: list[int]
     collated: Collated | None
+    padded: Collated | None = None
 
     def deliver(self, outputs: Any) -> None:
         """Each valid item's part of `outputs`; `split` refuses outputs with a wrong count."""
         assert self.collated is not None
+        if self.padded is not self.collated:  # drop the filler rows' outputs
+            outputs = first_rows(outputs, len(self.valid))
         parts = tensors.split(outputs, self.collated)
         for index, part in zip(self.valid, parts, strict=True):
             self.results[index] = part

@@ -50,11 +50,11 @@ async def kill_idle(pid: int) -> None:
     await wait_until(lambda: dead_unreaped(pid))
 
 
-async def busy_worker_pid(workers: ProcessWorkers) -> int:
-    """The pid of the worker holding a batch, once it has one."""
+async def busy_worker_pid(workers: ProcessWorkers, other_than: int | None = None) -> int:
+    """The pid of the worker holding a batch, once it has one (not `other_than`'s)."""
     for _ in range(500):
         for worker in workers._workers:
-            if worker.load and worker.pid is not None:
+            if worker.load and worker.pid is not None and worker.pid != other_than:
                 return worker.pid
         await asyncio.sleep(0.01)
     raise AssertionError("no worker took the batch")
@@ -266,9 +266,10 @@ async def test_with_retry_a_batch_that_kills_every_worker_fails_on_the_second_cr
         Proxy(offload=workers) as proxy,
     ):
         call = asyncio.create_task(proxy.inference(("sleep", 5)))
-        os.kill(await busy_worker_pid(workers), signal.SIGKILL)
-        await asyncio.sleep(0.5)  # restarted, and rerunning it
-        os.kill(await busy_worker_pid(workers), signal.SIGKILL)
+        first = await busy_worker_pid(workers)
+        os.kill(first, signal.SIGKILL)
+        # restarted, and rerunning it (a fixed sleep here found the dead one under load)
+        os.kill(await busy_worker_pid(workers, other_than=first), signal.SIGKILL)
         with pytest.raises(WorkerDied):
             await call
         assert (await proxy.inference("after"))[1] == "after"

@@ -1,0 +1,245 @@
+"""Preferred batch sizes (opt-in: `Proxy(batch_sizes=(1, 2, 4, 8))`): the model sees
+only these sizes.
+
+For static-shape engines (TensorRT, CUDA graphs, compiled models) that run only
+certain batch sizes. Two modes, fixed at construction:
+
+- pad (a filler exists: `pad_item=` is given, or the proxy pads its batch axis
+  itself, as `TensorProxy` does with `pad_value` rows): a batch of n runs padded
+  to the smallest allowed size >= n; the filler rows' results are dropped.
+- cut (no filler; the sizes must then include 1, so that any request can run):
+  a batch leaves with the largest allowed size that the queue fills, the rest
+  wait for the next batch. A partial batch that would be cut waits for the next
+  allowed size instead when the missing requests are expected (by the
+  scheduler's arrival gap) before its window closes and before its deadline
+  rule sends it; the scheduler asks `BatchSizes.wait_until`.
+
+Whatever the scheduler forms, every model call goes through `SizedExecutor`, which
+wraps the proxy's executor: it pads a call (pad mode) or runs it as several calls
+of allowed sizes (cut mode) when it is not of an allowed size. So the re-runs of
+`isolate_errors` and `oom_backoff` (halves, chunks of the lowered cap), a token
+budget's short batch, and a batch whose cancelled callers left it short all reach
+the model at allowed sizes, on any executor (a thread, worker processes, Ray
+actors).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ._errors import BatchSizeMismatch
+from ._executor import Executor, ModelFn
+from ._stats import StatsRecorder
+
+__all__ = [
+    "NO_ITEM",
+    "BatchSizes",
+    "SizedExecutor",
+    "batch_sizes",
+    "check_sizes",
+    "refuse_streams",
+]
+
+
+class _NoItem:
+    """`pad_item` not given: no filler item."""
+
+    def __repr__(self) -> str:
+        return "<no pad_item>"
+
+
+NO_ITEM: Any = _NoItem()
+
+
+def check_sizes(sizes: object, batch_size: int, pad_item: object) -> tuple[int, ...] | None:
+    """`batch_sizes` checked, sorted ascending: positive ints, no duplicates, the
+    smallest no larger than `batch_size`; and `pad_item` given only with it. (Whether
+    1 is needed depends on the proxy: `batch_sizes`, below.)"""
+    if sizes is None:
+        if pad_item is not NO_ITEM:
+            raise TypeError("pad_item fills batches up to an allowed size: it needs batch_sizes")
+        return None
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence | set | frozenset):
+        raise TypeError(f"batch_sizes must be a sequence of ints or None, got {sizes!r}")
+    checked = []
+    for size in sizes:
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise TypeError(f"batch_sizes must hold ints, got {size!r} in {sizes!r}")
+        if size < 1:
+            raise ValueError(f"batch_sizes must hold positive ints, got {size!r} in {sizes!r}")
+        checked.append(size)
+    if not checked:
+        raise ValueError("batch_sizes must hold at least one size (or be None)")
+    if len(set(checked)) != len(checked):
+        raise ValueError(f"batch_sizes must not repeat a size, got {sizes!r}")
+    ordered = tuple(sorted(checked))
+    if ordered[0] > batch_size:
+        raise ValueError(
+            f"batch_size={batch_size} is below the smallest of batch_sizes={ordered}: "
+            f"no batch could be formed"
+        )
+    return ordered
+
+
+def refuse_streams(name: str, streams: bool, sizes: object) -> None:
+    """A streaming run (a generator `_inference`, a `GenerationProxy`) cannot keep its
+    batch at an allowed size: its batch shrinks as streams end."""
+    if streams and sizes is not None:
+        raise TypeError(
+            f"{name}: batch_sizes is not supported for streaming models (a generator "
+            f"_inference or a GenerationProxy): their batch shrinks as streams end; leave "
+            f"it off"
+        )
+
+
+def batch_sizes(name: str, options: Any, model_pads: bool) -> BatchSizes | None:
+    """A proxy's allowed sizes and mode (None without `batch_sizes`); cut mode needs 1
+    among the sizes, or a lone request could never run."""
+    sizes = options.batch_sizes
+    if sizes is None:
+        return None
+    pads = model_pads or options.pad_item is not NO_ITEM
+    if not pads and sizes[0] != 1:
+        raise ValueError(
+            f"{name}: batch_sizes={sizes} without pad_item must include 1, or a request "
+            f"with no company could never run; add 1, or give pad_item= to pad batches"
+        )
+    return BatchSizes(sizes, pads=pads)
+
+
+class BatchSizes:
+    """The allowed sizes (ascending) and the mode: `pads` (a filler exists) or cut."""
+
+    __slots__ = ("largest", "pads", "sizes")
+
+    def __init__(self, sizes: tuple[int, ...], *, pads: bool) -> None:
+        self.sizes = sizes
+        self.largest = sizes[-1]
+        self.pads = pads
+
+    def top(self, cap: int) -> int:
+        """The largest batch to form under a cap (`batch_size`, or lower after running
+        out of memory): the largest allowed size <= cap, never below the smallest."""
+        return max(self.fit(cap), self.sizes[0])
+
+    def fit(self, n: int) -> int:
+        """The largest allowed size <= n (0 if none)."""
+        index = bisect.bisect_right(self.sizes, n)
+        return self.sizes[index - 1] if index else 0
+
+    def cover(self, n: int) -> int:
+        """The smallest allowed size >= n (n itself above the largest)."""
+        index = bisect.bisect_left(self.sizes, n)
+        return self.sizes[index] if index < len(self.sizes) else n
+
+    def pieces(self, n: int) -> list[tuple[int, int]]:
+        """How a call on n items runs: (items, size the model sees) per model call, in
+        order. Pad: pieces of the largest size, the last padded; cut: greedy, largest
+        allowed size first."""
+        out = []
+        while n:
+            if self.pads:
+                count = min(n, self.largest)
+                out.append((count, self.cover(count)))
+            else:
+                count = self.fit(n)
+                out.append((count, count))
+            n -= count
+        return out
+
+    def wait_until(
+        self,
+        live: int,
+        *,
+        last_arrival: float | None,
+        gap: float,
+        closes: float,
+        deadline_start: float | None,
+    ) -> float | None:
+        """Cut mode: when to send a partial batch of `live` requests that is due now, if
+        waiting for the next allowed size pays: the missing requests are expected (one
+        per `gap` after the last arrival) before the window `closes` and no later than
+        the deadline rule's latest start. None: send it now, cut."""
+        if self.pads or live >= self.largest or self.fit(live) == live:
+            return None
+        if last_arrival is None or gap == math.inf:
+            return None
+        expected = last_arrival + (self.cover(live) - live) * gap
+        if expected >= closes or (deadline_start is not None and expected > deadline_start):
+            return None
+        return expected
+
+
+class SizedExecutor(Executor):
+    """Wraps a proxy's executor so that every model call is of an allowed size (see the
+    module docstring). `filler` is the pad item; with `model_pads` the model pads its
+    batch axis itself (`TensorProxy`), so a short call passes through, only counted."""
+
+    def __init__(
+        self,
+        inner: Executor,
+        sizes: BatchSizes,
+        stats: StatsRecorder,
+        *,
+        name: str,
+        filler: object = NO_ITEM,
+        model_pads: bool = False,
+    ) -> None:
+        self.name = name
+        self.inner = inner
+        self.sizes = sizes
+        self._stats = stats
+        self._filler = filler
+        self._model_pads = model_pads
+        self.hosts_model = inner.hosts_model
+
+    @property
+    def capacity(self) -> int:
+        return self.inner.capacity
+
+    async def run(self, fn: ModelFn, items: list[Any]) -> Any:
+        sizes, n = self.sizes, len(items)
+        if n in sizes.sizes:
+            return await self.inner.run(fn, items)  # (the common case: a full batch)
+        pieces = sizes.pieces(n)
+        if len(pieces) == 1:
+            return await self._run_piece(fn, items, pieces[0][1])
+        results: list[Any] = []
+        start = 0
+        for count, size in pieces:
+            results.extend(await self._run_piece(fn, items[start : start + count], size))
+            start += count
+        return results
+
+    async def _run_piece(self, fn: ModelFn, items: list[Any], size: int) -> Any:
+        """One model call on `items`, padded to `size` (pad mode), its results checked
+        and the filler's dropped; `BatchSizeMismatch` for a wrong count (no telling
+        whose result is whose)."""
+        count = len(items)
+        extra = size - count
+        if extra:
+            self._stats.padded_rows += extra
+            if not self._model_pads:
+                items = items + [self._filler] * extra
+        results = await self.inner.run(fn, items)
+        if self._model_pads:
+            size = count  # its filler rows never leave the model
+        rows = _rows(results)
+        if len(rows) != size:
+            raise BatchSizeMismatch(self.name, size, len(rows))
+        return rows[:count] if extra else rows
+
+
+def _rows(results: Any) -> list[Any] | tuple[Any, ...]:
+    """The model's results as a list or tuple (an array becomes its rows)."""
+    if type(results) is list or type(results) is tuple:
+        return results
+    if not hasattr(results, "__len__") or isinstance(results, (str, bytes, Mapping)):
+        raise TypeError(
+            f"_inference must return a sequence with one result per item (list, tuple "
+            f"or array), got {type(results).__name__}"
+        )
+    return list(results)

@@ -1,0 +1,122 @@
+"""`batch_sizes` without a filler, on the virtual clock: a batch due to leave at a size
+not allowed waits for the next allowed size when the missing requests are expected
+before its window closes (and its deadline rule), else it leaves cut."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from test_batch_sizes import Strict
+
+import batchproxy
+
+pytestmark = pytest.mark.looptime
+
+MS = 1e-3
+
+
+async def arrivals(proxy: Strict, at: list[float], **kwargs: Any) -> list[asyncio.Task[Any]]:
+    """Callers of items 1, 2, ... arriving at the given times (ms from now)."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    tasks = []
+    for item, when in enumerate(at, start=1):
+        await asyncio.sleep(max(0.0, start + when * MS - loop.time()))
+        tasks.append(asyncio.create_task(proxy.inference(item, **kwargs)))
+    return tasks
+
+
+def ms_since(proxy: Strict, start: float) -> list[float]:
+    return [round((t - start) / MS, 3) for t in proxy.started_at]
+
+
+async def test_waits_for_the_next_size_when_the_arrivals_are_expected_in_time() -> None:
+    loop = asyncio.get_running_loop()
+    async with Strict(batch_size=8, max_delay_ms=50, delay=30 * MS) as proxy:
+        start = loop.time()
+        first = asyncio.create_task(proxy.inference(0))  # the model is busy until 30 ms
+        await asyncio.sleep(0)
+        tasks = await arrivals(proxy, [5, 10, 15, 20, 25, 30, 35, 40])
+        # at 30 ms five wait (a size not allowed) and one arrives every 5 ms: three more
+        # are expected by 40 ms, before the window of the oldest closes (55 ms)
+        assert await asyncio.gather(first, *tasks) == [2 * i for i in range(9)]
+        assert proxy.sizes == [1, 8]
+        assert ms_since(proxy, start) == [0, 40]
+
+
+async def test_the_wait_ends_when_the_expected_arrivals_do_not_come() -> None:
+    loop = asyncio.get_running_loop()
+    async with Strict(batch_size=8, max_delay_ms=50, delay=30 * MS) as proxy:
+        start = loop.time()
+        first = asyncio.create_task(proxy.inference(0))
+        await asyncio.sleep(0)
+        tasks = await arrivals(proxy, [5, 10, 15, 20, 25])  # then nobody
+        # at 30 ms: 5 wait, 3 more expected by 40 ms; none comes: 4 leave at 40 ms, cut
+        assert await asyncio.gather(first, *tasks) == [2 * i for i in range(6)]
+        assert proxy.sizes == [1, 4, 1]
+        assert ms_since(proxy, start)[:2] == [0, 40]
+        assert proxy.calls[1] == [1, 2, 3, 4]  # the oldest go; the newest waits
+
+
+async def test_a_batch_whose_window_has_closed_leaves_cut_at_once() -> None:
+    loop = asyncio.get_running_loop()
+    async with Strict(batch_size=8, max_delay_ms=50, delay=100 * MS) as proxy:
+        start = loop.time()
+        first = asyncio.create_task(proxy.inference(0))
+        await asyncio.sleep(0)
+        tasks = await arrivals(proxy, [10, 20, 30, 40, 50])
+        # at 100 ms the oldest has waited past its window: 4 go now, not 8 later
+        assert await asyncio.gather(first, *tasks) == [2 * i for i in range(6)]
+        assert proxy.sizes == [1, 4, 1]
+        assert ms_since(proxy, start) == [0, 100, 200]
+
+
+async def test_padding_never_waits_for_a_size() -> None:
+    loop = asyncio.get_running_loop()
+    async with Strict(batch_size=8, max_delay_ms=50, delay=30 * MS, pad_item=0) as proxy:
+        start = loop.time()
+        first = asyncio.create_task(proxy.inference(0))
+        await asyncio.sleep(0)
+        tasks = await arrivals(proxy, [5, 10, 15, 20, 25, 30, 35, 40])
+        await asyncio.gather(first, *tasks)
+        # the five waiting at 30 ms go at once, padded to 8; the rest after them
+        assert proxy.calls == [[0], [1, 2, 3, 4, 5, 0, 0, 0], [6, 7, 8, 0]]
+        assert ms_since(proxy, start) == [0, 30, 60]
+        assert proxy.stats.padded_rows == 4
+
+
+async def test_no_wait_past_the_deadline_rule() -> None:
+    loop = asyncio.get_running_loop()
+    async with Strict(batch_size=8, max_delay_ms=50, delay=30 * MS) as proxy:
+        for _ in range(6):  # teach the cost model: a batch takes 30 ms
+            await proxy.inference(0)
+        assert proxy.stats.cost_model is not None
+        proxy.calls.clear()
+        proxy.started_at.clear()
+        start = loop.time()
+        first = asyncio.create_task(proxy.inference(0))
+        await asyncio.sleep(0)
+        # the first waiting caller's deadline is at 95 ms: its batch must start by
+        # 95 - 2 x 30 = 35 ms, so the wait until 40 ms for 8 does not pay
+        tasks = await arrivals(proxy, [5], timeout=90 * MS)
+        tasks += await arrivals(proxy, [5, 10, 15, 20, 25, 30, 35])
+        await asyncio.gather(first, *tasks)
+        assert ms_since(proxy, start)[:2] == [0, 30]
+        assert proxy.sizes[:2] == [1, 4]
+
+
+async def test_a_cut_leftover_whose_deadline_passes_fails_and_never_runs() -> None:
+    async with Strict(batch_size=8, delay=100 * MS) as proxy:
+        calls = [asyncio.create_task(proxy.inference(i)) for i in range(4)]
+        await asyncio.sleep(0)
+        late = asyncio.create_task(proxy.inference(9, timeout=50 * MS))
+        more = [asyncio.create_task(proxy.inference(i)) for i in range(5, 7)]
+        await asyncio.sleep(0)
+        with pytest.raises(batchproxy.DeadlineExceeded):
+            await late
+        assert await asyncio.gather(*calls, *more) == [0, 2, 4, 6, 10, 12]
+        assert all(9 not in call for call in proxy.calls)
+        assert proxy.sizes == [4, 2]
+        assert proxy.stats.timed_out == 1
