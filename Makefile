@@ -6,7 +6,7 @@ BIN     = $(VENV)/bin
 # takes the CPU build on this machine and never resolves a newer torch with CUDA packages
 TORCH   = torch==2.13.0
 
-.PHONY: demo demo-publish test lint typecheck unit package test-pythons docs docs-check bench bench-tensors bench-suite bench-scheduling bench-scaleout bench-autoscale bench-soak bench-soak-deadlines bench-generation clean
+.PHONY: demo demo-publish test lint typecheck unit package test-pythons docs docs-check bench bench-tensors bench-suite bench-scheduling bench-scaleout bench-autoscale bench-dedup bench-soak bench-soak-deadlines bench-generation clean
 
 # the real model over HTTP, regular vs batched: the table, and demo.{json,png} in
 # benchmarks/results/runs/ (git-ignored: a run changes no tracked file)
@@ -86,6 +86,10 @@ bench-scaleout: $(VENV)/.installed-dev
 # an autoscaled Ray pool under a load stepping from one replica's worth to eight and back
 bench-autoscale: $(VENV)/.installed-dev
 	$(BIN)/python benchmarks/scaleout.py --autoscale
+
+# the MiniLM embedder on a stream with 20 % repeats: batched, dedup, dedup + cache
+bench-dedup: $(VENV)/.installed-dev
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/dedup.py
 
 # a million requests with cancellations, deadlines, errors and reconfigurations: RSS, leaks, accounting
 bench-soak: $(VENV)/.installed
