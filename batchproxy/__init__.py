@@ -31,6 +31,7 @@ from ._errors import (
 )
 from ._executor import Executor, ModelFactory
 from ._generation import GenerationProxy, Slot, Step
+from ._keys import batch_key
 from ._listeners import Listener
 from ._options import Options
 from ._process_workers import ProcessWorkers, WorkersStats
@@ -81,6 +82,7 @@ __all__ = [
     "WorkersStats",
     "__version__",
     "batch",
+    "batch_key",
     "caller_contexts",
 ]
 

@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar
 from . import _validate
 from ._binding import Binding
 from ._errors import DeadlineExceeded, QueueFull
+from ._keys import group_by_key
 from ._lifecycle import Lifecycle
 from ._options import Options
 from ._queue import Request
@@ -44,6 +45,7 @@ class Intake(Generic[In]):
         settlement: Settlement,
         cost: Callable[[In], int],
         streams: bool,
+        keys: bool = True,
     ) -> None:
         self.name = name
         self.options = options  # the proxy's, current (it sets this when they change)
@@ -60,6 +62,8 @@ class Intake(Generic[In]):
             self._length = sequence_length
         self.measures = self._length is not None
         self._cost = cost if self.measures else None  # the proxy's hook, or none
+        self._key_of = options.key  # an item's batch key (`_keys`), or None
+        self._keys = keys  # False: its run kind cannot batch by key (a generation engine)
 
     def admit(
         self,
@@ -85,6 +89,8 @@ class Intake(Generic[In]):
         options = self.options
         seconds = options.timeout if timeout is None else _validate.timeout("timeout", timeout)
         cost = 1 if self._cost is None else self._cost(item)
+        if key is None and self._key_of is not None:  # (a per-call key wins)
+            key = _validate.hashable("key", self._key_of(item))
         loop, scheduler = binding.loop, binding.scheduler
         if not self._lifecycle.open or (  # (`check_room`, inline: every call passes here)
             options.max_queue_size is not None and scheduler.queue.live >= options.max_queue_size
@@ -103,6 +109,8 @@ class Intake(Generic[In]):
         if tenant is not None or key is not None:
             request.tenant = _validate.hashable("tenant", tenant)
             request.key = _validate.hashable("key", key)
+            if key is not None:
+                self._group_by_key(binding)
         if options.caller_context:
             request.context = contextvars.copy_context()  # the model may read it, not change it
         scheduler.submit(request)
@@ -202,6 +210,12 @@ class Intake(Generic[In]):
                 f"batch would wait for a call that can only run after that batch, a "
                 f"deadlock. Call the model's code directly instead"
             )
+
+    def _group_by_key(self, binding: Binding[In]) -> None:
+        """A call with a key: the binding's queue batches by key from now on."""
+        if not self._keys:
+            raise TypeError(f"{self.name}: a GenerationProxy does not batch by key (key=)")
+        group_by_key(binding.scheduler, binding.clock, lambda: self.options.max_delay)
 
     def _shed_if_late(
         self, binding: Binding[In], priority: int, deadline: float, cost: int, seconds: float

@@ -11,7 +11,7 @@ keyword arguments of `Proxy(...)`, `@batch(...)` and `configure(...)`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict
 
@@ -44,6 +44,7 @@ class ProxyOptions(_Changeable, total=False):
     length: Callable[[Any], int] | None
     max_batch_tokens: int | None
     oom_backoff: bool | OomPredicate
+    key: Callable[[Any], Hashable] | None
 
 
 class ConfigurableOptions(_Changeable, total=False):
@@ -113,6 +114,10 @@ class Options:
       context with its call, for the model to read with
       `batchproxy.caller_contexts()` (request ids, the user, the trace). The
       model still runs in a fresh context of its own.
+    - `key`: a function of the item giving its batch key (a model or adapter id,
+      a language): requests are batched only with requests of the same key, the
+      keys taking turns (see "Batches by key"); the model reads its batch's key
+      with `batchproxy.batch_key()`. A call's own `key=` wins over it.
     """
 
     batch_size: int = 64
@@ -132,6 +137,7 @@ class Options:
     on_batch_timeout: Literal["serve", "stop"] = "serve"
     stream_buffer: int | None = 1024
     caller_context: bool = False
+    key: Callable[[Any], Hashable] | None = None
 
     # derived, in the units the machinery works in (not arguments)
     max_delay: float = field(init=False, repr=False, compare=False)
@@ -166,6 +172,7 @@ class Options:
             ),
             "stream_buffer": _validate.optional_count("stream_buffer", self.stream_buffer),
             "caller_context": _validate.flag("caller_context", self.caller_context),
+            "key": _callable_or_none("key", self.key),
         }
         oom = self.oom_backoff
         if not (isinstance(oom, bool) or callable(oom)):

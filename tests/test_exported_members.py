@@ -48,6 +48,7 @@ PUBLIC = [
     "WorkersStats",
     "__version__",
     "batch",
+    "batch_key",
     "caller_contexts",
 ]
 """Everything `from batchproxy import ...` offers; the modules `tensors`, `simulation`
