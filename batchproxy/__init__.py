@@ -13,6 +13,7 @@ from typing import Any as _Any
 
 from ._autoscaling import Autoscaling
 from ._background_loop import BackgroundLoop
+from ._batch_args import BatchedArgs, batch_args
 from ._callers import caller_contexts
 from ._cost_model import CostEstimate
 from ._decorator import Batched, batch
@@ -54,6 +55,7 @@ __all__ = [
     "BatchSizeMismatch",
     "BatchTimeout",
     "Batched",
+    "BatchedArgs",
     "CostEstimate",
     "DeadlineExceeded",
     "Executor",
@@ -82,6 +84,7 @@ __all__ = [
     "WorkersStats",
     "__version__",
     "batch",
+    "batch_args",
     "batch_key",
     "caller_contexts",
 ]

@@ -20,6 +20,7 @@ PUBLIC = [
     "BatchSizeMismatch",
     "BatchTimeout",
     "Batched",
+    "BatchedArgs",
     "CostEstimate",
     "DeadlineExceeded",
     "Executor",
@@ -48,6 +49,7 @@ PUBLIC = [
     "WorkersStats",
     "__version__",
     "batch",
+    "batch_args",
     "batch_key",
     "caller_contexts",
 ]
