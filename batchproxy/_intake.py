@@ -110,7 +110,7 @@ class Intake(Generic[In]):
             request.tenant = _validate.hashable("tenant", tenant)
             request.key = _validate.hashable("key", key)
             if key is not None:
-                self._group_by_key(binding)
+                self._group_by_key(binding, request)
         if options.caller_context:
             request.context = contextvars.copy_context()  # the model may read it, not change it
         scheduler.submit(request)
@@ -211,9 +211,10 @@ class Intake(Generic[In]):
                 f"deadlock. Call the model's code directly instead"
             )
 
-    def _group_by_key(self, binding: Binding[In]) -> None:
+    def _group_by_key(self, binding: Binding[In], request: Request[In]) -> None:
         """A call with a key: the binding's queue batches by key from now on."""
         if not self._keys:
+            _cancel_timer(request)  # it is refused: its deadline never comes
             raise TypeError(f"{self.name}: a GenerationProxy does not batch by key (key=)")
         group_by_key(binding.scheduler, binding.clock, lambda: self.options.max_delay)
 

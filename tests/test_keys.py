@@ -253,9 +253,11 @@ async def test_a_generation_proxy_refuses_keys() -> None:
         async def _step(self, step: Step[str]) -> list[Any]:
             return [batchproxy.Last(slot.item) for slot in step.active]
 
-    async with Gen() as proxy:
+    async with Gen(timeout=1.0) as proxy:
         with pytest.raises(TypeError, match="GenerationProxy does not batch by key"):
             await proxy.stream("x", key="k").__anext__()
+        await asyncio.sleep(2.0)  # past the refused call's deadline: it had none left
+        assert proxy.stats.timed_out == 0
         assert [chunk async for chunk in proxy.stream("y")] == ["y"]
 
 
