@@ -13,6 +13,7 @@ from typing import Any as _Any
 
 from ._autoscaling import Autoscaling
 from ._background_loop import BackgroundLoop
+from ._batch_args import BatchedArgs, batch_args
 from ._callers import caller_contexts
 from ._cost_model import CostEstimate
 from ._decorator import Batched, batch
@@ -32,6 +33,7 @@ from ._errors import (
 )
 from ._executor import Executor, ModelFactory
 from ._generation import GenerationProxy, Slot, Step
+from ._keys import batch_key
 from ._listeners import Listener
 from ._options import Options
 from ._process_workers import ProcessWorkers, WorkersStats
@@ -55,6 +57,7 @@ __all__ = [
     "BatchSizeUnreachable",
     "BatchTimeout",
     "Batched",
+    "BatchedArgs",
     "CostEstimate",
     "DeadlineExceeded",
     "Executor",
@@ -83,6 +86,8 @@ __all__ = [
     "WorkersStats",
     "__version__",
     "batch",
+    "batch_args",
+    "batch_key",
     "caller_contexts",
 ]
 

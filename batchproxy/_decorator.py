@@ -82,7 +82,7 @@ class Batched(Generic[T, U]):
     def __get__(self, instance: object, owner: type | None = None) -> Batched[T, U]:
         if instance is None:
             return self
-        bound: Batched[T, U] = Batched(self._fn, self._options, instance)
+        bound: Batched[T, U] = type(self)(self._fn, self._options, instance)
         try:
             vars(instance)[self._attribute] = bound  # later lookups skip this descriptor
         except TypeError:

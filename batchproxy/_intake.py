@@ -25,6 +25,7 @@ from . import _validate
 from ._binding import Binding
 from ._dedup import MISSING, Caller, Deduplicator, ResultCache, SharedSlot
 from ._errors import DeadlineExceeded, QueueFull
+from ._keys import group_by_key
 from ._lifecycle import Lifecycle
 from ._options import Options
 from ._queue import Request
@@ -49,6 +50,7 @@ class Intake(Generic[In]):
         settlement: Settlement,
         cost: Callable[[In], int],
         streams: bool,
+        keys: bool = True,
     ) -> None:
         self.name = name
         self.options = options  # the proxy's, current (it sets this when they change)
@@ -76,6 +78,8 @@ class Intake(Generic[In]):
                 else ResultCache(options.cache_size, options.cache_ttl)
             )
             self._dedup = settlement.dedup = Deduplicator(name, key_of, cache)
+        self._key_of = options.key  # an item's batch key (`_keys`), or None
+        self._keys = keys  # False: its run kind cannot batch by key (a generation engine)
 
     def admit(
         self,
@@ -100,6 +104,10 @@ class Intake(Generic[In]):
             priority = _validate.priority(priority)
         options = self.options
         seconds = options.timeout if timeout is None else _validate.timeout("timeout", timeout)
+        if key is None and self._key_of is not None:  # (a per-call key wins)
+            key = self._key_of(item)
+        if tenant is not None or key is not None:  # before anything is made for the call
+            self._place(binding, tenant, key)
         if self._dedup is not None:
             return self._admit_shared(binding, item, seconds, priority, tenant, key)
         cost = 1 if self._cost is None else self._cost(item)
@@ -119,8 +127,7 @@ class Intake(Generic[In]):
             request = kind(item, binding.new_future(), priority, now, cost, deadline)
             request.deadline_timer = loop.call_at(deadline, self.expire, binding, request, seconds)
         if tenant is not None or key is not None:
-            request.tenant = _validate.hashable("tenant", tenant)
-            request.key = _validate.hashable("key", key)
+            request.tenant, request.key = tenant, key
         if options.caller_context:
             request.context = contextvars.copy_context()  # the model may read it, not change it
         scheduler.submit(request)
@@ -148,9 +155,7 @@ class Intake(Generic[In]):
         assert dedup is not None
         if not self._lifecycle.open:
             raise self._lifecycle.closed_error()
-        tenant = None if tenant is None else _validate.hashable("tenant", tenant)
-        batch_key = None if key is None else _validate.hashable("key", key)
-        shared_key = dedup.key(item, batch_key)
+        shared_key = dedup.key(item, key)
         now = binding.clock()
         scheduler = binding.scheduler
         cached = dedup.cached(shared_key, now)
@@ -175,7 +180,7 @@ class Intake(Generic[In]):
             )
         if slot is None:
             slot = SharedSlot(item, binding.new_future(), priority, now, cost, deadline)
-            slot.tenant, slot.key = tenant, batch_key
+            slot.tenant, slot.key = tenant, key
             if self.options.caller_context:
                 slot.context = contextvars.copy_context()  # the first caller's
             dedup.open(shared_key, slot, caller)
@@ -282,6 +287,16 @@ class Intake(Generic[In]):
                 f"batch would wait for a call that can only run after that batch, a "
                 f"deadlock. Call the model's code directly instead"
             )
+
+    def _place(self, binding: Binding[In], tenant: object, key: object) -> None:
+        """A call that names a tenant or has a batch key: both must be hashable; with a
+        key, the binding's queue batches by key from now on."""
+        _validate.hashable("tenant", tenant)
+        _validate.hashable("key", key)
+        if key is not None:
+            if not self._keys:
+                raise TypeError(f"{self.name}: a GenerationProxy does not batch by key (key=)")
+            group_by_key(binding.scheduler, binding.clock, lambda: self.options.max_delay)
 
     def _shed_if_late(
         self, binding: Binding[In], priority: int, deadline: float, cost: int, seconds: float

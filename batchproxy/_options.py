@@ -50,6 +50,7 @@ class ProxyOptions(_Changeable, total=False):
     cache_ttl: float | None
     batch_sizes: Sequence[int] | None
     pad_item: Any
+    key: Callable[[Any], Hashable] | None
 
 
 class ConfigurableOptions(_Changeable, total=False):
@@ -141,6 +142,10 @@ class Options:
       (least recently used out first) and answer a call with a kept key at
       once, without the queue or the model (`stats.cache_hits`). Errors are
       never kept. `cache_ttl`: seconds a result is kept (default: until evicted).
+    - `key`: a function of the item giving its batch key (a model or adapter id,
+      a language): requests are batched only with requests of the same key, the
+      keys taking turns (see "Batches by key"); the model reads its batch's key
+      with `batchproxy.batch_key()`. A call's own `key=` wins over it.
     """
 
     batch_size: int = 64
@@ -166,6 +171,7 @@ class Options:
     batch_sizes: Sequence[int] | None = None
     """Checked: a tuple, ascending."""
     pad_item: Any = field(default=NO_ITEM, compare=False)
+    key: Callable[[Any], Hashable] | None = None
 
     # derived, in the units the machinery works in (not arguments)
     max_delay: float = field(init=False, repr=False, compare=False)
@@ -207,6 +213,7 @@ class Options:
                 else _validate.duration("cache_ttl", self.cache_ttl, allow_zero=False)
             ),
             "batch_sizes": check_sizes(self.batch_sizes, self.batch_size, self.pad_item),
+            "key": _callable_or_none("key", self.key),
         }
         dedup = self.dedup
         if not (isinstance(dedup, bool) or callable(dedup)):

@@ -111,6 +111,7 @@ class Proxy(ABC, ThreadCalls[In, Out]):
             settlement=settlement,
             cost=self._cost,
             streams=kind.streams,
+            keys=not kind.admits_itself,
         )
         self._runner: Runner[In] = Runner(
             name=self.name,

@@ -30,9 +30,9 @@ import contextvars
 import math
 from collections import deque
 from collections.abc import Hashable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
-__all__ = ["Request", "RequestQueue"]
+__all__ = ["PendingQueue", "Request", "RequestQueue"]
 
 T = TypeVar("T")
 
@@ -83,6 +83,36 @@ class Request(Generic[T]):
         self.deadline_timer: asyncio.TimerHandle | None = None
         self.tenant: Hashable | None = None  # whose call (fair sharing); set by intake
         self.key: Hashable | None = None  # batched only with its own key; set by intake
+
+
+class PendingQueue(Protocol[T]):
+    """What the scheduler, intake and generation use of a queue: `RequestQueue`, or a
+    composite of them (`KeyedQueue`: one per batch key). `live`, `live_cost`: the
+    requests waiting and their summed cost; `aging`: seconds per priority level."""
+
+    live: int
+    live_cost: int
+    aging: float | None
+
+    def push(self, request: Request[T]) -> None: ...
+    def discard(self, request: Request[T]) -> bool: ...
+    def pop_batch(self, limit: int, now: float = 0.0) -> list[Request[T]]: ...
+    def pop_similar(
+        self,
+        limit: int,
+        budget: int | None,
+        window: int,
+        *,
+        now: float = 0.0,
+        group: bool = True,
+        max_passes: int = 3,
+    ) -> list[Request[T]]: ...
+    def full_reason(self, limit: int, budget: int | None) -> str | None: ...
+    def count_ahead(self, priority: int, deadline: float) -> int: ...
+    def peek(self, now: float = 0.0) -> Request[T] | None: ...
+    def earliest_deadline(self) -> float: ...
+    def oldest_enqueued_at(self) -> float | None: ...
+    def drain(self) -> list[Request[T]]: ...
 
 
 class _Level(Generic[T]):
@@ -245,6 +275,13 @@ class RequestQueue(Generic[T]):
         self._clean_heads()
         self._collect()
         return batch
+
+    def full_reason(self, limit: int, budget: int | None) -> str | None:
+        """Why one batch may leave now by size alone: `limit` requests wait ("full"), or
+        their cost reached `budget` ("token budget"); None: it is not full."""
+        if self.live >= limit:
+            return "full"
+        return "token budget" if budget is not None and self.live_cost >= budget else None
 
     def count_ahead(self, priority: int, deadline: float) -> int:
         """How many live requests go before a new one of this priority and deadline

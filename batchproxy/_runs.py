@@ -42,7 +42,6 @@ the model starts on the next batch before they wake.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import functools
 import itertools
 import logging
@@ -65,6 +64,7 @@ from ._callers import hand_over
 from ._cost_model import CostModel
 from ._errors import BatchProxyError, BatchSizeMismatch, BatchTimeout, InferenceError
 from ._executor import Executor, LoopExecutor
+from ._keys import hand_key_over
 from ._lifecycle import Lifecycle
 from ._listeners import Listeners
 from ._oom import BatchCap
@@ -75,7 +75,7 @@ from ._scheduler import Limits, Scheduler
 from ._settle import Settlement, caller_error
 from ._sizes import SizedExecutor, batch_sizes
 from ._stats import Health, StatsRecorder
-from ._tasks import cancel_requested, new_task, uncancel
+from ._tasks import cancel_requested, current_batch, new_task, uncancel
 
 __all__ = ["HEALTHY", "ModelOutput", "RunKind", "Runner", "current_batch", "run_batch"]
 
@@ -85,13 +85,6 @@ In = TypeVar("In")
 Out = TypeVar("Out")
 
 HEALTHY = Health(healthy=True, reason=None, since=None)
-
-current_batch: contextvars.ContextVar[asyncio.Task[Any] | None] = contextvars.ContextVar(
-    "batchproxy_current_batch", default=None
-)
-"""The batch task a model call belongs to (propagated to the worker thread): how the
-proxy recognises a call its own model makes."""
-
 
 ModelOutput = (
     Awaitable[Sequence[Out | BaseException]]
@@ -249,6 +242,8 @@ class Runner(Generic[In]):
                 return None
         if self.options.caller_context and not self.kind.admits_itself:
             hand_over(requests)  # (a batch of a generation engine changes at every step)
+        if requests[0].key is not None:
+            hand_key_over(requests)
         return requests, task
 
     # -- calling the model ---------------------------------------------------------------

@@ -7,7 +7,8 @@ sleep. Once the queue is empty no timer stays armed: an idle proxy costs no CPU.
 A batch leaves, with up to `batch_size` requests, when a batch slot is free
 (fewer than `max_concurrent_batches` in flight) and one of these holds:
 
-1. `batch_size` requests are queued (a full batch);
+1. `batch_size` requests are queued (a full batch; with batch keys, of one key:
+   which key's batch goes is the `KeyedQueue`'s choice);
 2. a slot has just freed while requests were waiting for it (they go at once:
    they have already waited for the model, not for company);
 3. the oldest queued request has waited `max_delay_ms`;
@@ -108,7 +109,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from ._cost_model import CostModel
-from ._queue import Request, RequestQueue
+from ._queue import PendingQueue, Request, RequestQueue
 
 if TYPE_CHECKING:
     from ._sizes import BatchSizes
@@ -137,7 +138,7 @@ class Scheduler(Generic[T]):
         self,
         loop: asyncio.AbstractEventLoop,
         *,
-        queue: RequestQueue[T] | None = None,
+        queue: PendingQueue[T] | None = None,
         batch_size: int,
         max_delay: float,
         max_concurrent_batches: int,
@@ -154,7 +155,7 @@ class Scheduler(Generic[T]):
     ) -> None:
         self.loop = loop
         self.name = name  # the proxy's, in the log lines
-        self.queue: RequestQueue[T] = RequestQueue(aging) if queue is None else queue
+        self.queue: PendingQueue[T] = RequestQueue(aging) if queue is None else queue
         self.in_flight = 0
         self._batch_size = batch_size
         self._max_delay = max_delay
@@ -344,11 +345,10 @@ class Scheduler(Generic[T]):
 
     def _full_reason(self) -> str | None:
         """Why a batch may leave now by size alone, or None (it is not full)."""
-        queue = self.queue
-        if queue.live >= self._batch_size:
-            return "full"
-        budget = self._budget
-        return "token budget" if budget is not None and queue.live_cost >= budget else None
+        queue, budget = self.queue, self._budget
+        if queue.live < self._batch_size and (budget is None or queue.live_cost < budget):
+            return None  # (the cheap test first: no batch can be full)
+        return queue.full_reason(self._batch_size, budget)  # keyed: one key's batch must be
 
     def _take(self) -> list[Request[T]]:
         now = 0.0 if self.queue.aging is None else self.loop.time()  # only aging needs it

@@ -20,7 +20,13 @@ import sys
 from collections.abc import Coroutine
 from typing import Any
 
-__all__ = ["cancel_requested", "new_task", "uncancel"]
+__all__ = ["cancel_requested", "current_batch", "new_task", "uncancel"]
+
+current_batch: contextvars.ContextVar[asyncio.Task[Any] | None] = contextvars.ContextVar(
+    "batchproxy_current_batch", default=None
+)
+"""The batch task a model call belongs to (propagated to the worker thread): how the
+proxy recognises a call its own model makes, and whether `batch_key()` is called in one."""
 
 
 if sys.version_info >= (3, 11):

@@ -21,6 +21,7 @@ PUBLIC = [
     "BatchSizeUnreachable",
     "BatchTimeout",
     "Batched",
+    "BatchedArgs",
     "CostEstimate",
     "DeadlineExceeded",
     "Executor",
@@ -49,6 +50,8 @@ PUBLIC = [
     "WorkersStats",
     "__version__",
     "batch",
+    "batch_args",
+    "batch_key",
     "caller_contexts",
 ]
 """Everything `from batchproxy import ...` offers; the modules `tensors`, `simulation`

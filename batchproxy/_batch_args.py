@@ -1,0 +1,189 @@
+"""`@batch_args`: a batched function with more arguments than its items.
+
+`f(items: list[T], /, *, normalize: bool = False) -> list[U]` is called
+`await f(item, normalize=True)`. Its arguments after the items are per call and
+not batchable: calls are batched only with calls of the same values (the values
+are the batch key), and `f` gets them once per batch, as given. They are checked
+against `f`'s signature when the call is made, before it is queued. The per-call
+options (`timeout`, `priority`, `tenant`) go through `f.options(...)`, so they
+never clash with `f`'s own parameter names.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable, Sequence
+from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, overload
+
+from typing_extensions import Unpack
+
+from ._decorator import Batched
+from ._executor import Executor
+from ._keys import batch_key
+from ._options import ProxyOptions
+
+__all__ = ["BatchedArgs", "batch_args"]
+
+P = ParamSpec("P")
+T = TypeVar("T")
+U = TypeVar("U")
+
+_PER_CALL = ("timeout", "priority", "tenant")
+
+
+class BatchedArgs(Batched[T, U], Generic[P, T, U]):
+    """What `@batch_args` returns: `await f(item, *args, **kwargs)`, where `args` and
+    `kwargs` are `f`'s own arguments after its items; `f.options(timeout=...)`."""
+
+    def __init__(
+        self, fn: Callable[..., Any], options: dict[str, Any], instance: object = None
+    ) -> None:
+        if options.get("key") is not None:
+            raise TypeError("@batch_args takes no key= option: the arguments are the batch key")
+        parameters = list(inspect.signature(fn).parameters.values())[instance is not None :]
+        # the item parameters: the positional-only ones (at least the first)
+        count = sum(p.kind is p.POSITIONAL_ONLY for p in parameters) or 1
+        self._count = count
+        self._rest = inspect.Signature(parameters[count:])
+        self._per_call: dict[str, Any] = {}
+
+        super().__init__(_model(fn, count), options, instance)
+        self._fn = fn  # bound per instance by `__get__`, as for `@batch`
+
+    def __call__(  # type: ignore[override]  # f's own arguments, not the options
+        self, item: T, /, *args: P.args, **kwargs: P.kwargs
+    ) -> Coroutine[Any, Any, U]:
+        count = self._count
+        if count > 1:  # several item parameters: the item is the tuple of their values
+            if len(args) < count - 1:
+                raise TypeError(
+                    f"{self._fn.__qualname__}() takes {count} item arguments, got {len(args) + 1}"
+                )
+            item, args = (item, *args[: count - 1]), args[count - 1 :]  # type: ignore[assignment]
+        return self.proxy.inference(item, key=self._key(args, kwargs), **self._per_call)
+
+    async def many(  # type: ignore[override]
+        self, items: Iterable[T], /, *args: P.args, **kwargs: P.kwargs
+    ) -> list[U]:
+        """`Proxy.inference_many`: every item with the same arguments."""
+        key = self._key(args, kwargs)
+        results: list[U] = await self.proxy.inference_many(items, key=key, **self._per_call)
+        return results
+
+    def options(
+        self,
+        *,
+        timeout: float | None = None,
+        priority: int = 0,
+        tenant: Hashable | None = None,
+    ) -> BatchedArgs[P, T, U]:
+        """The same function, whose calls have these per-call options."""
+        configured = copy.copy(self)
+        configured._per_call = {"timeout": timeout, "priority": priority, "tenant": tenant}
+        return configured
+
+    def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+        """The call's arguments after its item, by name, defaults filled in: its batch key.
+        A `TypeError` for arguments `f` does not take, or unhashable ones."""
+        try:
+            bound = self._rest.bind(*args, **kwargs)
+        except TypeError as exc:
+            extra = ", ".join(name for name in kwargs if name in _PER_CALL)
+            hint = f" (per-call options go through .options({extra}=...))" if extra else ""
+            raise TypeError(f"{self._fn.__qualname__}(): {exc}{hint}") from None
+        bound.apply_defaults()
+        for name, value in bound.arguments.items():
+            try:
+                hash(value)
+            except TypeError:
+                raise TypeError(
+                    f"{self._fn.__qualname__}(): argument {name!r} must be hashable (it is "
+                    f"the batch key), got {type(value).__name__}"
+                ) from None
+        return tuple(bound.arguments.items())
+
+
+def _model(fn: Callable[..., Any], count: int) -> Callable[..., Any]:
+    """`fn` called with (self and) a list per item parameter (`count` of them), and the
+    batch's key as its other arguments (async if `fn` is: a plain `def` runs on a worker
+    thread)."""
+
+    def arguments(head: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        *before, items = head
+        columns = (
+            (items,) if count == 1 else tuple(list(column) for column in zip(*items, strict=True))
+        )
+        return (*before, *columns), dict(batch_key() or ())  # type: ignore[call-overload]
+
+    if inspect.iscoroutinefunction(fn):
+
+        @functools.wraps(fn)
+        async def model(*head: Any) -> Any:
+            args, kwargs = arguments(head)
+            return await fn(*args, **kwargs)
+
+        return model
+
+    @functools.wraps(fn)
+    def plain(*head: Any) -> Any:
+        args, kwargs = arguments(head)
+        return fn(*args, **kwargs)
+
+    return plain
+
+
+A = TypeVar("A")
+B = TypeVar("B")
+
+
+class _Decorator(Protocol):
+    @overload
+    def __call__(
+        self, fn: Callable[Concatenate[list[A], list[B], P], Awaitable[Sequence[U]]], /
+    ) -> BatchedArgs[..., Any, U]: ...
+
+    @overload
+    def __call__(
+        self, fn: Callable[Concatenate[list[A], list[B], P], Sequence[U]], /
+    ) -> BatchedArgs[..., Any, U]: ...
+
+    @overload
+    def __call__(
+        self, fn: Callable[Concatenate[list[T], P], Awaitable[Sequence[U]]], /
+    ) -> BatchedArgs[P, T, U]: ...
+
+    @overload
+    def __call__(
+        self, fn: Callable[Concatenate[list[T], P], Sequence[U]], /
+    ) -> BatchedArgs[P, T, U]: ...
+
+
+def batch_args(
+    batch_size: int = 64,
+    *,
+    offload: bool | Executor = False,
+    name: str | None = None,
+    **options: Unpack[ProxyOptions],
+) -> _Decorator:
+    """Decorate `f(items: list[T], /, *args, **kwargs) -> list[U]` (function or method)
+    to be awaited per item with its other arguments: `await f(item, *args, **kwargs)`.
+
+    The item parameters are `f`'s positional-only ones (at least the first): each
+    call gives one value for each, `f` gets a list per parameter. The others are
+    per batch: calls are batched only with calls of equal values, which `f` gets
+    once per batch. Takes `Proxy`'s options but `key`.
+    """
+    if callable(batch_size):
+        raise TypeError("use @batch_args() or @batch_args(batch_size=...), with parentheses")
+    settings: dict[str, Any] = {"batch_size": batch_size, "offload": offload, **options}
+    if name is not None:
+        settings["name"] = name
+
+    def decorate(fn: Callable[..., Any]) -> Any:  # (typed by `_Decorator`)
+        if not callable(fn):
+            raise TypeError(f"@batch_args decorates a function, got {fn!r}")
+        return BatchedArgs(fn, settings)
+
+    return decorate
