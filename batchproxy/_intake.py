@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any, Generic, TypeVar
 
 from . import _validate
 from ._binding import Binding
 from ._errors import DeadlineExceeded, QueueFull
+from ._fair_queue import fair, queued_by
 from ._lifecycle import Lifecycle
 from ._options import Options
 from ._queue import Request
@@ -86,23 +87,32 @@ class Intake(Generic[In]):
         seconds = options.timeout if timeout is None else _validate.timeout("timeout", timeout)
         cost = 1 if self._cost is None else self._cost(item)
         loop, scheduler = binding.loop, binding.scheduler
-        if not self._lifecycle.open or (  # (`check_room`, inline: every call passes here)
-            options.max_queue_size is not None and scheduler.queue.live >= options.max_queue_size
+        if tenant is not None or key is not None:
+            self._name_tenant(binding, tenant)
+            _validate.hashable("key", key)
+        if (
+            not self._lifecycle.open  # (`check_room`, inline: every call passes here)
+            or (
+                options.max_queue_size is not None
+                and scheduler.queue.live >= options.max_queue_size
+            )
+            or options.max_queue_size_per_tenant is not None
         ):
-            self.check_room(binding, 1)
+            self.check_room(binding, 1, tenant)
         now = binding.clock()
         kind = StreamRequest if stream else Request
         if seconds is None:
             request: Request[In] = kind(item, binding.new_future(), priority, now, cost)
         else:
-            deadline = now + seconds
-            if options.shed_late:
-                self._shed_if_late(binding, priority, deadline, cost, seconds)
-            request = kind(item, binding.new_future(), priority, now, cost, deadline)
-            request.deadline_timer = loop.call_at(deadline, self.expire, binding, request, seconds)
+            request = kind(item, binding.new_future(), priority, now, cost, now + seconds)
         if tenant is not None or key is not None:
-            request.tenant = _validate.hashable("tenant", tenant)
-            request.key = _validate.hashable("key", key)
+            request.tenant, request.key = tenant, key
+        if seconds is not None:
+            if options.shed_late:
+                self._shed_if_late(binding, request, seconds)
+            request.deadline_timer = loop.call_at(
+                request.deadline, self.expire, binding, request, seconds
+            )
         if options.caller_context:
             request.context = contextvars.copy_context()  # the model may read it, not change it
         scheduler.submit(request)
@@ -123,11 +133,13 @@ class Intake(Generic[In]):
         *,
         return_exceptions: bool,
     ) -> list[Any]:
+        if tenant is not None:
+            self._name_tenant(binding, tenant)
         """`inference_many` on `binding`'s loop: queue each item as its own request (all
         of them or none), wait for their outcomes, in item order. Unless
         `return_exceptions`, the first failure is raised as soon as it happens and the
         remaining items are withdrawn."""
-        self.check_room(binding, len(items))
+        self.check_room(binding, len(items), tenant)
         requests: list[Request[In]] = []
         try:
             for item in items:
@@ -180,18 +192,40 @@ class Intake(Generic[In]):
             )
         return cost
 
-    def check_room(self, binding: Binding[In], wanted: int) -> None:
-        """Refuse `wanted` more calls at once: the proxy is closed (`ProxyClosed`), or the
-        queue has no room for them (`QueueFull`)."""
+    def check_room(self, binding: Binding[In], wanted: int, tenant: Hashable = None) -> None:
+        """Refuse `wanted` more calls of `tenant` at once: the proxy is closed
+        (`ProxyClosed`), or the queue, or the tenant's share of it, has no room for
+        them (`QueueFull`)."""
         if not self._lifecycle.open:
             raise self._lifecycle.closed_error()
+        queue = binding.scheduler.queue
         limit = self.options.max_queue_size
-        if limit is not None and binding.scheduler.queue.live + wanted > limit:
-            settlement = self._settlement
-            settlement.stats.rejected += wanted
-            if settlement.listeners.on:
-                settlement.listeners.request_rejected(wanted)
-            raise QueueFull(self.name, limit)
+        if limit is not None and queue.live + wanted > limit:
+            raise self._refuse(wanted, QueueFull(self.name, limit))
+        limit = self.options.max_queue_size_per_tenant
+        if limit is not None and queued_by(queue, tenant) + wanted > limit:
+            self._settlement.stats.tenant_rejected += wanted
+            raise self._refuse(wanted, QueueFull(self.name, limit, tenant=tenant, per_tenant=True))
+
+    def _refuse(self, wanted: int, error: QueueFull) -> QueueFull:
+        """`error`, counted (and heard by listeners) as `wanted` calls refused."""
+        settlement = self._settlement
+        settlement.stats.rejected += wanted
+        if settlement.listeners.on:
+            settlement.listeners.request_rejected(wanted)
+        return error
+
+    def _name_tenant(self, binding: Binding[In], tenant: object) -> None:
+        """A call names its tenant: from the first one on, the queue shares fairly."""
+        if tenant is not None:
+            _validate.hashable("tenant", tenant)
+            scheduler = binding.scheduler
+            scheduler.queue = fair(scheduler.queue, self.tenant_weight)
+
+    def tenant_weight(self, tenant: Hashable) -> float:
+        """A tenant's weight now, by `tenant_weights` (default 1)."""
+        weights = self.options.tenant_weights
+        return 1.0 if weights is None else weights.get(tenant, 1.0)
 
     def refuse_own_model(self, binding: Binding[In] | None, method: str) -> None:
         """Refuse a call made by this proxy's own model (in one of its batches, on the
@@ -203,11 +237,11 @@ class Intake(Generic[In]):
                 f"deadlock. Call the model's code directly instead"
             )
 
-    def _shed_if_late(
-        self, binding: Binding[In], priority: int, deadline: float, cost: int, seconds: float
-    ) -> None:
-        """Refuse a call at once when even the soonest predicted answer misses its deadline."""
-        expected = binding.scheduler.expected_finish(priority, deadline, cost)
+    def _shed_if_late(self, binding: Binding[In], request: Request[In], seconds: float) -> None:
+        """Refuse a call (not queued yet) at once when even the soonest predicted answer
+        misses its deadline."""
+        expected = binding.scheduler.expected_finish(request)
+        deadline = request.deadline
         if expected is not None and expected > deadline:
             settlement = self._settlement
             settlement.stats.shed += 1

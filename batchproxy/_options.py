@@ -11,8 +11,10 @@ keyword arguments of `Proxy(...)`, `@batch(...)` and `configure(...)`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Literal, TypedDict
 
 from . import _validate
@@ -36,6 +38,8 @@ class _Changeable(TypedDict, total=False):
     on_batch_timeout: Literal["serve", "stop"]
     stream_buffer: int | None
     caller_context: bool
+    tenant_weights: Mapping[Hashable, float] | None
+    max_queue_size_per_tenant: int | None
 
 
 class ProxyOptions(_Changeable, total=False):
@@ -113,6 +117,15 @@ class Options:
       context with its call, for the model to read with
       `batchproxy.caller_contexts()` (request ids, the user, the trace). The
       model still runs in a fresh context of its own.
+    - `tenant_weights`: fair sharing between the tenants calls name
+      (`inference(x, tenant=...)`): batch places go to the tenants with waiting
+      requests in proportion to their weight (weighted fair queuing; default
+      weight 1, calls without a tenant are tenant None). See the guide's "Fair
+      sharing" page.
+    - `max_queue_size_per_tenant`: refuse a tenant's calls with `QueueFull`
+      beyond this many of its requests waiting (tenant None included), so a
+      flooding tenant is refused and the others are not; `max_queue_size` still
+      bounds the total.
     """
 
     batch_size: int = 64
@@ -132,6 +145,8 @@ class Options:
     on_batch_timeout: Literal["serve", "stop"] = "serve"
     stream_buffer: int | None = 1024
     caller_context: bool = False
+    tenant_weights: Mapping[Hashable, float] | None = None
+    max_queue_size_per_tenant: int | None = None
 
     # derived, in the units the machinery works in (not arguments)
     max_delay: float = field(init=False, repr=False, compare=False)
@@ -166,6 +181,10 @@ class Options:
             ),
             "stream_buffer": _validate.optional_count("stream_buffer", self.stream_buffer),
             "caller_context": _validate.flag("caller_context", self.caller_context),
+            "tenant_weights": _weights(self.tenant_weights),
+            "max_queue_size_per_tenant": _validate.optional_count(
+                "max_queue_size_per_tenant", self.max_queue_size_per_tenant
+            ),
         }
         oom = self.oom_backoff
         if not (isinstance(oom, bool) or callable(oom)):
@@ -207,6 +226,25 @@ def _milliseconds(name: str, value: object, *, allow_zero: bool) -> tuple[float,
     float; in seconds, clamped as `_validate.duration` clamps)."""
     seconds = _validate.duration(name, value, allow_zero=allow_zero, milliseconds=True)
     return float(value), seconds  # type: ignore[arg-type]  # a finite Real, checked above
+
+
+def _weights(value: object) -> Mapping[Hashable, float] | None:
+    """Tenant weights: a mapping of hashable tenants to finite weights > 0, copied
+    (read-only) so a later change to the caller's dict bypasses no check."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise TypeError(f"tenant_weights must be a mapping of tenant to weight, got {value!r}")
+    weights = {
+        _validate.hashable("tenant_weights' tenant", tenant): _validate.finite(
+            f"tenant_weights[{tenant!r}]", weight, allow_zero=False
+        )
+        for tenant, weight in value.items()
+    }
+    for tenant, weight in weights.items():
+        if 1.0 / weight == math.inf:
+            raise ValueError(f"tenant_weights[{tenant!r}] is too small: {weight!r}")
+    return MappingProxyType(weights)
 
 
 def _callable_or_none(name: str, value: object) -> Any:

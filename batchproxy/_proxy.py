@@ -34,6 +34,7 @@ from . import _validate
 from ._binding import Binder
 from ._errors import BatchProxyError
 from ._executor import Executor, WeakWatcher
+from ._fair_queue import by_tenant
 from ._fork import forget_threads_in_forked_children
 from ._intake import Intake
 from ._lifecycle import Lifecycle, State
@@ -458,7 +459,8 @@ class Proxy(ABC, ThreadCalls[In, Out]):
         )
         estimate = runner.cost_model.estimate()
         slots = runner.limits()[2]
-        return self._stats.snapshot(depth, running, runner.cap.cap, estimate, slots)
+        tenants = None if binding is None else by_tenant(binding.scheduler.queue)
+        return self._stats.snapshot(depth, running, runner.cap.cap, estimate, slots, tenants)
 
     @property
     def health(self) -> Health:

@@ -101,7 +101,7 @@ from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from ._cost_model import CostModel
-from ._queue import Request, RequestQueue
+from ._queue import Queue, Request, RequestQueue
 
 __all__ = ["Limits", "Scheduler"]
 
@@ -126,7 +126,7 @@ class Scheduler(Generic[T]):
         self,
         loop: asyncio.AbstractEventLoop,
         *,
-        queue: RequestQueue[T] | None = None,
+        queue: Queue[T] | None = None,
         batch_size: int,
         max_delay: float,
         max_concurrent_batches: int,
@@ -142,7 +142,7 @@ class Scheduler(Generic[T]):
     ) -> None:
         self.loop = loop
         self.name = name  # the proxy's, in the log lines
-        self.queue: RequestQueue[T] = RequestQueue(aging) if queue is None else queue
+        self.queue: Queue[T] = RequestQueue(aging) if queue is None else queue
         self.in_flight = 0
         self._batch_size = batch_size
         self._max_delay = max_delay
@@ -353,17 +353,18 @@ class Scheduler(Generic[T]):
         self._last_duration = duration = model.predict(units) or 0.0
         self._running_until.append(now + duration)
 
-    def expected_finish(self, priority: int, deadline: float, cost: int) -> float | None:
-        """When a new request would be answered at the soonest, by the cost model: the
-        batch slot it needs frees, then the model serves everything ahead of it and it
-        in full, unpadded batches spread over every slot. None without a cost model."""
+    def expected_finish(self, probe: Request[T]) -> float | None:
+        """When `probe`, a new request, would be answered at the soonest, by the cost
+        model: the batch slot it needs frees, then the model serves everything ahead of
+        it and it in full, unpadded batches spread over every slot. None without a
+        cost model."""
         line = self._cost_model.line
         if line is None:
             return None
         fixed, per_unit = line
         now = self.loop.time()
         queue = self.queue
-        ahead = queue.count_ahead(priority, deadline)
+        ahead, cost = queue.count_ahead(probe), probe.cost
         batches = ahead // self._batch_size + 1
         mean_cost = queue.live_cost / queue.live if queue.live else cost
         units = ahead + 1 if not self._by_cost else ahead * mean_cost + cost

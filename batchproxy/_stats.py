@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from ._cost_model import CostEstimate
@@ -106,6 +106,11 @@ class ProxyStats:
     max_in_flight: int = 0
     """How many batches may run at once now: `max_concurrent_batches`, or the
     executor's capacity."""
+    tenant_rejected: int = 0
+    """Calls refused with `QueueFull` by `max_queue_size_per_tenant` (also in `rejected`)."""
+    queued_by_tenant: Mapping[Hashable, int] = field(default_factory=lambda: MappingProxyType({}))
+    """Requests waiting per tenant, for the tenants with any (empty until a call names
+    a tenant; then calls without one are tenant None's)."""
 
     @property
     def mean_batch_size(self) -> float:
@@ -148,6 +153,7 @@ class StatsRecorder:
         self.oom_splits = 0
         self.isolation_splits = 0
         self.timed_out_batches = 0
+        self.tenant_rejected = 0
         self.real_elements = 0
         self.padded_elements = 0
         self.tracks_padding = False
@@ -165,6 +171,7 @@ class StatsRecorder:
         batch_cap: int,
         cost_model: CostEstimate | None,
         max_in_flight: int,
+        queued_by_tenant: Mapping[Hashable, int] | None = None,
     ) -> ProxyStats:
         return ProxyStats(
             name=self.name,
@@ -191,6 +198,8 @@ class StatsRecorder:
             isolation_splits=self.isolation_splits,
             timed_out_batches=self.timed_out_batches,
             max_in_flight=max_in_flight,
+            tenant_rejected=self.tenant_rejected,
+            queued_by_tenant=MappingProxyType(dict(queued_by_tenant or {})),
         )
 
     def _padding_waste(self) -> float | None:
