@@ -6,7 +6,7 @@ BIN     = $(VENV)/bin
 # takes the CPU build on this machine and never resolves a newer torch with CUDA packages
 TORCH   = torch==2.13.0
 
-.PHONY: demo demo-publish test lint typecheck unit package test-pythons docs docs-check bench bench-tensors bench-suite bench-scheduling bench-scaleout bench-autoscale bench-soak bench-soak-deadlines bench-generation clean
+.PHONY: demo demo-publish test lint typecheck unit package test-pythons docs docs-check bench bench-tensors bench-suite bench-scheduling bench-scaleout bench-autoscale bench-soak bench-soak-deadlines bench-generation bench-fairness clean
 
 # the real model over HTTP, regular vs batched: the table, and demo.{json,png} in
 # benchmarks/results/runs/ (git-ignored: a run changes no tracked file)
@@ -98,6 +98,10 @@ bench-soak-deadlines: $(VENV)/.installed
 # a GPT-2 (random weights) with no batching, static and continuous batching: tokens/s, TTFT
 bench-generation: $(VENV)/.installed-dev
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/generation.py
+
+# a 10x flood from one of four tenants, FIFO vs fair sharing: the others' p99 latency
+bench-fairness: $(VENV)/.installed
+	$(BIN)/python benchmarks/fairness.py
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)

@@ -20,6 +20,10 @@ cancellations and under a steady backlog served in deadline order alike (a dead
 entry still holds its request's future, and so its result). The deadline order
 is a sorted list of the live requests with a deadline, kept exact, so it can
 also count who is ahead.
+
+`Queue` is the interface the scheduler, intake and generation use, which
+composites of `RequestQueue`s (`FairQueue`) also have; `pick_similar` forms a
+length-aware batch from any of them.
 """
 
 from __future__ import annotations

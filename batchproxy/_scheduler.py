@@ -66,7 +66,9 @@ budget, and an item over the budget goes alone.
 
 Order: highest priority first; within a priority, earliest deadline first,
 then requests without a deadline in arrival order; with `aging`, an old
-request climbs levels (see `_queue`).
+request climbs levels (see `_queue`). Once a call names a tenant, the queue is a
+`FairQueue`: tenants share each batch by weighted fair queuing first, and this
+order applies within each tenant; the rules above look at all tenants together.
 
 Why a batch left, as the DEBUG line on the `batchproxy` logger says (one per
 batch, with its size and how long its oldest request waited; nothing is logged
