@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 __all__ = [
     "BatchProxyError",
     "BatchSizeMismatch",
@@ -23,15 +25,27 @@ class BatchProxyError(Exception):
 
 
 class QueueFull(BatchProxyError):
-    """The proxy's queue is at `max_queue_size`: the call was refused at once.
+    """The proxy's queue is at `max_queue_size`, or the calling tenant's share of it
+    at `max_queue_size_per_tenant` (then `per_tenant` is True and `tenant` names the
+    tenant; the message does not, as a tenant may be a user's id): the call was
+    refused at once.
 
     Overload, not failure: map it to HTTP 503 (or 429) and let the client retry.
     """
 
-    def __init__(self, proxy: str, max_queue_size: int) -> None:
-        super().__init__(f"{proxy}: queue is full ({max_queue_size} requests waiting); retry later")
+    def __init__(
+        self, proxy: str, max_queue_size: int, *, tenant: Hashable = None, per_tenant: bool = False
+    ) -> None:
+        whose = (
+            "this tenant's share of the queue is full (max_queue_size_per_tenant: "
+            if per_tenant
+            else "queue is full ("
+        )
+        super().__init__(f"{proxy}: {whose}{max_queue_size} requests waiting); retry later")
         self.proxy = proxy
         self.max_queue_size = max_queue_size
+        self.tenant = tenant
+        self.per_tenant = per_tenant
 
 
 class ProxyClosed(BatchProxyError):

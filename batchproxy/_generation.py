@@ -266,7 +266,7 @@ class _Engine(Generic[In]):
             if waiting:
                 waiting.pop(0)
             else:
-                queue.discard(request)
+                queue.take([request])
             self.used += request.cost
             joined.append(Slot(request))
         self.waiting = waiting

@@ -18,16 +18,16 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any, Generic, TypeVar
 
 from . import _validate
 from ._binding import Binding
 from ._dedup import MISSING, Caller, Deduplicator, ResultCache, SharedSlot
 from ._errors import DeadlineExceeded, QueueFull
-from ._keys import group_by_key
 from ._lifecycle import Lifecycle
 from ._options import Options
+from ._placement import place, queued_by
 from ._queue import Request
 from ._runs import current_batch
 from ._settle import Settlement
@@ -112,22 +112,29 @@ class Intake(Generic[In]):
             return self._admit_shared(binding, item, seconds, priority, tenant, key)
         cost = 1 if self._cost is None else self._cost(item)
         loop, scheduler = binding.loop, binding.scheduler
-        if not self._lifecycle.open or (  # (`check_room`, inline: every call passes here)
-            options.max_queue_size is not None and scheduler.queue.live >= options.max_queue_size
+        if (
+            not self._lifecycle.open  # (`check_room`, inline: every call passes here)
+            or (
+                options.max_queue_size is not None
+                and scheduler.queue.live >= options.max_queue_size
+            )
+            or options.max_queue_size_per_tenant is not None
         ):
-            self.check_room(binding, 1)
+            self.check_room(binding, 1, tenant)
         now = binding.clock()
         kind = StreamRequest if stream else Request
         if seconds is None:
             request: Request[In] = kind(item, binding.new_future(), priority, now, cost)
         else:
-            deadline = now + seconds
-            if options.shed_late:
-                self._shed_if_late(binding, priority, deadline, cost, seconds)
-            request = kind(item, binding.new_future(), priority, now, cost, deadline)
-            request.deadline_timer = loop.call_at(deadline, self.expire, binding, request, seconds)
+            request = kind(item, binding.new_future(), priority, now, cost, now + seconds)
         if tenant is not None or key is not None:
             request.tenant, request.key = tenant, key
+        if seconds is not None:
+            if options.shed_late:
+                self._shed_if_late(binding, request, seconds)
+            request.deadline_timer = loop.call_at(
+                request.deadline, self.expire, binding, request, seconds
+            )
         if options.caller_context:
             request.context = contextvars.copy_context()  # the model may read it, not change it
         scheduler.submit(request)
@@ -169,18 +176,18 @@ class Intake(Generic[In]):
         deadline = math.inf if seconds is None else now + seconds
         if slot is None:  # the first call with this key: a new slot, checked like any call
             cost = 1 if self._cost is None else self._cost(item)
-            self.check_room(binding, 1)
+            self.check_room(binding, 1, tenant)
+            slot = SharedSlot(item, binding.new_future(), priority, now, cost, deadline)
+            slot.tenant, slot.key = tenant, key
             if seconds is not None and self.options.shed_late:
-                self._shed_if_late(binding, priority, deadline, cost, seconds)
+                self._shed_if_late(binding, slot, seconds)
         caller: Caller[In] = Caller(item, binding.new_future(), priority, now, 1, deadline)
         caller.queued = False  # the slot is queued, not the caller
         if seconds is not None:
             caller.deadline_timer = binding.loop.call_at(
                 deadline, self.expire, binding, caller, seconds
             )
-        if slot is None:
-            slot = SharedSlot(item, binding.new_future(), priority, now, cost, deadline)
-            slot.tenant, slot.key = tenant, key
+        if not joins:
             if self.options.caller_context:
                 slot.context = contextvars.copy_context()  # the first caller's
             dedup.open(shared_key, slot, caller)
@@ -212,7 +219,7 @@ class Intake(Generic[In]):
         of them or none), wait for their outcomes, in item order. Unless
         `return_exceptions`, the first failure is raised as soon as it happens and the
         remaining items are withdrawn."""
-        self.check_room(binding, len(items))
+        self.check_room(binding, len(items), _validate.hashable("tenant", tenant))
         requests: list[Request[In]] = []
         try:
             for item in items:
@@ -265,18 +272,33 @@ class Intake(Generic[In]):
             )
         return cost
 
-    def check_room(self, binding: Binding[In], wanted: int) -> None:
-        """Refuse `wanted` more calls at once: the proxy is closed (`ProxyClosed`), or the
-        queue has no room for them (`QueueFull`)."""
+    def check_room(self, binding: Binding[In], wanted: int, tenant: Hashable = None) -> None:
+        """Refuse `wanted` more calls of `tenant` at once: the proxy is closed
+        (`ProxyClosed`), or the queue, or the tenant's share of it, has no room for
+        them (`QueueFull`)."""
         if not self._lifecycle.open:
             raise self._lifecycle.closed_error()
+        queue = binding.scheduler.queue
         limit = self.options.max_queue_size
-        if limit is not None and binding.scheduler.queue.live + wanted > limit:
-            settlement = self._settlement
-            settlement.stats.rejected += wanted
-            if settlement.listeners.on:
-                settlement.listeners.request_rejected(wanted)
-            raise QueueFull(self.name, limit)
+        if limit is not None and queue.live + wanted > limit:
+            raise self._refuse(wanted, QueueFull(self.name, limit))
+        limit = self.options.max_queue_size_per_tenant
+        if limit is not None and queued_by(queue, tenant) + wanted > limit:
+            self._settlement.stats.tenant_rejected += wanted
+            raise self._refuse(wanted, QueueFull(self.name, limit, tenant=tenant, per_tenant=True))
+
+    def _refuse(self, wanted: int, error: QueueFull) -> QueueFull:
+        """`error`, counted (and heard by listeners) as `wanted` calls refused."""
+        settlement = self._settlement
+        settlement.stats.rejected += wanted
+        if settlement.listeners.on:
+            settlement.listeners.request_rejected(wanted)
+        return error
+
+    def tenant_weight(self, tenant: Hashable) -> float:
+        """A tenant's weight now, by `tenant_weights` (default 1)."""
+        weights = self.options.tenant_weights
+        return 1.0 if weights is None else weights.get(tenant, 1.0)
 
     def refuse_own_model(self, binding: Binding[In] | None, method: str) -> None:
         """Refuse a call made by this proxy's own model (in one of its batches, on the
@@ -289,20 +311,31 @@ class Intake(Generic[In]):
             )
 
     def _place(self, binding: Binding[In], tenant: object, key: object) -> None:
-        """A call that names a tenant or has a batch key: both must be hashable; with a
-        key, the binding's queue batches by key from now on."""
+        """A call that names a tenant or has a batch key: both must be hashable; from
+        now on the binding's queue shares fairly between tenants, batches by key, or
+        both (`_placement`)."""
         _validate.hashable("tenant", tenant)
         _validate.hashable("key", key)
-        if key is not None:
-            if not self._keys:
-                raise TypeError(f"{self.name}: a GenerationProxy does not batch by key (key=)")
-            group_by_key(binding.scheduler, binding.clock, lambda: self.options.max_delay)
+        if key is not None and not self._keys:
+            raise TypeError(f"{self.name}: a GenerationProxy does not batch by key (key=)")
+        place(
+            binding.scheduler,
+            tenant=tenant is not None,
+            key=key is not None,
+            weight=self.tenant_weight,
+            clock=binding.clock,
+            window=self._window,
+        )
 
-    def _shed_if_late(
-        self, binding: Binding[In], priority: int, deadline: float, cost: int, seconds: float
-    ) -> None:
-        """Refuse a call at once when even the soonest predicted answer misses its deadline."""
-        expected = binding.scheduler.expected_finish(priority, deadline, cost)
+    def _window(self) -> float:
+        """How long a key's oldest request may be overtaken by other keys' full batches."""
+        return self.options.max_delay
+
+    def _shed_if_late(self, binding: Binding[In], request: Request[In], seconds: float) -> None:
+        """Refuse a call (not queued yet) at once when even the soonest predicted answer
+        misses its deadline."""
+        expected = binding.scheduler.expected_finish(request)
+        deadline = request.deadline
         if expected is not None and expected > deadline:
             settlement = self._settlement
             settlement.stats.shed += 1

@@ -23,10 +23,10 @@ send a batch early, but does not move its key ahead in the rotation.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Generic, TypeVar
 
-from ._queue import PendingQueue, Request, RequestQueue
+from ._queue import Queue, Request, RequestQueue
 
 __all__ = ["KeyedQueue"]
 
@@ -36,33 +36,34 @@ _NOBODY: Hashable = object()  # no key: every queued request turned out to be de
 
 
 class KeyedQueue(Generic[T]):
-    """One sub-queue per key, served in rotation; the `PendingQueue` interface."""
+    """One sub-queue per key, served in rotation; the `Queue` interface."""
 
-    __slots__ = ("_aging", "_clock", "_new", "_subs", "_window", "live", "live_cost")
+    __slots__ = ("_aging", "_clock", "_new", "_subs", "_window", "fair", "live", "live_cost")
 
     def __init__(
         self,
         clock: Callable[[], float],
         window: Callable[[], float],
         aging: float | None = None,
-        new: Callable[[float | None], PendingQueue[T]] = RequestQueue,
+        new: Callable[[float | None], Queue[T]] = RequestQueue,
     ) -> None:
         # the rotation is this dict's order: front first; a served key is re-inserted
-        self._subs: dict[Hashable, PendingQueue[T]] = {}
+        self._subs: dict[Hashable, Queue[T]] = {}
         self._clock = clock  # the loop's time
         self._window = window  # seconds a key's oldest request may be overtaken by full batches
         self._aging = aging
         self._new = new  # a sub-queue, given the aging
+        self.fair = False  # its sub-queues are `FairQueue`s (`_placement`)
         self.live = 0
         self.live_cost = 0
 
     @classmethod
     def around(
         cls,
-        queue: PendingQueue[T],
+        queue: Queue[T],
         clock: Callable[[], float],
         window: Callable[[], float],
-        new: Callable[[float | None], PendingQueue[T]] = RequestQueue,
+        new: Callable[[float | None], Queue[T]] = RequestQueue,
     ) -> KeyedQueue[T]:
         """A keyed queue whose key None holds `queue` (the requests queued so far)."""
         keyed = cls(clock, window, queue.aging, new)
@@ -85,7 +86,7 @@ class KeyedQueue(Generic[T]):
         """Requests waiting, per key, in rotation order."""
         return {key: sub.live for key, sub in self._subs.items()}
 
-    # -- the PendingQueue interface ---------------------------------------------------------
+    # -- the Queue interface ---------------------------------------------------------
 
     def push(self, request: Request[T]) -> None:
         sub = self._subs.get(request.key)
@@ -133,10 +134,37 @@ class KeyedQueue(Generic[T]):
                 return why
         return None
 
-    def count_ahead(self, priority: int, deadline: float) -> int:
+    def count_ahead(self, probe: Request[T]) -> int:
         """Those ahead in every key (taking turns, the other keys' batches come in
         between): an estimate, for `shed_late`."""
-        return sum(sub.count_ahead(priority, deadline) for sub in self._subs.values())
+        return sum(sub.count_ahead(probe) for sub in self._subs.values())
+
+    def in_pop_order(self, now: float) -> Iterator[Request[T]]:
+        """Each key's requests in its own order, the keys in rotation order (batches
+        come from one key: this is the order of the keys' turns, not of one batch)."""
+        for sub in list(self._subs.values()):
+            yield from sub.in_pop_order(now)
+
+    def take(self, requests: list[Request[T]]) -> None:
+        by_key: dict[Hashable, list[Request[T]]] = {}
+        for request in requests:
+            by_key.setdefault(request.key, []).append(request)
+        for key, group in by_key.items():
+            sub = self._subs[key]
+            live, cost = sub.live, sub.live_cost
+            sub.take(group)
+            self._settle(key, sub, live, cost)
+
+    def nest(self, wrap: Callable[[Queue[T]], Queue[T]]) -> None:
+        """Every key's sub-queue, and each new one, wrapped by `wrap` (a `FairQueue`
+        around it, once calls name tenants: `_placement`)."""
+        self._subs = {key: wrap(sub) for key, sub in self._subs.items()}
+        new = self._new
+        self._new = lambda aging: wrap(new(aging))
+
+    def subqueues(self) -> list[Queue[T]]:
+        """The keys' sub-queues, in rotation order."""
+        return list(self._subs.values())
 
     def peek(self, now: float = 0.0) -> Request[T] | None:
         for sub in self._subs.values():
@@ -153,7 +181,7 @@ class KeyedQueue(Generic[T]):
         return min((arrived for arrived in arrivals if arrived is not None), default=None)
 
     def drain(self) -> list[Request[T]]:
-        subs: Iterable[PendingQueue[T]] = self._subs.values()
+        subs: Iterable[Queue[T]] = self._subs.values()
         drained = [request for sub in subs for request in sub.drain()]
         self._subs = {}
         self.live = self.live_cost = 0
@@ -165,7 +193,7 @@ class KeyedQueue(Generic[T]):
         self,
         limit: int,
         budget: int | None,
-        take: Callable[[PendingQueue[T]], list[Request[T]]],
+        take: Callable[[Queue[T]], list[Request[T]]],
     ) -> list[Request[T]]:
         """`take` a batch from the key that goes next; it goes to the back of the rotation."""
         while self.live:
@@ -203,14 +231,14 @@ class KeyedQueue(Generic[T]):
                 return key
         return front
 
-    def _oldest(self, key: Hashable, sub: PendingQueue[T]) -> float | None:
+    def _oldest(self, key: Hashable, sub: Queue[T]) -> float | None:
         """When `key`'s oldest live request arrived (retiring those whose caller left)."""
         live, cost = sub.live, sub.live_cost
         arrived = sub.oldest_enqueued_at()
         self._settle(key, sub, live, cost)
         return arrived
 
-    def _settle(self, key: Hashable, sub: PendingQueue[T], live: int, cost: int) -> None:
+    def _settle(self, key: Hashable, sub: Queue[T], live: int, cost: int) -> None:
         """Follow `sub`'s change since it held `live` requests of `cost`; drop it empty."""
         self.live += sub.live - live
         self.live_cost += sub.live_cost - cost

@@ -2,22 +2,20 @@
 
 A call's key is its `key=` argument, else the proxy's `key` option applied to its
 item, else None. The first call with a key turns the binding's queue into a
-`KeyedQueue` (the requests queued so far become key None's): a proxy whose calls
-never have a key keeps its plain queue and pays nothing. The model reads its
-batch's key with `batch_key()`.
+`KeyedQueue` (the requests queued so far become key None's; `_placement`): a
+proxy whose calls never have a key keeps its plain queue and pays nothing. The
+model reads its batch's key with `batch_key()`.
 """
 
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
-from ._keyed_queue import KeyedQueue
-from ._scheduler import Scheduler
 from ._tasks import current_batch
 
-__all__ = ["batch_key", "group_by_key", "hand_key_over"]
+__all__ = ["batch_key", "hand_key_over"]
 
 _key: contextvars.ContextVar[Hashable] = contextvars.ContextVar("batchproxy_batch_key")
 
@@ -39,12 +37,3 @@ def batch_key() -> Hashable:
 def hand_key_over(requests: Sequence[Any]) -> None:
     """In a batch's own context: the model sees the key of `requests` (one key for all)."""
     _key.set(requests[0].key)
-
-
-def group_by_key(
-    scheduler: Scheduler[Any], clock: Callable[[], float], window: Callable[[], float]
-) -> None:
-    """Make `scheduler`'s queue a `KeyedQueue`, unless it is one already."""
-    queue = scheduler.queue
-    if type(queue) is not KeyedQueue:
-        scheduler.queue = KeyedQueue.around(queue, clock, window)

@@ -11,8 +11,10 @@ keyword arguments of `Proxy(...)`, `@batch(...)` and `configure(...)`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable, Sequence
+import math
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Literal, TypedDict
 
 from . import _validate
@@ -37,6 +39,8 @@ class _Changeable(TypedDict, total=False):
     on_batch_timeout: Literal["serve", "stop"]
     stream_buffer: int | None
     caller_context: bool
+    tenant_weights: Mapping[Hashable, float] | None
+    max_queue_size_per_tenant: int | None
 
 
 class ProxyOptions(_Changeable, total=False):
@@ -146,6 +150,15 @@ class Options:
       a language): requests are batched only with requests of the same key, the
       keys taking turns (see "Batches by key"); the model reads its batch's key
       with `batchproxy.batch_key()`. A call's own `key=` wins over it.
+    - `tenant_weights`: fair sharing between the tenants calls name
+      (`inference(x, tenant=...)`): batch places go to the tenants with waiting
+      requests in proportion to their weight (weighted fair queuing; default
+      weight 1, calls without a tenant are tenant None). See the guide's "Fair
+      sharing" page.
+    - `max_queue_size_per_tenant`: refuse a tenant's calls with `QueueFull`
+      beyond this many of its requests waiting (tenant None included), so a
+      flooding tenant is refused and the others are not; `max_queue_size` still
+      bounds the total.
     """
 
     batch_size: int = 64
@@ -172,6 +185,8 @@ class Options:
     """Checked: a tuple, ascending."""
     pad_item: Any = field(default=NO_ITEM, compare=False)
     key: Callable[[Any], Hashable] | None = None
+    tenant_weights: Mapping[Hashable, float] | None = None
+    max_queue_size_per_tenant: int | None = None
 
     # derived, in the units the machinery works in (not arguments)
     max_delay: float = field(init=False, repr=False, compare=False)
@@ -214,6 +229,10 @@ class Options:
             ),
             "batch_sizes": check_sizes(self.batch_sizes, self.batch_size, self.pad_item),
             "key": _callable_or_none("key", self.key),
+            "tenant_weights": _weights(self.tenant_weights),
+            "max_queue_size_per_tenant": _validate.optional_count(
+                "max_queue_size_per_tenant", self.max_queue_size_per_tenant
+            ),
         }
         dedup = self.dedup
         if not (isinstance(dedup, bool) or callable(dedup)):
@@ -262,6 +281,25 @@ def _milliseconds(name: str, value: object, *, allow_zero: bool) -> tuple[float,
     float; in seconds, clamped as `_validate.duration` clamps)."""
     seconds = _validate.duration(name, value, allow_zero=allow_zero, milliseconds=True)
     return float(value), seconds  # type: ignore[arg-type]  # a finite Real, checked above
+
+
+def _weights(value: object) -> Mapping[Hashable, float] | None:
+    """Tenant weights: a mapping of hashable tenants to finite weights > 0, copied
+    (read-only) so a later change to the caller's dict bypasses no check."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise TypeError(f"tenant_weights must be a mapping of tenant to weight, got {value!r}")
+    weights = {
+        _validate.hashable("tenant_weights' tenant", tenant): _validate.finite(
+            f"tenant_weights[{tenant!r}]", weight, allow_zero=False
+        )
+        for tenant, weight in value.items()
+    }
+    for tenant, weight in weights.items():
+        if 1.0 / weight == math.inf:
+            raise ValueError(f"tenant_weights[{tenant!r}] is too small: {weight!r}")
+    return MappingProxyType(weights)
 
 
 def _callable_or_none(name: str, value: object) -> Any:

@@ -40,6 +40,7 @@ from ._lifecycle import Lifecycle, State
 from ._listeners import Listener, Listeners
 from ._model import choose_executor, refuse_reruns, run_kind_of
 from ._options import ConfigurableOptions, Options, ProxyOptions
+from ._placement import by_tenant
 from ._reachable import check_queue_bound
 from ._runs import ModelOutput, RunKind, Runner, current_batch
 from ._settle import Settlement
@@ -464,7 +465,8 @@ class Proxy(ABC, ThreadCalls[In, Out]):
         )
         estimate = runner.cost_model.estimate()
         slots = runner.limits()[2]
-        return self._stats.snapshot(depth, running, runner.cap.cap, estimate, slots)
+        tenants = None if binding is None else by_tenant(binding.scheduler.queue)
+        return self._stats.snapshot(depth, running, runner.cap.cap, estimate, slots, tenants)
 
     @property
     def health(self) -> Health:

@@ -20,6 +20,11 @@ cancellations and under a steady backlog served in deadline order alike (a dead
 entry still holds its request's future, and so its result). The deadline order
 is a sorted list of the live requests with a deadline, kept exact, so it can
 also count who is ahead.
+
+`Queue` is the interface the scheduler, intake and generation use, which
+composites of `RequestQueue`s (`FairQueue`: one per tenant; `KeyedQueue`: one
+per batch key; `_placement` nests them) also have; `pick_similar` forms a
+length-aware batch from any of them.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from collections import deque
 from collections.abc import Hashable, Iterator
 from typing import Any, Generic, Protocol, TypeVar
 
-__all__ = ["PendingQueue", "Request", "RequestQueue"]
+__all__ = ["Queue", "Request", "RequestQueue", "full_reason", "pick_similar"]
 
 T = TypeVar("T")
 
@@ -83,36 +88,6 @@ class Request(Generic[T]):
         self.deadline_timer: asyncio.TimerHandle | None = None
         self.tenant: Hashable | None = None  # whose call (fair sharing); set by intake
         self.key: Hashable | None = None  # batched only with its own key; set by intake
-
-
-class PendingQueue(Protocol[T]):
-    """What the scheduler, intake and generation use of a queue: `RequestQueue`, or a
-    composite of them (`KeyedQueue`: one per batch key). `live`, `live_cost`: the
-    requests waiting and their summed cost; `aging`: seconds per priority level."""
-
-    live: int
-    live_cost: int
-    aging: float | None
-
-    def push(self, request: Request[T]) -> None: ...
-    def discard(self, request: Request[T]) -> bool: ...
-    def pop_batch(self, limit: int, now: float = 0.0) -> list[Request[T]]: ...
-    def pop_similar(
-        self,
-        limit: int,
-        budget: int | None,
-        window: int,
-        *,
-        now: float = 0.0,
-        group: bool = True,
-        max_passes: int = 3,
-    ) -> list[Request[T]]: ...
-    def full_reason(self, limit: int, budget: int | None) -> str | None: ...
-    def count_ahead(self, priority: int, deadline: float) -> int: ...
-    def peek(self, now: float = 0.0) -> Request[T] | None: ...
-    def earliest_deadline(self) -> float: ...
-    def oldest_enqueued_at(self) -> float | None: ...
-    def drain(self) -> list[Request[T]]: ...
 
 
 class _Level(Generic[T]):
@@ -226,67 +201,27 @@ class RequestQueue(Generic[T]):
         group: bool = True,
         max_passes: int = 3,
     ) -> list[Request[T]]:
-        """Up to `limit` requests of similar cost, so a padded batch wastes little.
+        """Up to `limit` requests of similar cost, so a padded batch wastes little
+        (see `pick_similar`)."""
+        return pick_similar(self, limit, budget, window, now, group, max_passes)
 
-        Looks at the first `window` live requests in pop order. The first of
-        them always goes, alone if its cost alone exceeds `budget`. Next come
-        requests passed over `max_passes` times, oldest first; then the ones
-        closest in cost to the first (higher priority first), or, with
-        `group=False`, the rest in pop order. With a `budget`, the padded size
-        (members x largest cost) stays within it. Whoever is among the `limit`
-        first in pop order (the batch a plain pop would send) and left out is
-        passed over once more, so nobody waits more than `max_passes` batches
-        longer than in that order.
-        """
-        candidates: list[Request[T]] = []
-        for request in self._in_pop_order(now):
-            candidates.append(request)
-            if len(candidates) >= window:
-                break
-        if not candidates:
-            return []
-        anchor = candidates[0]
-        batch = [anchor]
-        largest = anchor.cost
-
-        def admit(request: Request[T]) -> None:
-            nonlocal largest
-            if len(batch) < limit and (
-                budget is None or max(largest, request.cost) * (len(batch) + 1) <= budget
-            ):
-                batch.append(request)
-                largest = max(largest, request.cost)
-
-        rest = candidates[1:]
-        for request in rest:
-            if request.passed_over >= max_passes:
-                admit(request)
-        if group:
-            rest = sorted(rest, key=lambda r: (-r.priority, abs(r.cost - anchor.cost)))
-        for request in rest:
-            if not request.queued or request in batch:
-                continue
-            admit(request)
-        for request in batch:
-            self._take_out(request)
-        for request in candidates[:limit]:
+    def take(self, requests: list[Request[T]]) -> None:
+        """These live requests, picked from `in_pop_order`, leave the queue as served."""
+        for request in requests:
             if request.queued:
-                request.passed_over += 1
+                self._take_out(request)
         self._clean_heads()
         self._collect()
-        return batch
 
     def full_reason(self, limit: int, budget: int | None) -> str | None:
-        """Why one batch may leave now by size alone: `limit` requests wait ("full"), or
-        their cost reached `budget` ("token budget"); None: it is not full."""
-        if self.live >= limit:
-            return "full"
-        return "token budget" if budget is not None and self.live_cost >= budget else None
+        """Why one batch may leave now by size alone (see `full_reason`)."""
+        return full_reason(self, limit, budget)
 
-    def count_ahead(self, priority: int, deadline: float) -> int:
-        """How many live requests go before a new one of this priority and deadline
-        (ignoring aging): every one in a higher level, and in its own level those
-        whose deadline is no later."""
+    def count_ahead(self, probe: Request[T]) -> int:
+        """How many live requests go before `probe` (a new request, not queued) by its
+        priority and deadline, ignoring aging: every one in a higher level, and in its
+        own level those whose deadline is no later."""
+        priority, deadline = probe.priority, probe.deadline
         ahead = 0
         for negated in self._order:
             if -negated > priority:
@@ -298,7 +233,7 @@ class RequestQueue(Generic[T]):
 
     def peek(self, now: float = 0.0) -> Request[T] | None:
         """The live request a `pop_batch(1, now)` would take, left in the queue."""
-        return next(self._in_pop_order(now), None)
+        return next(self.in_pop_order(now), None)
 
     def earliest_deadline(self) -> float:
         """The earliest deadline among the live requests (`inf`: none has one)."""
@@ -344,7 +279,7 @@ class RequestQueue(Generic[T]):
         ranked.sort()
         return [(-negated, aged) for _, negated, aged in ranked]
 
-    def _in_pop_order(self, now: float) -> Iterator[Request[T]]:
+    def in_pop_order(self, now: float) -> Iterator[Request[T]]:
         """Live requests whose caller still waits, in the order a pop would take them."""
         for priority, oldest_first in self._serving_order(now):
             level = self._levels[priority]
@@ -410,3 +345,124 @@ class RequestQueue(Generic[T]):
             if not self._levels[-negated].fifo:
                 self._drop_level(negated)
         self._dead = 0
+
+
+class Queue(Protocol[T]):
+    """What the scheduler, intake and generation use of a queue of pending requests:
+    a `RequestQueue`, or a composite that holds several (`FairQueue`, one per tenant;
+    `KeyedQueue`, one per batch key),
+    each made by a factory taking `aging`, so composites nest. `live` and `live_cost`
+    count (and sum the costs of) the live requests; setting `aging` reorders the
+    next pops. A request leaves exactly once: popped, taken, drained or discarded."""
+
+    live: int
+    live_cost: int
+    aging: float | None
+
+    def push(self, request: Request[T]) -> None: ...
+
+    def discard(self, request: Request[T]) -> bool:
+        """Out without being served (cancelled, expired); False if it had left."""
+        ...
+
+    def pop_batch(self, limit: int, now: float = 0.0) -> list[Request[T]]: ...
+
+    def pop_similar(
+        self,
+        limit: int,
+        budget: int | None,
+        window: int,
+        *,
+        now: float = 0.0,
+        group: bool = True,
+        max_passes: int = 3,
+    ) -> list[Request[T]]: ...
+
+    def in_pop_order(self, now: float) -> Iterator[Request[T]]:
+        """The live requests whose caller still waits, in pop order (do not change the
+        queue while iterating)."""
+        ...
+
+    def take(self, requests: list[Request[T]]) -> None:
+        """These live requests, picked from `in_pop_order` (or `peek`), leave as served."""
+        ...
+
+    def count_ahead(self, probe: Request[T]) -> int:
+        """How many live requests a pop would serve before `probe` (a new request)."""
+        ...
+
+    def full_reason(self, limit: int, budget: int | None) -> str | None:
+        """Why one batch may leave now by size alone: a pop of `limit` would be full
+        ("full"), or its cost reaches `budget` ("token budget"); None: not full."""
+        ...
+
+    def peek(self, now: float = 0.0) -> Request[T] | None: ...
+
+    def earliest_deadline(self) -> float: ...
+
+    def oldest_enqueued_at(self) -> float | None: ...
+
+    def drain(self) -> list[Request[T]]: ...
+
+
+def full_reason(queue: Queue[T], limit: int, budget: int | None) -> str | None:
+    """`Queue.full_reason` for a queue whose batch may take any of its requests."""
+    if queue.live >= limit:
+        return "full"
+    return "token budget" if budget is not None and queue.live_cost >= budget else None
+
+
+def pick_similar(
+    queue: Queue[T],
+    limit: int,
+    budget: int | None,
+    window: int,
+    now: float,
+    group: bool,
+    max_passes: int,
+) -> list[Request[T]]:
+    """`pop_similar` for any queue: up to `limit` requests of similar cost, so a padded
+    batch wastes little.
+
+    Looks at the first `window` live requests in pop order. The first of them
+    always goes, alone if its cost alone exceeds `budget`. Next come requests
+    passed over `max_passes` times, oldest first; then the ones closest in cost
+    to the first (higher priority first), or, with `group=False`, the rest in pop
+    order. With a `budget`, the padded size (members x largest cost) stays within
+    it. Whoever is among the `limit` first in pop order (the batch a plain pop
+    would send) and left out is passed over once more, so nobody waits more than
+    `max_passes` batches longer than in that order.
+    """
+    candidates: list[Request[T]] = []
+    for request in queue.in_pop_order(now):
+        candidates.append(request)
+        if len(candidates) >= window:
+            break
+    if not candidates:
+        return []
+    anchor = candidates[0]
+    batch = [anchor]
+    largest = anchor.cost
+
+    def admit(request: Request[T]) -> None:
+        nonlocal largest
+        if len(batch) < limit and (
+            budget is None or max(largest, request.cost) * (len(batch) + 1) <= budget
+        ):
+            batch.append(request)
+            largest = max(largest, request.cost)
+
+    rest = candidates[1:]
+    for request in rest:
+        if request.passed_over >= max_passes:
+            admit(request)
+    if group:
+        rest = sorted(rest, key=lambda r: (-r.priority, abs(r.cost - anchor.cost)))
+    for request in rest:
+        if request not in batch:
+            admit(request)
+    queue.take(batch)
+    for request in candidates[:limit]:
+        if request.queued:
+            request.passed_over += 1
+    return batch

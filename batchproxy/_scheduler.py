@@ -74,7 +74,9 @@ filler the scheduler does nothing special: `_sizes.SizedExecutor` pads.
 
 Order: highest priority first; within a priority, earliest deadline first,
 then requests without a deadline in arrival order; with `aging`, an old
-request climbs levels (see `_queue`).
+request climbs levels (see `_queue`). Once a call names a tenant, the queue is a
+`FairQueue`: tenants share each batch by weighted fair queuing first, and this
+order applies within each tenant; the rules above look at all tenants together.
 
 Why a batch left, as the DEBUG line on the `batchproxy` logger says (one per
 batch, with its size and how long its oldest request waited; nothing is logged
@@ -109,7 +111,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from ._cost_model import CostModel
-from ._queue import PendingQueue, Request, RequestQueue
+from ._queue import Queue, Request, RequestQueue
 
 if TYPE_CHECKING:
     from ._sizes import BatchSizes
@@ -138,7 +140,7 @@ class Scheduler(Generic[T]):
         self,
         loop: asyncio.AbstractEventLoop,
         *,
-        queue: PendingQueue[T] | None = None,
+        queue: Queue[T] | None = None,
         batch_size: int,
         max_delay: float,
         max_concurrent_batches: int,
@@ -155,7 +157,7 @@ class Scheduler(Generic[T]):
     ) -> None:
         self.loop = loop
         self.name = name  # the proxy's, in the log lines
-        self.queue: PendingQueue[T] = RequestQueue(aging) if queue is None else queue
+        self.queue: Queue[T] = RequestQueue(aging) if queue is None else queue
         self.in_flight = 0
         self._batch_size = batch_size
         self._max_delay = max_delay
@@ -381,17 +383,18 @@ class Scheduler(Generic[T]):
         self._last_duration = duration = model.predict(units) or 0.0
         self._running_until.append(now + duration)
 
-    def expected_finish(self, priority: int, deadline: float, cost: int) -> float | None:
-        """When a new request would be answered at the soonest, by the cost model: the
-        batch slot it needs frees, then the model serves everything ahead of it and it
-        in full, unpadded batches spread over every slot. None without a cost model."""
+    def expected_finish(self, probe: Request[T]) -> float | None:
+        """When `probe`, a new request, would be answered at the soonest, by the cost
+        model: the batch slot it needs frees, then the model serves everything ahead of
+        it and it in full, unpadded batches spread over every slot. None without a
+        cost model."""
         line = self._cost_model.line
         if line is None:
             return None
         fixed, per_unit = line
         now = self.loop.time()
         queue = self.queue
-        ahead = queue.count_ahead(priority, deadline)
+        ahead, cost = queue.count_ahead(probe), probe.cost
         batches = ahead // self._batch_size + 1
         mean_cost = queue.live_cost / queue.live if queue.live else cost
         units = ahead + 1 if not self._by_cost else ahead * mean_cost + cost

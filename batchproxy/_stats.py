@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from ._cost_model import CostEstimate
@@ -115,6 +115,11 @@ class ProxyStats:
     padded_rows: int = 0
     """Filler rows the model ran to bring batches up to an allowed size
     (`batch_sizes`); they are not counted in `items` or `batch_sizes`."""
+    tenant_rejected: int = 0
+    """Calls refused with `QueueFull` by `max_queue_size_per_tenant` (also in `rejected`)."""
+    queued_by_tenant: Mapping[Hashable, int] = field(default_factory=lambda: MappingProxyType({}))
+    """Requests waiting per tenant, for the tenants with any (empty until a call names
+    a tenant; then calls without one are tenant None's)."""
 
     @property
     def mean_batch_size(self) -> float:
@@ -160,6 +165,7 @@ class StatsRecorder:
         self.deduplicated = 0
         self.cache_hits = 0
         self.padded_rows = 0
+        self.tenant_rejected = 0
         self.real_elements = 0
         self.padded_elements = 0
         self.tracks_padding = False
@@ -177,6 +183,7 @@ class StatsRecorder:
         batch_cap: int,
         cost_model: CostEstimate | None,
         max_in_flight: int,
+        queued_by_tenant: Mapping[Hashable, int] | None = None,
     ) -> ProxyStats:
         return ProxyStats(
             name=self.name,
@@ -206,6 +213,8 @@ class StatsRecorder:
             deduplicated=self.deduplicated,
             cache_hits=self.cache_hits,
             padded_rows=self.padded_rows,
+            tenant_rejected=self.tenant_rejected,
+            queued_by_tenant=MappingProxyType(dict(queued_by_tenant or {})),
         )
 
     def _padding_waste(self) -> float | None:

@@ -333,7 +333,7 @@ async def test_the_queue_counts_drains_and_drops_emptied_keys() -> None:
     assert not queue.discard(requests[0])
     assert [r.item for r in queue.pop_batch(4)] == [2]
     assert queue.waiting_per_key() == {"b": 2}
-    assert queue.count_ahead(-1, float("inf")) == 2  # both b's are of a higher level
+    assert queue.count_ahead(new_request("c", priority=-1)) == 2  # both b's: higher level
     assert queue.peek() is requests[1]
     requests[1].future.cancel()  # its caller left: retired, not sent
     assert [r.item for r in queue.drain()] == [3]
