@@ -30,7 +30,7 @@ import math
 from collections.abc import Callable, Hashable, Iterator
 from typing import Generic, TypeVar
 
-from ._queue import Queue, Request, RequestQueue, full_reason, pick_similar
+from ._queue import Composite, Queue, Request, RequestQueue, full_reason, pick_similar
 
 __all__ = ["FairQueue", "Weight"]
 
@@ -55,11 +55,10 @@ class _Tenant(Generic[T]):
         self.since = since
 
 
-class FairQueue(Generic[T]):
+class FairQueue(Composite[T]):
     """One sub-queue per tenant; batches filled across tenants by weighted fair queuing."""
 
     __slots__ = (
-        "_aging",
         "_factory",
         "_started",
         "_tenants",
@@ -95,15 +94,8 @@ class FairQueue(Generic[T]):
             fair.live, fair.live_cost = queue.live, queue.live_cost
         return fair
 
-    @property
-    def aging(self) -> float | None:
-        return self._aging
-
-    @aging.setter
-    def aging(self, aging: float | None) -> None:
-        self._aging = aging
-        for tenant in self._tenants.values():
-            tenant.queue.aging = aging
+    def subqueues(self) -> list[Queue[T]]:
+        return [tenant.queue for tenant in self._tenants.values()]
 
     def queued(self, tenant: Hashable | None) -> int:
         """Live requests of `tenant`."""

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Iterable, Iterator
-from typing import Generic, TypeVar
+from typing import TypeVar
 
-from ._queue import Queue, Request, RequestQueue
+from ._queue import Composite, Queue, Request, RequestQueue
 
 __all__ = ["KeyedQueue"]
 
@@ -35,10 +35,10 @@ T = TypeVar("T")
 _NOBODY: Hashable = object()  # no key: every queued request turned out to be dead
 
 
-class KeyedQueue(Generic[T]):
+class KeyedQueue(Composite[T]):
     """One sub-queue per key, served in rotation; the `Queue` interface."""
 
-    __slots__ = ("_aging", "_clock", "_new", "_subs", "_window", "fair", "live", "live_cost")
+    __slots__ = ("_clock", "_new", "_subs", "_window", "fair", "live", "live_cost")
 
     def __init__(
         self,
@@ -71,16 +71,6 @@ class KeyedQueue(Generic[T]):
             keyed._subs[None] = queue
             keyed.live, keyed.live_cost = queue.live, queue.live_cost
         return keyed
-
-    @property
-    def aging(self) -> float | None:
-        return self._aging
-
-    @aging.setter
-    def aging(self, aging: float | None) -> None:
-        self._aging = aging
-        for sub in self._subs.values():
-            sub.aging = aging
 
     def waiting_per_key(self) -> dict[Hashable, int]:
         """Requests waiting, per key, in rotation order."""

@@ -37,7 +37,7 @@ from collections import deque
 from collections.abc import Hashable, Iterator
 from typing import Any, Generic, Protocol, TypeVar
 
-__all__ = ["Queue", "Request", "RequestQueue", "full_reason", "pick_similar"]
+__all__ = ["Composite", "Queue", "Request", "RequestQueue", "full_reason", "pick_similar"]
 
 T = TypeVar("T")
 
@@ -403,6 +403,26 @@ class Queue(Protocol[T]):
     def oldest_enqueued_at(self) -> float | None: ...
 
     def drain(self) -> list[Request[T]]: ...
+
+
+class Composite(Generic[T]):
+    """What the composite queues share: sub-queues that follow the composite's `aging`."""
+
+    __slots__ = ("_aging",)
+
+    def subqueues(self) -> list[Queue[T]]:
+        """The sub-queues holding requests now."""
+        raise NotImplementedError
+
+    @property
+    def aging(self) -> float | None:
+        return self._aging
+
+    @aging.setter
+    def aging(self, aging: float | None) -> None:
+        self._aging = aging
+        for sub in self.subqueues():
+            sub.aging = aging
 
 
 def full_reason(queue: Queue[T], limit: int, budget: int | None) -> str | None:
