@@ -6,7 +6,7 @@ BIN     = $(VENV)/bin
 # takes the CPU build on this machine and never resolves a newer torch with CUDA packages
 TORCH   = torch==2.13.0
 
-.PHONY: demo demo-publish test lint typecheck unit package test-pythons docs docs-check bench bench-tensors bench-suite bench-scheduling bench-scaleout bench-autoscale bench-dedup bench-soak bench-soak-deadlines bench-generation bench-keys bench-fairness clean
+.PHONY: demo demo-publish test lint typecheck unit package test-pythons docs docs-check bench bench-tensors bench-suite bench-scheduling bench-scaleout bench-autoscale bench-dedup bench-soak bench-soak-deadlines bench-generation bench-keys bench-fairness bench-sizes clean
 
 # the real model over HTTP, regular vs batched: the table, and demo.{json,png} in
 # benchmarks/results/runs/ (git-ignored: a run changes no tracked file)
@@ -106,9 +106,14 @@ bench-generation: $(VENV)/.installed-dev
 # two adapters' calls interleaved on one model thread: key= vs a proxy per adapter vs no batching
 bench-keys: $(VENV)/.installed
 	$(BIN)/python benchmarks/keys.py
+
 # a 10x flood from one of four tenants, FIFO vs fair sharing: the others' p99 latency
 bench-fairness: $(VENV)/.installed
 	$(BIN)/python benchmarks/fairness.py
+
+# a static-shape engine (sizes 1..32) on the virtual clock: padding vs cutting vs any size
+bench-sizes: $(VENV)/.installed
+	$(BIN)/python benchmarks/batch_sizes.py
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
