@@ -12,16 +12,14 @@ never clash with `f`'s own parameter names.
 from __future__ import annotations
 
 import copy
-import functools
-import inspect
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable, Sequence
 from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, overload
 
 from typing_extensions import Unpack
 
+from ._arguments import Arguments, call_with_arguments
 from ._decorator import Batched
 from ._executor import Executor
-from ._keys import batch_key
 from ._options import ProxyOptions
 
 __all__ = ["BatchedArgs", "batch_args"]
@@ -29,8 +27,6 @@ __all__ = ["BatchedArgs", "batch_args"]
 P = ParamSpec("P")
 T = TypeVar("T")
 U = TypeVar("U")
-
-_PER_CALL = ("timeout", "priority", "tenant")
 
 
 class BatchedArgs(Batched[T, U], Generic[P, T, U]):
@@ -42,33 +38,24 @@ class BatchedArgs(Batched[T, U], Generic[P, T, U]):
     ) -> None:
         if options.get("key") is not None:
             raise TypeError("@batch_args takes no key= option: the arguments are the batch key")
-        parameters = list(inspect.signature(fn).parameters.values())[instance is not None :]
-        # the item parameters: the positional-only ones (at least the first)
-        count = sum(p.kind is p.POSITIONAL_ONLY for p in parameters) or 1
-        self._count = count
-        self._rest = inspect.Signature(parameters[count:])
+        self._arguments = arguments = Arguments.of(fn, skip=instance is not None)
         self._per_call: dict[str, Any] = {}
 
-        super().__init__(_model(fn, count), options, instance)
+        super().__init__(call_with_arguments(fn, arguments.count), options, instance)
         self._fn = fn  # bound per instance by `__get__`, as for `@batch`
 
     def __call__(  # type: ignore[override]  # f's own arguments, not the options
         self, item: T, /, *args: P.args, **kwargs: P.kwargs
     ) -> Coroutine[Any, Any, U]:
-        count = self._count
-        if count > 1:  # several item parameters: the item is the tuple of their values
-            if len(args) < count - 1:
-                raise TypeError(
-                    f"{self._fn.__qualname__}() takes {count} item arguments, got {len(args) + 1}"
-                )
-            item, args = (item, *args[: count - 1]), args[count - 1 :]  # type: ignore[assignment]
-        return self.proxy.inference(item, key=self._key(args, kwargs), **self._per_call)
+        item, rest = self._arguments.item(item, args)
+        key = self._arguments.key(rest, kwargs)
+        return self.proxy.inference(item, key=key, **self._per_call)
 
     async def many(  # type: ignore[override]
         self, items: Iterable[T], /, *args: P.args, **kwargs: P.kwargs
     ) -> list[U]:
         """`Proxy.inference_many`: every item with the same arguments."""
-        key = self._key(args, kwargs)
+        key = self._arguments.key(args, kwargs)
         results: list[U] = await self.proxy.inference_many(items, key=key, **self._per_call)
         return results
 
@@ -83,55 +70,6 @@ class BatchedArgs(Batched[T, U], Generic[P, T, U]):
         configured = copy.copy(self)
         configured._per_call = {"timeout": timeout, "priority": priority, "tenant": tenant}
         return configured
-
-    def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
-        """The call's arguments after its item, by name, defaults filled in: its batch key.
-        A `TypeError` for arguments `f` does not take, or unhashable ones."""
-        try:
-            bound = self._rest.bind(*args, **kwargs)
-        except TypeError as exc:
-            extra = ", ".join(name for name in kwargs if name in _PER_CALL)
-            hint = f" (per-call options go through .options({extra}=...))" if extra else ""
-            raise TypeError(f"{self._fn.__qualname__}(): {exc}{hint}") from None
-        bound.apply_defaults()
-        for name, value in bound.arguments.items():
-            try:
-                hash(value)
-            except TypeError:
-                raise TypeError(
-                    f"{self._fn.__qualname__}(): argument {name!r} must be hashable (it is "
-                    f"the batch key), got {type(value).__name__}"
-                ) from None
-        return tuple(bound.arguments.items())
-
-
-def _model(fn: Callable[..., Any], count: int) -> Callable[..., Any]:
-    """`fn` called with (self and) a list per item parameter (`count` of them), and the
-    batch's key as its other arguments (async if `fn` is: a plain `def` runs on a worker
-    thread)."""
-
-    def arguments(head: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        *before, items = head
-        columns = (
-            (items,) if count == 1 else tuple(list(column) for column in zip(*items, strict=True))
-        )
-        return (*before, *columns), dict(batch_key() or ())  # type: ignore[call-overload]
-
-    if inspect.iscoroutinefunction(fn):
-
-        @functools.wraps(fn)
-        async def model(*head: Any) -> Any:
-            args, kwargs = arguments(head)
-            return await fn(*args, **kwargs)
-
-        return model
-
-    @functools.wraps(fn)
-    def plain(*head: Any) -> Any:
-        args, kwargs = arguments(head)
-        return fn(*args, **kwargs)
-
-    return plain
 
 
 A = TypeVar("A")

@@ -1,13 +1,18 @@
-"""`submit` and `inference_sync`: calls from plain threads, routed to the proxy's loop."""
+"""The call methods built on `Proxy.inference`: `inference_many` (a list, each item
+batched like a call of its own), `submit` and `inference_sync` (calls from plain
+threads, routed to the proxy's loop), and `with_args` (per-batch arguments for an
+`_inference` that takes them)."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import functools
-from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from collections.abc import Hashable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, overload
 
 from . import _validate
+from ._arguments import Arguments, ArgumentsKey
 from ._bridge import LoopBridge
 from ._errors import DeadlineExceeded
 
@@ -18,20 +23,22 @@ if TYPE_CHECKING:
     from ._intake import Intake
     from ._options import Options
 
-__all__ = ["ThreadCalls"]
+__all__ = ["CallForms", "WithArguments"]
 
 In = TypeVar("In")
 Out = TypeVar("Out")
 
 
-class ThreadCalls(Generic[In, Out]):
-    """The thread-safe call methods of `Proxy` (a base of it, nothing on its own)."""
+class CallForms(Generic[In, Out]):
+    """The call methods of `Proxy` built on `inference` (a base of it, nothing on its
+    own)."""
 
     if TYPE_CHECKING:  # what `Proxy` provides
         name: str
         _options: Options
         _intake: Intake[In]
         _binder: Binder[In]
+        _arguments: Arguments | None
 
         def _require_init(self) -> None: ...
         def _start_worker(self) -> None: ...
@@ -44,6 +51,95 @@ class ThreadCalls(Generic[In, Out]):
             tenant: Hashable | None = None,
             key: Hashable | None = None,
         ) -> Coroutine[Any, Any, Out]: ...
+
+    @overload
+    async def inference_many(
+        self,
+        items: Iterable[In],
+        *,
+        timeout: float | None = ...,
+        priority: int = ...,
+        tenant: Hashable | None = ...,
+        key: Hashable | None = ...,
+        return_exceptions: Literal[False] = ...,
+    ) -> list[Out]: ...
+
+    @overload
+    async def inference_many(
+        self,
+        items: Iterable[In],
+        *,
+        timeout: float | None = ...,
+        priority: int = ...,
+        tenant: Hashable | None = ...,
+        key: Hashable | None = ...,
+        return_exceptions: bool,
+    ) -> list[Out | Exception]: ...
+
+    async def inference_many(
+        self,
+        items: Iterable[In],
+        *,
+        timeout: float | None = None,
+        priority: int = 0,
+        tenant: Hashable | None = None,
+        key: Hashable | None = None,
+        return_exceptions: bool = False,
+    ) -> list[Out] | list[Out | Exception]:
+        """Queue each item as its own request; return their results in order.
+
+        The items are batched like separate calls (with each other and with
+        everyone else's). `timeout` bounds the whole call. By default the first
+        failure is raised as soon as it happens and the remaining items are
+        withdrawn; with `return_exceptions=True` failures take their item's place
+        in the list. An empty input returns `[]` without touching the model.
+        `tenant` and `key` apply to every item (see `inference`).
+        """
+        if isinstance(items, (str, bytes, bytearray, Mapping)):
+            raise TypeError(
+                f"inference_many takes an iterable of items, got {type(items).__name__}; "
+                f"wrap a single item in a list or call inference()"
+            )
+        _validate.timeout("timeout", timeout)  # checked even for no items
+        _validate.priority(priority)
+        batch = list(items)
+        if not batch:
+            return []
+        binding = self._binder.current
+        if binding is None or binding.loop is not asyncio.get_running_loop():
+            self._require_init()
+            return await self._binder.serve_elsewhere(
+                lambda: self.inference_many(
+                    batch,
+                    timeout=timeout,
+                    priority=priority,
+                    tenant=tenant,
+                    key=key,
+                    return_exceptions=return_exceptions,
+                )
+            )
+        return await self._intake.admit_many(
+            binding, batch, timeout, priority, tenant, key, return_exceptions=return_exceptions
+        )
+
+    def with_args(self, *args: Any, **kwargs: Any) -> WithArguments[In, Out]:
+        """The proxy's calls with these per-batch arguments for `_inference`.
+
+        For a subclass whose `_inference` takes keyword-only parameters after its
+        items (`_inference(self, texts, /, *, normalize=False)`): calls are batched
+        only with calls of equal arguments, and `_inference` gets them once per
+        batch. `await proxy.with_args(normalize=True).inference(text)`; a plain
+        `proxy.inference(text)` has the defaults. Checked here, before any call.
+        """
+        self._require_init()
+        arguments = self._arguments
+        if arguments is None:
+            raise TypeError(
+                f"{self.name}._inference takes no per-batch arguments: declare them as "
+                f"keyword-only parameters after its items (def _inference(self, items, /, "
+                f"*, name=default))"
+            )
+        return WithArguments(self, arguments.key(args, kwargs))
 
     def submit(
         self,
@@ -111,3 +207,72 @@ class ThreadCalls(Generic[In, Out]):
         # exits would otherwise start the thread during the exit (refused on 3.12+)
         self._start_worker()
         return self._binder.from_thread(method, call)
+
+
+class WithArguments(Generic[In, Out]):
+    """`proxy.with_args(...)`: the proxy's call methods, each call with these per-batch
+    arguments for `_inference` (its batch key). The keywords are `inference`'s."""
+
+    __slots__ = ("_key", "_proxy")
+
+    def __init__(self, proxy: CallForms[In, Out], key: ArgumentsKey) -> None:
+        self._proxy = proxy
+        self._key = key
+
+    def inference(
+        self,
+        item: In,
+        *,
+        timeout: float | None = None,
+        priority: int = 0,
+        tenant: Hashable | None = None,
+    ) -> Coroutine[Any, Any, Out]:
+        return self._proxy.inference(
+            item, timeout=timeout, priority=priority, tenant=tenant, key=self._key
+        )
+
+    async def inference_many(
+        self,
+        items: Iterable[In],
+        *,
+        timeout: float | None = None,
+        priority: int = 0,
+        tenant: Hashable | None = None,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
+        return await self._proxy.inference_many(
+            items,
+            timeout=timeout,
+            priority=priority,
+            tenant=tenant,
+            key=self._key,
+            return_exceptions=return_exceptions,
+        )
+
+    def submit(
+        self,
+        item: In,
+        *,
+        timeout: float | None = None,
+        priority: int = 0,
+        tenant: Hashable | None = None,
+    ) -> concurrent.futures.Future[Out]:
+        return self._proxy.submit(
+            item, timeout=timeout, priority=priority, tenant=tenant, key=self._key
+        )
+
+    def inference_sync(
+        self,
+        item: In,
+        *,
+        timeout: float | None = None,
+        priority: int = 0,
+        tenant: Hashable | None = None,
+    ) -> Out:
+        return self._proxy.inference_sync(
+            item, timeout=timeout, priority=priority, tenant=tenant, key=self._key
+        )
+
+    def __repr__(self) -> str:
+        arguments = ", ".join(f"{name}={value!r}" for name, value in self._key)
+        return f"<{self._proxy!r} with_args({arguments})>"

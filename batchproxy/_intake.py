@@ -22,6 +22,7 @@ from collections.abc import Callable, Hashable, Iterable
 from typing import Any, Generic, TypeVar
 
 from . import _validate
+from ._arguments import Arguments, ArgumentsKey, refuse_key
 from ._binding import Binding
 from ._dedup import MISSING, Caller, Deduplicator, ResultCache, SharedSlot
 from ._errors import DeadlineExceeded, QueueFull
@@ -51,6 +52,7 @@ class Intake(Generic[In]):
         cost: Callable[[In], int],
         streams: bool,
         keys: bool = True,
+        arguments: Arguments | None = None,
     ) -> None:
         self.name = name
         self.options = options  # the proxy's, current (it sets this when they change)
@@ -79,6 +81,14 @@ class Intake(Generic[In]):
             )
             self._dedup = settlement.dedup = Deduplicator(name, key_of, cache)
         self._key_of = options.key  # an item's batch key (`_keys`), or None
+        # the model takes per-batch arguments: they are each call's batch key
+        self._arguments = arguments
+        self._default_arguments: ArgumentsKey | TypeError | None = None
+        if arguments is not None:
+            try:
+                self._default_arguments = arguments.key((), {})
+            except TypeError as exc:  # it has required ones: every call must give them
+                self._default_arguments = exc
         self._keys = keys  # False: its run kind cannot batch by key (a generation engine)
 
     def admit(
@@ -104,7 +114,9 @@ class Intake(Generic[In]):
             priority = _validate.priority(priority)
         options = self.options
         seconds = options.timeout if timeout is None else _validate.timeout("timeout", timeout)
-        if key is None and self._key_of is not None:  # (a per-call key wins)
+        if self._arguments is not None:
+            key = self._arguments_key(item, key)
+        elif key is None and self._key_of is not None:  # (a per-call key wins)
             key = self._key_of(item)
         if tenant is not None or key is not None:  # before anything is made for the call
             self._place(binding, tenant, key)
@@ -326,6 +338,22 @@ class Intake(Generic[In]):
             clock=binding.clock,
             window=self._window,
         )
+
+    def _arguments_key(self, item: In, key: object) -> ArgumentsKey:
+        """A call's arguments for a model that takes per-batch arguments: from
+        `with_args` (its key), else the defaults; its item checked."""
+        assert self._arguments is not None
+        self._arguments.check_item(item)
+        if key is not None:
+            refuse_key(self.name, key)
+            return key  # type: ignore[return-value]  # (an ArgumentsKey: refuse_key)
+        default = self._default_arguments
+        if isinstance(default, TypeError):
+            raise TypeError(
+                f"{self.name}: {default}; give them with proxy.with_args(...).inference(item)"
+            )
+        assert default is not None
+        return default
 
     def _window(self) -> float:
         """How long a key's oldest request may be overtaken by other keys' full batches."""

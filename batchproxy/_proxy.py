@@ -25,13 +25,15 @@ import functools
 import types
 import weakref
 from abc import ABC
-from collections.abc import AsyncGenerator, Callable, Hashable, Iterable, Mapping
-from typing import Any, Literal, TypeVar, overload
+from collections.abc import AsyncGenerator, Callable, Hashable
+from typing import Any, TypeVar
 
 from typing_extensions import Self, Unpack
 
 from . import _validate
+from ._arguments import call_with_arguments, model_arguments
 from ._binding import Binder
+from ._call_forms import CallForms
 from ._errors import BatchProxyError
 from ._executor import Executor, WeakWatcher
 from ._fork import forget_threads_in_forked_children
@@ -46,7 +48,6 @@ from ._runs import ModelOutput, RunKind, Runner, current_batch
 from ._settle import Settlement
 from ._stats import Health, ProxyStats, StatsRecorder
 from ._streaming import _CLOSED, StreamRequest
-from ._thread_calls import ThreadCalls
 from ._worker_thread import WorkerThread
 
 __all__ = ["Proxy"]
@@ -58,7 +59,7 @@ _UNINITIALIZED = Lifecycle("(uninitialized)", State.UNINITIALIZED)
 _NO_BINDER: Any = types.SimpleNamespace(current=None)  # so a first call reaches _require_init
 
 
-class Proxy(ABC, ThreadCalls[In, Out]):
+class Proxy(ABC, CallForms[In, Out]):
     """Batch concurrent `await proxy.inference(item)` calls into `_inference(items)` calls.
 
     Subclass it and implement `_inference`. `batch_size` is the most items in one
@@ -94,6 +95,8 @@ class Proxy(ABC, ThreadCalls[In, Out]):
     ) -> None:
         self.name: str = _validate.name(name) or type(self).__name__
         self._options = opts = Options(batch_size=batch_size, **options)
+        # None unless `_inference` takes per-batch arguments (`with_args`)
+        self._arguments = model_arguments(type(self), self.name, opts.key is not None)
         model = self._model_function()
         kind = self._run_kind(model, offload)
         refuse_reruns(self.name, kind, opts)
@@ -113,6 +116,7 @@ class Proxy(ABC, ThreadCalls[In, Out]):
             cost=self._cost,
             streams=kind.streams,
             keys=not kind.admits_itself,
+            arguments=self._arguments,
         )
         self._runner: Runner[In] = Runner(
             name=self.name,
@@ -156,8 +160,12 @@ class Proxy(ABC, ThreadCalls[In, Out]):
         raise NotImplementedError  # __init__ refuses a proxy without a model
 
     def _model_function(self) -> Callable[[list[In]], Any]:
-        """What a batch calls; `_inference` unless a subclass supplies another callable."""
-        return self._inference
+        """What a batch calls; `_inference` unless a subclass supplies another callable
+        (or `_inference` with its per-batch arguments, if it takes them)."""
+        arguments = self._arguments
+        if arguments is None:
+            return self._inference
+        return call_with_arguments(self._inference, arguments.count)
 
     def _run_kind(self, model: Callable[..., Any], offload: object) -> RunKind:
         """How this proxy's batches run: streams for a generator model, else batches."""
@@ -380,76 +388,6 @@ class Proxy(ABC, ThreadCalls[In, Out]):
             future.result()  # the stream's error, if it failed
         finally:
             self._intake.end_stream(binding, request, read_to_the_end=over)
-
-    @overload
-    async def inference_many(
-        self,
-        items: Iterable[In],
-        *,
-        timeout: float | None = ...,
-        priority: int = ...,
-        tenant: Hashable | None = ...,
-        key: Hashable | None = ...,
-        return_exceptions: Literal[False] = ...,
-    ) -> list[Out]: ...
-
-    @overload
-    async def inference_many(
-        self,
-        items: Iterable[In],
-        *,
-        timeout: float | None = ...,
-        priority: int = ...,
-        tenant: Hashable | None = ...,
-        key: Hashable | None = ...,
-        return_exceptions: bool,
-    ) -> list[Out | Exception]: ...
-
-    async def inference_many(
-        self,
-        items: Iterable[In],
-        *,
-        timeout: float | None = None,
-        priority: int = 0,
-        tenant: Hashable | None = None,
-        key: Hashable | None = None,
-        return_exceptions: bool = False,
-    ) -> list[Out] | list[Out | Exception]:
-        """Queue each item as its own request; return their results in order.
-
-        The items are batched like separate calls (with each other and with
-        everyone else's). `timeout` bounds the whole call. By default the first
-        failure is raised as soon as it happens and the remaining items are
-        withdrawn; with `return_exceptions=True` failures take their item's place
-        in the list. An empty input returns `[]` without touching the model.
-        `tenant` and `key` apply to every item (see `inference`).
-        """
-        if isinstance(items, (str, bytes, bytearray, Mapping)):
-            raise TypeError(
-                f"inference_many takes an iterable of items, got {type(items).__name__}; "
-                f"wrap a single item in a list or call inference()"
-            )
-        _validate.timeout("timeout", timeout)  # checked even for no items
-        _validate.priority(priority)
-        batch = list(items)
-        if not batch:
-            return []
-        binding = self._binder.current
-        if binding is None or binding.loop is not asyncio.get_running_loop():
-            self._require_init()
-            return await self._binder.serve_elsewhere(
-                lambda: self.inference_many(
-                    batch,
-                    timeout=timeout,
-                    priority=priority,
-                    tenant=tenant,
-                    key=key,
-                    return_exceptions=return_exceptions,
-                )
-            )
-        return await self._intake.admit_many(
-            binding, batch, timeout, priority, tenant, key, return_exceptions=return_exceptions
-        )
 
     # -- observation ---------------------------------------------------------------------
 
