@@ -95,7 +95,9 @@ async def test_required_arguments_must_be_given() -> None:
             return [x * factor for x in xs]
 
     p = Scaled(batch_size=4)
-    with pytest.raises(TypeError, match=r"missing a required argument: 'factor'.*with_args"):
+    with pytest.raises(
+        TypeError, match=r"missing a required (keyword-only )?argument: 'factor'.*with_args"
+    ):
         await p.inference(1.0)
     assert await p.with_args(factor=3.0).inference(2.0) == 6.0
     await p.aclose()
