@@ -69,7 +69,7 @@ from ._lifecycle import Lifecycle
 from ._listeners import Listeners
 from ._oom import BatchCap
 from ._options import Options
-from ._queue import Request, RequestQueue
+from ._queue import Request
 from ._reruns import call_with_reruns
 from ._scheduler import Limits, Scheduler
 from ._settle import Settlement, caller_error
@@ -172,16 +172,11 @@ class Runner(Generic[In]):
         predicts = slots > 1 or options.shed_late
         return size, options.max_delay, slots, options.adaptive, options.aging, predicts
 
-    def new_queue(self) -> RequestQueue[In]:
-        """The queue of a new binding's scheduler."""
-        return RequestQueue(self.options.aging)
-
     def new_scheduler(self, binding: Binding[In]) -> Scheduler[In]:
         """The scheduler of a new binding, starting this proxy's batches there."""
         size, delay, slots, adaptive, aging, predicts = self.limits()
         return Scheduler(
             binding.loop,
-            queue=self.new_queue(),
             batch_size=size,
             max_delay=delay,
             max_concurrent_batches=slots,

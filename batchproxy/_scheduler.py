@@ -140,7 +140,6 @@ class Scheduler(Generic[T]):
         self,
         loop: asyncio.AbstractEventLoop,
         *,
-        queue: Queue[T] | None = None,
         batch_size: int,
         max_delay: float,
         max_concurrent_batches: int,
@@ -157,7 +156,8 @@ class Scheduler(Generic[T]):
     ) -> None:
         self.loop = loop
         self.name = name  # the proxy's, in the log lines
-        self.queue: Queue[T] = RequestQueue(aging) if queue is None else queue
+        # a plain queue; `_placement` changes its shape once calls name tenants or keys
+        self.queue: Queue[T] = RequestQueue(aging)
         self.in_flight = 0
         self._batch_size = batch_size
         self._max_delay = max_delay
