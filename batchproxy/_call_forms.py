@@ -17,7 +17,7 @@ from ._bridge import LoopBridge
 from ._errors import DeadlineExceeded
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Coroutine
+    from collections.abc import Coroutine
 
     from ._binding import Binder
     from ._intake import Intake
@@ -158,10 +158,7 @@ class CallForms(Generic[In, Out]):
         refused: blocking on the future would deadlock. The keywords are
         `inference`'s.
         """
-        call = functools.partial(
-            self.inference, item, timeout=timeout, priority=priority, tenant=tenant, key=key
-        )
-        future, _ = self._from_thread("submit", call)
+        future, _ = self._from_thread("submit", item, timeout, priority, tenant, key)
         return future
 
     def inference_sync(
@@ -185,10 +182,7 @@ class CallForms(Generic[In, Out]):
         seconds = (
             self._options.timeout if timeout is None else _validate.timeout("timeout", timeout)
         )
-        call = functools.partial(
-            self.inference, item, timeout=timeout, priority=priority, tenant=tenant, key=key
-        )
-        future, bridge = self._from_thread("inference_sync", call)
+        future, bridge = self._from_thread("inference_sync", item, timeout, priority, tenant, key)
         # the proxy's loop enforces the deadline; the extra wait here only guards
         # against a loop too busy to answer at all
         if bridge is not None and not bridge.wait(
@@ -199,13 +193,23 @@ class CallForms(Generic[In, Out]):
         return future.result()
 
     def _from_thread(
-        self, method: str, call: Callable[[], Coroutine[Any, Any, Out]]
+        self,
+        method: str,
+        item: In,
+        timeout: float | None,
+        priority: int,
+        tenant: Hashable | None,
+        key: Hashable | None,
     ) -> tuple[concurrent.futures.Future[Out], LoopBridge | None]:
+        """Route an `inference` call from a plain thread (`submit`, `inference_sync`)."""
         self._require_init()
         self._intake.refuse_own_model(self._binder.current, method)
         # here, in the caller's thread: a first call made just before the interpreter
         # exits would otherwise start the thread during the exit (refused on 3.12+)
         self._start_worker()
+        call = functools.partial(
+            self.inference, item, timeout=timeout, priority=priority, tenant=tenant, key=key
+        )
         return self._binder.from_thread(method, call)
 
 
