@@ -43,7 +43,8 @@ __all__ = ["MISSING", "Caller", "Deduplicator", "ResultCache", "SharedSlot"]
 
 T = TypeVar("T")
 
-_MISSING: Any = object()
+MISSING: Any = object()
+"""What `Deduplicator.cached` returns when nothing is cached for a key."""
 _PRUNE_SLACK = 16  # callers that left, kept in a slot's list before it is pruned
 
 
@@ -76,14 +77,14 @@ class ResultCache:
         self._entries: OrderedDict[Hashable, tuple[float, Any]] = OrderedDict()
 
     def get(self, key: Hashable, now: float) -> Any:
-        """The result stored for `key`, or `_MISSING` (never stored, evicted, expired)."""
+        """The result stored for `key`, or `MISSING` (never stored, evicted, expired)."""
         entry = self._entries.get(key)
         if entry is None:
-            return _MISSING
+            return MISSING
         stored, result = entry
         if self.ttl is not None and now - stored >= self.ttl:
             del self._entries[key]
-            return _MISSING
+            return MISSING
         self._entries.move_to_end(key)
         return result
 
@@ -93,9 +94,6 @@ class ResultCache:
         entries.move_to_end(key)
         if len(entries) > self.size:
             entries.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
 
 class Deduplicator(Generic[T]):
@@ -130,7 +128,7 @@ class Deduplicator(Generic[T]):
 
     def cached(self, key: Hashable, now: float) -> Any:
         """The cached result for `key`, or `MISSING`."""
-        return _MISSING if self.cache is None else self.cache.get(key, now)
+        return MISSING if self.cache is None else self.cache.get(key, now)
 
     def slot_for(self, key: Hashable, loop: asyncio.AbstractEventLoop) -> SharedSlot[T] | None:
         """The slot in flight for `key` on `loop`, if any."""
@@ -228,10 +226,6 @@ class Deduplicator(Generic[T]):
     def _forget(self, slot: SharedSlot[T]) -> None:
         if self.inflight.get(slot.dedup_key) is slot:
             del self.inflight[slot.dedup_key]
-
-
-MISSING = _MISSING
-"""What `Deduplicator.cached` returns when nothing is cached for a key."""
 
 
 def _ahead(caller: Request[Any], slot: Request[Any]) -> bool:
