@@ -128,8 +128,12 @@ def build_model(
     seed: int = 0,
     initializer_range: float = 0.1,
     dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
 ) -> GPT2LMHeadModel:
-    """A GPT-2 with random weights from `seed` (eval mode, CPU).
+    """A GPT-2 with random weights from `seed` (eval mode, on `device`).
+
+    The weights are drawn on the CPU, then moved, so a seed gives the same model on
+    every device.
 
     The output head is not tied to the input embedding: with tied random weights the
     likeliest next token is nearly always the current one, and every stream would
@@ -150,7 +154,7 @@ def build_model(
     model = GPT2LMHeadModel(config)
     # torch's own `to` and `train`: transformers' overrides (which only add checks for
     # quantized models) carry no type annotations mypy can use
-    torch.nn.Module.to(model, dtype=dtype)
+    torch.nn.Module.to(model, device=device, dtype=dtype)
     torch.nn.Module.train(model, False)  # eval mode
     return model
 
@@ -164,7 +168,7 @@ def greedy_decode(
     """
     out: list[int] = []
     cache = DynamicCache()
-    tokens = torch.tensor([list(ids)])
+    tokens = torch.tensor([list(ids)], device=model.device)
     with torch.inference_mode():
         while len(out) < max_new_tokens:
             logits = model(input_ids=tokens, past_key_values=cache, use_cache=True).logits
@@ -172,7 +176,7 @@ def greedy_decode(
             out.append(token)
             if token == eos:
                 break
-            tokens = torch.tensor([[token]])
+            tokens = torch.tensor([[token]], device=model.device)
     return out
 
 
@@ -295,10 +299,16 @@ def _real(lengths: torch.Tensor, columns: int) -> torch.Tensor:
 
 
 class Engine:
-    """Batched forward passes over a `KV`: prefill newcomers, one decode step for all."""
+    """Batched forward passes over a `KV`: prefill newcomers, one decode step for all.
+
+    The cache buffers and the model's inputs are on the model's device; the row
+    bookkeeping (`KV.lengths`, row indexes) stays on the CPU, so it costs no device
+    round trip.
+    """
 
     def __init__(self, model: GPT2LMHeadModel) -> None:
         self.model = model
+        self.device = model.device
         config = model.config
         self.max_positions: int = config.n_positions
         """The most tokens a sequence can hold: its prompt plus its new tokens."""
@@ -316,10 +326,13 @@ class Engine:
         positions = (torch.arange(columns) - (columns - lengths[:, None])).clamp(min=0)
         layers, heads, head_dim = self._shape
         shape = (len(prompts), heads, columns + SPARE, head_dim)
-        dtype = self.model.dtype
+        dtype, device = self.model.dtype, self.device
         # every column up to `columns` gets written (padding included), the rest is spare
         buffers = [
-            (torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype))
+            (
+                torch.empty(shape, dtype=dtype, device=device),
+                torch.empty(shape, dtype=dtype, device=device),
+            )
             for _ in range(layers)
         ]
         empty = KV(buffers, torch.zeros(len(prompts), dtype=torch.long), 0)
@@ -339,11 +352,12 @@ class Engine:
         cache = DynamicCache()
         cache.layers.extend(layers)
         columns = kv.columns + ids.shape[1]
+        device = self.device
         with torch.inference_mode():
             out = self.model(
-                input_ids=ids,
-                position_ids=positions,
-                attention_mask=_real(lengths, columns),
+                input_ids=ids.to(device, non_blocking=True),
+                position_ids=positions.to(device, non_blocking=True),
+                attention_mask=_real(lengths, columns).to(device, non_blocking=True),
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
