@@ -35,6 +35,7 @@ FULL_SUITE_ONLY = {
     "test_examples_tensors.py": "torch, transformers",
     "test_fuzz.py": "torch",
     "test_generation_example.py": "torch, transformers, a server",
+    "test_gpu_sections.py": "torch, transformers",
     "test_integration_aiohttp.py": "aiohttp",
     "test_integration_fastapi.py": "a server",
     "test_otel.py": "a server, the OpenTelemetry SDK",

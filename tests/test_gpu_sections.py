@@ -1,0 +1,52 @@
+"""The GPU benchmark's sections (`benchmarks/_gpu_generation.py`, `benchmarks/_gpu_graphs.py`)
+run end to end in their quick CPU mode, so the one run on a rented GPU does not fail on
+something a CPU would have shown. Numbers are not checked, only that each section
+returns its result (the CPU has no graphs) and that float32 streams match."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+
+def arguments(tmp_path: Path, device: str = "cpu") -> argparse.Namespace:
+    return argparse.Namespace(device=device, quick=True, dtype="float32", out=tmp_path)
+
+
+def test_generation_section_runs_on_the_cpu(tmp_path: Path) -> None:
+    section = importlib.import_module("_gpu_generation")
+    result = section.run(arguments(tmp_path))
+    json.dumps(result)  # JSON-able
+    assert result["error"] is None
+    assert result["streams_compared"] == section.QUICK.reference
+    assert result["streams_equal"] == result["streams_compared"]  # float32: all of them
+    assert [side["side"] for side in result["sides"]] == ["no batching", "continuous"]
+    assert all(side["tokens_per_s"] > 0 for side in result["sides"])
+
+
+def test_graphs_section_runs_on_the_cpu_without_graphs(tmp_path: Path) -> None:
+    section = importlib.import_module("_gpu_graphs")
+    result = section.run(arguments(tmp_path))
+    json.dumps(result)
+    assert result["graphs"] is False
+    assert result["capture_errors"] == []
+    assert [side["side"] for side in result["sides"]] == ["any size", "fixed sizes"]
+    assert all(side["items_per_s"] > 0 for side in result["sides"])
+    assert result["max_output_difference"] < 1e-3  # the same model, other padding
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphs_section_captures_on_cuda(tmp_path: Path) -> None:
+    section = importlib.import_module("_gpu_graphs")
+    result = section.run(arguments(tmp_path, "cuda"))
+    assert result["graphs"] is True, result["capture_errors"]
