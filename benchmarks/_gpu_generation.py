@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import statistics
 import sys
 import time
@@ -83,10 +82,8 @@ QUICK = Sizes(
 
 
 def worker_thread(device: str) -> WorkerThread:
-    """The model's thread: bound to the device where `WorkerThread` takes one."""
-    if device == "cuda" and "device" in inspect.signature(WorkerThread).parameters:
-        return WorkerThread(name="gpu-generation", device="cuda:0")  # type: ignore[call-arg]
-    return WorkerThread(name="gpu-generation")
+    """The model's thread: on CUDA, bound to the GPU, with a stream of its own."""
+    return WorkerThread(name="gpu-generation", device="cuda:0" if device == "cuda" else None)
 
 
 def synchronize(device: str) -> None:

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import random
 import sys
 import time
@@ -129,8 +128,9 @@ class Graphs:
 
     `capture(size)` and `__call__` must run on the thread that runs `_forward`: the
     graphs replay on its current stream. `__call__` copies the batch into the static
-    input buffers, replays, and returns a CPU copy of the static output (the next
-    replay overwrites it).
+    input buffers, replays, and returns the static output buffer itself: the next
+    replay overwrites it, so the caller must copy it out before then, on the same
+    stream (as `TensorProxy(output_device="cpu")` does right after `_forward`).
     """
 
     def __init__(self, encode: Encode, device: torch.device) -> None:
@@ -169,7 +169,7 @@ class Graphs:
         static_ids.copy_(ids, non_blocking=True)
         static_mask.copy_(mask, non_blocking=True)
         graph.replay()
-        return out.float().cpu()
+        return out
 
 
 def prepare_graphs(model: BertModel, device: str) -> tuple[Graphs | None, str, list[str]]:
@@ -191,7 +191,7 @@ def prepare_graphs(model: BertModel, device: str) -> tuple[Graphs | None, str, l
             mask_[1:, 64:] = False
             with torch.inference_mode():
                 eager = encode(ids, mask_).float().cpu()
-            difference = float((graphs(ids, mask_) - eager).abs().max())
+            difference = float((graphs(ids, mask_).float().cpu() - eager).abs().max())
             print(
                 f"  captured {len(SIZES)} graphs ({implementation} attention, {mask} mask); "
                 f"replay vs eager: max |difference| {difference:.2e}",
@@ -203,20 +203,27 @@ def prepare_graphs(model: BertModel, device: str) -> tuple[Graphs | None, str, l
             errors.append(message)
             print(f"  capture failed: {message}", flush=True)
             traceback.print_exc(limit=3)
-            torch.cuda.synchronize()
+            try:
+                torch.cuda.synchronize()
+            except Exception as sync_error:  # a broken capture may leave an error behind
+                errors.append(f"after {implementation}/{mask}: {sync_error}")
     set_attention(model, "sdpa")
     return None, "", errors
 
 
 class Encoder(TensorProxy[torch.Tensor, torch.Tensor]):
-    """`[CLS]` vectors of token-id items: `encode` on each batch, or `graphs` when set."""
+    """`[CLS]` vectors of token-id items: `encode` on each batch, or `graphs` when set.
+
+    The outputs go to the CPU (`output_device`, a copy started on the model's stream
+    right after `_forward`, before the next replay can overwrite a graph's output).
+    """
 
     def __init__(
         self, encode: Encode, graphs: Graphs | None = None, *, fixed: bool, **options: Any
     ) -> None:
         if fixed:
             options.update(batch_sizes=SIZES, pad_to_multiple_of=LENGTH)
-        super().__init__(max(SIZES), **options)
+        super().__init__(max(SIZES), output_device="cpu", **options)
         self.encode = encode
         self.graphs = graphs
 
@@ -226,17 +233,14 @@ class Encoder(TensorProxy[torch.Tensor, torch.Tensor]):
         mask = batch.mask
         if mask is None:  # nothing was padded
             mask = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
-        if self.graphs is not None:
-            return self.graphs(ids, mask)
         with torch.inference_mode():
-            return self.encode(ids, mask).float().cpu()
+            out = self.graphs(ids, mask) if self.graphs is not None else self.encode(ids, mask)
+            return out.float()
 
 
 def worker_thread(device: str) -> WorkerThread:
-    """The model's thread: bound to the device where `WorkerThread` takes one."""
-    if device == "cuda" and "device" in inspect.signature(WorkerThread).parameters:
-        return WorkerThread(name="gpu-graphs", device="cuda:0")  # type: ignore[call-arg]
-    return WorkerThread(name="gpu-graphs")
+    """The model's thread: on CUDA, bound to the GPU, with a stream of its own."""
+    return WorkerThread(name="gpu-graphs", device="cuda:0" if device == "cuda" else None)
 
 
 def items(count: int, config: Config, seed: int = 0) -> list[torch.Tensor]:
