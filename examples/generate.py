@@ -56,15 +56,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from fastapi import Depends, FastAPI, HTTPException
-from pydantic import BaseModel, Field
-from sse_starlette import EventSourceResponse, ServerSentEvent
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 from transformers.cache_utils import DynamicLayer
 from typing_extensions import override
 
 from batchproxy import GenerationProxy, Last, Proxy, Step
-from batchproxy.integrations.fastapi import Serving, install
+
+try:  # the service's packages: the model, the engine and the generators need none of them
+    from fastapi import Depends, FastAPI, HTTPException
+    from pydantic import BaseModel, Field
+    from sse_starlette import EventSourceResponse, ServerSentEvent
+
+    from batchproxy.integrations.fastapi import Serving, install
+except ImportError as missing:  # (e.g. on a GPU machine with torch and transformers only)
+    _SERVICE_MISSING: ImportError | None = missing
+else:
+    _SERVICE_MISSING = None
 
 __all__ = [
     "EOS",
@@ -535,11 +542,13 @@ class StaticGenerator(Proxy[Prompt, int]):
             chunks = batch.step(keep, [])
 
 
-class GenerateRequest(BaseModel):
-    """The body of `POST /generate`."""
+if _SERVICE_MISSING is None:
 
-    prompt: str = Field(min_length=1, max_length=1000)
-    max_new_tokens: int = Field(default=32, ge=1, le=256)
+    class GenerateRequest(BaseModel):
+        """The body of `POST /generate`."""
+
+        prompt: str = Field(min_length=1, max_length=1000)
+        max_new_tokens: int = Field(default=32, ge=1, le=256)
 
 
 SHUTDOWN_GRACE = 30.0
@@ -576,6 +585,10 @@ def create_app(generator: Gpt2Generator | None = None) -> FastAPI:
     """The streaming service around `generator` (default: a `Gpt2Generator` on
     `build_model()`); the app starts it and closes it at shutdown, answers its
     errors (a full queue 503 with `Retry-After`) and serves `/livez` and `/readyz`."""
+    if _SERVICE_MISSING is not None:
+        raise ImportError(
+            f"the service needs fastapi, pydantic and sse-starlette: {_SERVICE_MISSING}"
+        ) from _SERVICE_MISSING
     serving = Serving(generator or Gpt2Generator(build_model(), max_queue_size=256))
     app = FastAPI(title="batchproxy generation", lifespan=serving.lifespan)
     install(app, serving)
