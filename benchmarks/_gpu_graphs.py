@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import sys
 import time
@@ -461,7 +462,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu"))
-    run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    result = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu_graphs.json").write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 
