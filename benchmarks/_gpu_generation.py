@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,23 @@ QUICK = Sizes(
 def worker_thread(device: str) -> WorkerThread:
     """The model's thread: on CUDA, bound to the GPU, with a stream of its own."""
     return WorkerThread(name="gpu-generation", device="cuda:0" if device == "cuda" else None)
+
+
+@contextlib.contextmanager
+def no_cudnn_attention(device: str) -> Iterator[None]:
+    """Without cuDNN's attention while the section runs (restored after): torch may pick
+    it for float16/bfloat16 on Hopper, and it builds an execution plan per new shape, some
+    30 ms each, so every step whose key length is new (every decode step, every new
+    padded length) would pay for one."""
+    if device != "cuda":
+        yield
+        return
+    enabled = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(enabled)
 
 
 def synchronize(device: str) -> None:
@@ -220,7 +238,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     start = time.perf_counter()
     prompts = gen.workload(config)
-    runs, costs, built = asyncio.run(measure(args, sizes, prompts))
+    with no_cudnn_attention(args.device):
+        runs, costs, built = asyncio.run(measure(args, sizes, prompts))
     reference: list[list[int] | None] = [*runs["no batching"][0].streams]
     reference += [None] * (len(prompts) - len(reference))
     summaries = [
@@ -279,6 +298,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "match_expected": exact,
         "first_differing_token": sorted(first_differences),
         "error": error,
+        "cudnn_attention": False if args.device == "cuda" else None,
         "sides": summaries,
     }
     result["plot"] = plot(args.out, summaries, f"{model_name}, {args.dtype}, {device_name}")

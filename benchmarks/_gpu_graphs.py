@@ -36,12 +36,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -129,7 +130,7 @@ class Graphs:
 
     `capture(size)` and `__call__` must run on the thread that runs `_forward`: the
     graphs replay on its current stream. `__call__` copies the batch into the static
-    input buffers, replays, and returns the static output buffer itself: the next
+    input buffers (padded to LENGTH), replays, and returns the static output buffer itself: the next
     replay overwrites it, so the caller must copy it out before then, on the same
     stream (as `TensorProxy(output_device="cpu")` does right after `_forward`).
     """
@@ -167,8 +168,13 @@ class Graphs:
         if size not in self.graphs:
             self.capture(size)
         graph, static_ids, static_mask, out = self.graphs[size]
-        static_ids.copy_(ids, non_blocking=True)
-        static_mask.copy_(mask, non_blocking=True)
+        # a batch whose items are all as long is not padded: shorter than LENGTH
+        length = ids.shape[1]
+        static_ids[:, :length].copy_(ids, non_blocking=True)
+        static_mask[:, :length].copy_(mask, non_blocking=True)
+        if length < LENGTH:
+            static_ids[:, length:] = 0
+            static_mask[:, length:] = False
         graph.replay()
         return out
 
@@ -242,6 +248,23 @@ class Encoder(TensorProxy[torch.Tensor, torch.Tensor]):
 def worker_thread(device: str) -> WorkerThread:
     """The model's thread: on CUDA, bound to the GPU, with a stream of its own."""
     return WorkerThread(name="gpu-graphs", device="cuda:0" if device == "cuda" else None)
+
+
+@contextlib.contextmanager
+def no_cudnn_attention(device: str) -> Iterator[None]:
+    """Without cuDNN's attention while the section runs (restored after): torch may pick
+    it for float16/bfloat16 on Hopper, and it builds an execution plan per new shape, some
+    30 ms each, so every step whose key length is new (every decode step, every new
+    padded length) would pay for one."""
+    if device != "cuda":
+        yield
+        return
+    enabled = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(enabled)
 
 
 def items(count: int, config: Config, seed: int = 0) -> list[torch.Tensor]:
@@ -422,7 +445,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         flush=True,
     )
     start = time.perf_counter()
-    result = asyncio.run(measure(args, config))
+    with no_cudnn_attention(args.device):
+        result = asyncio.run(measure(args, config))
     sides = {s["side"]: s for s in result["sides"]}
     fixed, free = sides["fixed sizes"], sides["any size"]
     print()
@@ -445,6 +469,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         batch_sizes=list(SIZES),
         sequence_length=LENGTH,
         clients=CLIENTS,
+        cudnn_attention=False if args.device == "cuda" else None,
         batchproxy=batchproxy.__version__,
         fixed_over_any_lone_p50=free["lone_p50_ms"] / fixed["lone_p50_ms"],
         fixed_over_any_items_per_s=fixed["items_per_s"] / free["items_per_s"],
