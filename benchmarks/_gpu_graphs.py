@@ -74,7 +74,7 @@ class Config:
     min_length: int
 
 
-FULL = Config(layers=12, hidden=768, heads=12, lone=50, per_client=8, repetitions=2, min_length=8)
+FULL = Config(layers=12, hidden=768, heads=12, lone=50, per_client=16, repetitions=2, min_length=8)
 QUICK = Config(layers=2, hidden=128, heads=2, lone=20, per_client=1, repetitions=1, min_length=8)
 
 Encode = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
