@@ -97,7 +97,7 @@ def no_cudnn_attention(device: str) -> Iterator[None]:
     if device != "cuda":
         yield
         return
-    enabled = torch.backends.cuda.cudnn_sdp_enabled()
+    enabled = torch.backends.cuda.cudnn_sdp_enabled()  # type: ignore[no-untyped-call]
     torch.backends.cuda.enable_cudnn_sdp(False)
     try:
         yield

@@ -26,8 +26,8 @@ starts (and a size still missing would be captured by its first batch).
 
 Measured per side: a lone request's latency (p50, p99 over `lone` sequential calls)
 and the throughput of 150 concurrent coroutines, each sending `per_client` requests
-in turn (items/s); the two sides take turns, `repetitions` times. Also reported: the
-largest difference between the two sides' outputs for the same items.
+in turn (items/s, the best run); the two sides take turns, `repetitions` times. Also
+reported: the largest difference between the two sides' outputs for the same items.
 
     python benchmarks/_gpu_graphs.py --device cpu --quick   # a test run
 """
@@ -147,7 +147,7 @@ class Graphs:
         mask = torch.ones(size, LENGTH, dtype=torch.bool, device=self.device)
         current = torch.cuda.current_stream(self.device)
         with torch.inference_mode():
-            side = torch.cuda.Stream(self.device)
+            side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
             side.wait_stream(current)
             with torch.cuda.stream(side):  # warm-up: lazy initialisations, autotuning
                 for _ in range(3):
@@ -259,7 +259,7 @@ def no_cudnn_attention(device: str) -> Iterator[None]:
     if device != "cuda":
         yield
         return
-    enabled = torch.backends.cuda.cudnn_sdp_enabled()
+    enabled = torch.backends.cuda.cudnn_sdp_enabled()  # type: ignore[no-untyped-call]
     torch.backends.cuda.enable_cudnn_sdp(False)
     try:
         yield
@@ -362,7 +362,7 @@ async def measure(args: argparse.Namespace, config: Config) -> dict[str, Any]:
                 await proxy.aclose()
     sides = []
     for side, sample in samples.items():
-        count = counts[side]
+        counted = counts[side]
         sides.append(
             {
                 "side": side,
@@ -372,9 +372,9 @@ async def measure(args: argparse.Namespace, config: Config) -> dict[str, Any]:
                 "items_per_s": max(sample["items_per_s"]),
                 "items_per_s_runs": sample["items_per_s"],
                 # of the throughput runs
-                "batches": count["batches"],
-                "mean_batch": count["items"] / count["batches"] if count["batches"] else 0.0,
-                "padded_rows": count["padded_rows"],
+                "batches": counted["batches"],
+                "mean_batch": counted["items"] / counted["batches"] if counted["batches"] else 0.0,
+                "padded_rows": counted["padded_rows"],
             }
         )
     return {
