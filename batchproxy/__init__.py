@@ -38,6 +38,7 @@ from ._listeners import Listener
 from ._options import Options
 from ._process_workers import ProcessWorkers, WorkersStats
 from ._proxy import Proxy
+from ._staged import StagedModel
 from ._stats import Health, Percentiles, ProxyStats
 from ._streaming import END, Last, StreamEnd
 from ._worker_thread import WorkerThread
@@ -77,6 +78,7 @@ __all__ = [
     "ProxyStats",
     "QueueFull",
     "Slot",
+    "StagedModel",
     "Step",
     "StreamBufferFull",
     "StreamEnd",

@@ -15,6 +15,7 @@ caller fails. Only a proxy with one of these options on comes here
 from __future__ import annotations
 
 import logging
+import traceback
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -57,6 +58,10 @@ async def call_with_reruns(
         oom = options.is_oom is not None and options.is_oom(exc)
         if not (oom or options.isolate_errors):
             raise
+        # the traceback holds the failed call's finished frames, and through their locals
+        # what it had allocated (a forward pass's activations, on a GPU): let go of them
+        # now, not after the re-runs below, which would otherwise run short of memory too
+        traceback.clear_frames(exc.__traceback__)
         if len(items) == 1:
             return [exc], False
         half = (len(items) + 1) // 2

@@ -6,6 +6,12 @@ gets its error as its result (that caller alone fails); the rest are
 collated (`tensors.collate`), moved to `device` if one is set, passed to
 `_forward`, and its outputs are split back to one per item (`tensors.split`),
 un-padded where they carry the padded sequence axis.
+
+A plain `def _forward` runs as a `StagedModel` (prepare: validate, collate, pad,
+start the copy to `device`; compute: `_forward`, start the copy back to
+`output_device`; finish: wait for the device, split), which a `WorkerThread`
+with `overlap` pipelines. Between the stages, CUDA events order the copies and
+the model across the threads' streams.
 """
 
 from __future__ import annotations
@@ -19,8 +25,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from . import _validate, tensors
+from ._devices import torch_device
 from ._proxy import Proxy
 from ._sizes import BatchSizes
+from ._staged import StagedModel
 from ._tensor_items import _problems
 from ._tensor_rows import first_rows, pad_rows
 from .tensors import Collated, PaddingSide
@@ -54,6 +62,11 @@ class TensorProxy(Proxy[In, Out]):
       (`"cuda:zz"`) is a `ValueError` here; a valid one this machine lacks
       (`"cuda:0"` without CUDA) is accepted, and each batch then fails with
       torch's error when it is moved there.
+    - `output_device`: where each caller's result is put (`"cpu"`): the batch's
+      torch outputs are copied there once (non-blocking, into pinned memory from
+      a GPU), then split. `None` (the default) leaves them where `_forward` put
+      them: each caller then gets a slice of the device tensor, ready to use (the
+      batch's device work has finished when a result is handed out).
     - `length_aware`: form batches of items of similar length, so less padding
       is computed. Either way each item's cost is `tensors.length` (pass
       `length=` to change it), which `max_batch_tokens` and the padding stats use.
@@ -78,6 +91,7 @@ class TensorProxy(Proxy[In, Out]):
         padding_side: PaddingSide = "right",
         pad_to_multiple_of: int | None = None,
         device: str | torch.device | None = None,
+        output_device: str | torch.device | None = None,
         length_aware: bool = True,
         **options: Any,
     ) -> None:
@@ -87,7 +101,8 @@ class TensorProxy(Proxy[In, Out]):
         self._pad_to_multiple_of = _validate.optional_count(
             "pad_to_multiple_of", pad_to_multiple_of
         )
-        self._device = _torch_device(device)
+        self._device = torch_device("device", device)
+        self._output_device = torch_device("output_device", output_device)
         options.setdefault("length", tensors.length)  # costs for max_batch_tokens and stats
         if "pad_item" in options:
             raise TypeError(
@@ -117,22 +132,16 @@ class TensorProxy(Proxy[In, Out]):
         return result
 
     def _model_function(self) -> Callable[[list[In]], Any]:
-        """A plain callable for a plain `_forward` (so it runs on the worker thread), else
-        a coroutine function."""
+        """A `StagedModel` for a plain `_forward` (so it runs on the worker thread, and
+        pipelines on an overlapping one), else a coroutine function."""
         if inspect.iscoroutinefunction(self._forward):
             return self._run_async
-        return self._run_sync
-
-    def _run_sync(self, items: list[In], /) -> list[Any]:
-        batch = self._prepare(items)
-        if batch.padded is not None:
-            batch.deliver(self._forward(batch.padded))
-        return batch.results
+        return _Stages(self)
 
     async def _run_async(self, items: list[In], /) -> list[Any]:
         batch = self._prepare(items)
         if batch.padded is not None:
-            batch.deliver(await self._forward(batch.padded))
+            batch.deliver(_move_outputs(await self._forward(batch.padded), self._output_device))
         return batch.results
 
     def _prepare(self, items: list[In]) -> _Batch:
@@ -160,6 +169,46 @@ class TensorProxy(Proxy[In, Out]):
         return _Batch(results, valid, collated, padded)
 
 
+class _Stages(StagedModel):
+    """A `TensorProxy` batch with a plain `_forward`, in the three stages of a
+    `StagedModel`; the `_Batch` travels from one stage to the next.
+
+    With a CUDA `device` (or outputs on one), an event recorded on the preparing
+    thread's stream after the copies is waited for on the model thread's stream
+    before `_forward`, and one recorded after the model (and the copy back) is
+    waited for by `finish`: the stages may run on different threads and streams.
+    """
+
+    __slots__ = ("_proxy",)
+
+    def __init__(self, proxy: TensorProxy[Any, Any]) -> None:
+        self._proxy = proxy
+
+    def prepare(self, items: list[Any], /) -> _Batch:
+        batch = self._proxy._prepare(items)
+        if batch.padded is not None and _on_cuda(self._proxy._device):
+            batch.ready = _record_event()
+        return batch
+
+    def compute(self, batch: _Batch, /) -> _Batch:
+        if batch.padded is None:
+            return batch
+        if batch.ready is not None:
+            _wait_on_this_stream(batch.ready, batch.padded)
+        proxy = self._proxy
+        batch.outputs = _move_outputs(proxy._forward(batch.padded), proxy._output_device)
+        if batch.ready is not None or _on_cuda(proxy._output_device):
+            batch.done = _record_event()
+        return batch
+
+    def finish(self, batch: _Batch, /) -> list[Any]:
+        if batch.done is not None:
+            batch.done.synchronize()  # the model and the copy back have run
+        if batch.padded is not None:
+            batch.deliver(batch.outputs)
+        return batch.results
+
+
 @dataclasses.dataclass
 class _Batch:
     """One batch in flight: per-item results (errors pre-filled), who was collated, and
@@ -169,6 +218,12 @@ class _Batch:
     valid: list[int]
     collated: Collated | None
     padded: Collated | None = None
+    outputs: Any = None
+    """What `_forward` returned (moved to `output_device`), until split."""
+    ready: torch.cuda.Event | None = None
+    """Recorded after the copies to the device (a CUDA device only)."""
+    done: torch.cuda.Event | None = None
+    """Recorded after the model and the copy back (a CUDA device only)."""
 
     def deliver(self, outputs: Any) -> None:
         """Each valid item's part of `outputs`; `split` refuses outputs with a wrong count."""
@@ -176,6 +231,7 @@ class _Batch:
         if self.padded is not self.collated:  # drop the filler rows' outputs
             outputs = first_rows(outputs, len(self.valid))
         parts = tensors.split(outputs, self.collated)
+        self.outputs = None  # the callers hold their parts; the batch lets go
         for index, part in zip(self.valid, parts, strict=True):
             self.results[index] = part
 
@@ -195,44 +251,93 @@ def _pad_value(value: Any) -> Any:
     return value
 
 
-def _torch_device(device: object) -> torch.device | None:
-    """`device` parsed (torch imported only when one is given): `TypeError` for another
-    type, `ValueError` for a string torch cannot parse. Whether the device exists on this
-    machine is not checked here: moving a batch there fails with torch's error."""
-    if device is None:
-        return None
+def _on_cuda(device: torch.device | None) -> bool:
+    return device is not None and device.type == "cuda"
+
+
+def _record_event() -> torch.cuda.Event:
+    """An event recorded on this thread's current stream."""
     import torch
 
-    if not isinstance(device, (str, torch.device)):
-        raise TypeError(
-            f"device must be a str, a torch.device or None, got {type(device).__name__} {device!r}"
-        )
-    try:
-        return torch.device(device)
-    except RuntimeError as error:  # torch's parse error
-        raise ValueError(
-            f"device must be a torch device such as 'cpu', 'cuda' or 'cuda:0', "
-            f"got {device!r} ({error})"
-        ) from error
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record()
+    return event
+
+
+def _wait_on_this_stream(event: torch.cuda.Event, batch: Collated) -> None:
+    """Make this thread's stream wait for `event`, and tell the allocator that the
+    batch's device tensors (made on another stream) are used on this one too, so their
+    memory is not handed out again while the model still reads it."""
+    import torch
+
+    stream = torch.cuda.current_stream()
+    stream.wait_event(event)
+    for tensor in _tensors(batch.data, batch.mask):
+        if tensor.device.type == "cuda":
+            tensor.record_stream(stream)
+
+
+def _tensors(*nodes: Any) -> list[torch.Tensor]:
+    """The torch tensors in nested dicts, tuples and lists."""
+    import torch
+
+    found: list[torch.Tensor] = []
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, torch.Tensor):
+            found.append(node)
+        elif isinstance(node, Mapping):
+            stack.extend(node.values())
+        elif isinstance(node, (tuple, list)):
+            stack.extend(node)
+    return found
+
+
+def _move_outputs(outputs: Any, device: torch.device | None) -> Any:
+    """The model's torch outputs on `device` (None: where they are); NumPy outputs are
+    on the CPU already and stay as they are."""
+    if device is None:
+        return outputs
+    # from a GPU, a non-blocking copy lands in pinned memory
+    return _map_leaves(outputs, lambda tensor: tensor.to(device, non_blocking=True))
 
 
 def _move(data: Any, device: torch.device) -> Any:
     """`data` with every torch tensor on `device` (pinned first for a CUDA target)."""
     import torch
 
-    if isinstance(data, torch.Tensor):
-        if device.type == "cuda" and data.device.type == "cpu" and torch.cuda.is_available():
-            data = data.pin_memory()
-        return data.to(device, non_blocking=True)
-    if isinstance(data, np.ndarray):
+    def move(tensor: torch.Tensor) -> torch.Tensor:
+        if device.type == "cuda" and tensor.device.type == "cpu" and torch.cuda.is_available():
+            tensor = tensor.pin_memory()
+        return tensor.to(device, non_blocking=True)
+
+    def refuse(array: np.ndarray[Any, Any]) -> Any:
         raise TypeError(
             f"device={str(device)!r} applies to torch tensors, but this batch holds NumPy "
             f"arrays; send torch tensors (torch.from_numpy) or leave device unset"
         )
+
+    return _map_leaves(data, move, refuse)
+
+
+def _map_leaves(
+    data: Any,
+    tensor: Callable[[torch.Tensor], Any],
+    array: Callable[[np.ndarray[Any, Any]], Any] | None = None,
+) -> Any:
+    """`data` (nested dicts, tuples and lists) with each torch tensor mapped by `tensor`
+    and each NumPy array by `array` (None: kept)."""
+    import torch
+
+    if isinstance(data, torch.Tensor):
+        return tensor(data)
+    if isinstance(data, np.ndarray):
+        return data if array is None else array(data)
     if isinstance(data, Mapping):
-        return {key: _move(value, device) for key, value in data.items()}
+        return {key: _map_leaves(value, tensor, array) for key, value in data.items()}
     if isinstance(data, tuple):
-        return tuple(_move(value, device) for value in data)
+        return tuple(_map_leaves(value, tensor, array) for value in data)
     if isinstance(data, list):
-        return [_move(value, device) for value in data]
+        return [_map_leaves(value, tensor, array) for value in data]
     return data

@@ -16,6 +16,17 @@ running when it stops, fails with a `RuntimeError` in its caller instead of
 hanging. The thread is a daemon and is started lazily on first use. A model
 call runs in a copy of the submitting task's `contextvars` context, as it would
 on the submitter's own loop.
+
+With `device="cuda:0"` the thread is bound to that GPU: it makes the device
+current and runs every call on a CUDA stream of its own (`stream`), so its work
+does not queue behind other threads' on the default stream. With `overlap`
+(the default for a device thread) a `StagedModel` (what a `TensorProxy` with a
+plain `def _forward` runs) is pipelined: while the model thread computes one
+batch, a second thread of its own (with its own stream) prepares the next
+(collate, pad, pinned copy to the device) and finishes the one before (waits
+for the device, splits the outputs), so the GPU does not wait for Python
+between batches. A batch that finds the thread idle runs its stages in a row on
+the model thread: a lone request pays no extra hand-off.
 """
 
 from __future__ import annotations
@@ -26,12 +37,17 @@ import contextvars
 import inspect
 import threading
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from typing_extensions import Self
 
+from ._devices import torch_device
 from ._executor import Executor, ModelFactory, ModelFn
 from ._fork import forget_threads_in_forked_children
+from ._staged import StagedModel
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["WorkerThread"]
 
@@ -97,15 +113,45 @@ class WorkerThread(Executor):
     it yourself (`close()`, `await aclose()`, or `with`/`async with`) when they are
     done. A proxy created with `offload=True` owns a private one and closes it in
     its own `aclose()`.
+
+    - `device`: a CUDA device (`"cuda"`, `"cuda:1"`, a `torch.device`) the thread
+      binds: current device and a stream of its own for every call (torch is
+      imported only then). A device this machine lacks fails each batch with the
+      reason.
+    - `overlap`: pipeline the stages of a `StagedModel` (prepare and finish on a
+      second thread, compute on this one): two batches in flight (`capacity`
+      2). Default: on with a `device`, off without.
     """
 
     def __init__(
-        self, name: str = "batchproxy-worker", *, model: ModelFactory | None = None
+        self,
+        name: str = "batchproxy-worker",
+        *,
+        model: ModelFactory | None = None,
+        device: str | torch.device | None = None,
+        overlap: bool | None = None,
     ) -> None:
         if not isinstance(name, str):
             raise TypeError(f"WorkerThread name must be a str, got {name!r}")
         if model is not None and not callable(model):
             raise TypeError(f"model must be a callable that builds the model, got {model!r}")
+        self.device = torch_device("device", device)
+        if self.device is not None and self.device.type != "cuda":
+            raise ValueError(
+                f"WorkerThread {name!r}: device must be a CUDA device ('cuda', 'cuda:1'), "
+                f"got {device!r}; leave it unset for a thread that runs on the CPU"
+            )
+        if overlap is not None and not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be a bool or None, got {overlap!r}")
+        self.overlap: bool = self.device is not None if overlap is None else overlap
+        self.stream: torch.cuda.Stream | None = None
+        """The thread's CUDA stream (with a `device`), made when the thread starts."""
+        self._bind_error: BaseException | None = None  # the device could not be bound
+        # the second thread of an overlapping one: prepare and finish stages
+        self._stages = (
+            WorkerThread(f"{name}-stages", device=device, overlap=False) if self.overlap else None
+        )
+        self._in_flight = 0  # batches in run(), under _lock: a lone one is not pipelined
         self.name = name
         self.hosts_model = model is not None
         self._factory = model
@@ -127,6 +173,11 @@ class WorkerThread(Executor):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def capacity(self) -> int:
+        """2 when overlapping (one batch computes while the next is prepared), else 1."""
+        return 2 if self.overlap else 1
 
     @property
     def started(self) -> bool:
@@ -160,18 +211,23 @@ class WorkerThread(Executor):
         self._inbox, self._running = [], {}
         self._hosted = None
         self._exited, self._exit_callbacks = False, []
+        self.stream, self._bind_error, self._in_flight = None, None, 0
 
     def close(self, *, wait: bool = True) -> None:
         """Stop the thread and (unless `wait=False`) wait for it; batches still in it
         fail. A model call running there finishes first: with `wait=False` the thread
         (a daemon) ends when it does. Idempotent."""
         thread = self._request_stop()
+        if self._stages is not None:
+            self._stages.close(wait=wait)
         if wait and thread is not None and thread is not threading.current_thread():
             thread.join()
 
     async def aclose(self) -> None:
         """Stop the thread without blocking the event loop. Idempotent."""
         thread = self._request_stop()
+        if self._stages is not None:
+            await self._stages.aclose()
         if thread is None or thread is threading.current_thread():
             return
         loop = asyncio.get_running_loop()
@@ -214,6 +270,26 @@ class WorkerThread(Executor):
     # -- running batches -------------------------------------------------------------
 
     async def run(self, fn: ModelFn, items: list[Any]) -> Any:
+        stages = self._stages
+        if stages is None or self.hosts_model or not isinstance(fn, StagedModel):
+            return await self._run_here(fn, items)
+        with self._lock:
+            lone = self._in_flight == 0
+            self._in_flight += 1
+        try:
+            if lone:  # nothing to overlap with: the stages in a row here, one hand-off
+                return await self._run_here(fn, items)
+            # the prepare stage runs while this thread computes the batch before; the
+            # compute stages keep the order of their prepares (both threads are FIFO)
+            prepared = await stages._run_here(fn.prepare, items)
+            computed = await self._run_here(fn.compute, prepared)
+            return await stages._run_here(fn.finish, computed)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+
+    async def _run_here(self, fn: ModelFn, items: Any) -> Any:
+        """Call `fn(items)` on this thread and await its outcome."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         job = _Job(fn, items, loop, future)
@@ -233,11 +309,25 @@ class WorkerThread(Executor):
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         self._loop = loop
+        if self.device is not None:
+            self._bind_device(self.device)
         ready.set()
         try:
             loop.run_forever()
         finally:
             self._shut_down(loop)
+
+    def _bind_device(self, device: torch.device) -> None:
+        """Make `device` current on this thread, with a stream of the thread's own."""
+        import torch
+
+        try:
+            index = torch.cuda.current_device() if device.index is None else device.index
+            torch.cuda.set_device(index)
+            self.stream = torch.cuda.Stream(index)  # type: ignore[no-untyped-call]
+            torch.cuda.set_stream(self.stream)  # this thread's current stream, for every call
+        except Exception as exc:  # no CUDA, no such device: each batch says why
+            self._bind_error = exc
 
     def _take_inbox(self) -> None:
         with self._lock:
@@ -251,6 +341,10 @@ class WorkerThread(Executor):
         assert job.call is not None  # answered only once started, or at shutdown
         fn, items, context = job.call
         try:
+            if self._bind_error is not None:
+                raise RuntimeError(
+                    f"WorkerThread {self.name!r} could not bind {self.device}: {self._bind_error}"
+                ) from self._bind_error
             if self._factory is not None:
                 if self._hosted is None:
                     self._hosted = context.run(self._factory)

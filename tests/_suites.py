@@ -31,6 +31,7 @@ TESTS = Path(__file__).resolve().parent
 FULL_SUITE_ONLY = {
     "test_bert_app.py": "torch, transformers, a server",
     "test_causal_padding.py": "torch, transformers",
+    "test_cuda.py": "torch",
     "test_demo.py": "the demo's model and server",
     "test_docs.py": "the guides' examples: FastAPI, torch",
     "test_examples_tensors.py": "torch, transformers",
@@ -39,6 +40,7 @@ FULL_SUITE_ONLY = {
     "test_integration_aiohttp.py": "aiohttp",
     "test_integration_fastapi.py": "a server",
     "test_otel.py": "a server, the OpenTelemetry SDK",
+    "test_overlap.py": "torch",
     "test_pipeline_examples.py": "torch, transformers",
     "test_prometheus.py": "prometheus-client",
     "test_ray.py": "Ray",

@@ -41,6 +41,7 @@ PUBLIC = [
     "ProxyStats",
     "QueueFull",
     "Slot",
+    "StagedModel",
     "Step",
     "StreamBufferFull",
     "StreamEnd",

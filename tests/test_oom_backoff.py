@@ -4,11 +4,13 @@ raised again, only an item that cannot fit alone fails."""
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from _support import Recorder
+from typing_extensions import override
 
 import batchproxy
 from batchproxy._oom import RECOVER_AFTER, BatchCap, is_out_of_memory
@@ -192,3 +194,35 @@ async def test_a_chunk_answered_with_a_wrong_count_fails_the_batch_not_loops() -
         )
         assert all(isinstance(r, batchproxy.BatchSizeMismatch) for r in results)
         assert len(proxy.batches) == 3  # 4 (out of memory), then two chunks of 2
+
+
+class _Activations:
+    """Stands for what a forward pass had allocated when it ran out of memory."""
+
+
+@pytest.mark.parametrize("offload", [False, True])
+async def test_the_failed_call_lets_go_of_its_memory_before_the_reruns(offload: bool) -> None:
+    """The error's traceback holds the failed call's frames, and with them its tensors:
+    kept through the re-runs, they would make the halves run out of memory too (a GPU's
+    `memory_allocated()` would not fall back until the last piece ran)."""
+    allocated: list[weakref.ref[_Activations]] = []
+    alive_at_each_call: list[int] = []
+
+    def respond(items: list[Any]) -> list[Any]:
+        alive_at_each_call.append(sum(ref() is not None for ref in allocated))
+        if len(items) > 2:
+            activations = _Activations()
+            allocated.append(weakref.ref(activations))
+            raise MemoryError(f"out of memory on {len(items)} items")
+        return [("out", item) for item in items]
+
+    class Model(batchproxy.Proxy[Any, Any]):
+        @override
+        def _inference(self, items: list[Any]) -> list[Any]:
+            return respond(items)
+
+    async with Model(batch_size=8, max_delay_ms=1, oom_backoff=True, offload=offload) as proxy:
+        results = await asyncio.gather(*(proxy.inference(i) for i in range(8)))
+    assert results == [("out", i) for i in range(8)]
+    assert alive_at_each_call[0] == 0
+    assert alive_at_each_call[1:] == [0] * (len(alive_at_each_call) - 1)  # none kept alive
