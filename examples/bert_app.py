@@ -18,8 +18,8 @@ Routes:
   (up to `batch_size` texts) and runs one forward pass for it. On a CUDA device the
   proxy's worker thread is bound to the device (`WorkerThread(device=...)`), the
   padded batch is copied there pinned and non-blocking, the probabilities come back
-  to the CPU once per batch, and with `overlap` (the default) the next batch's
-  collate and copy overlap the current batch's compute.
+  to the CPU once per batch. With `overlap` (the default; on a CPU too) the next
+  batch's collate and copy overlap the current batch's compute.
 - `POST /classify/regular`: the same body and answer, the regular way: one forward
   pass per request on one model thread, no batching.
 - `POST /constant`: the same body, a constant answer; the model is not touched (what
@@ -133,9 +133,11 @@ class BertClassifier(MiniLMEmbedder):
 
 def gpu_options(device: str, overlap: bool, name: str = "bert") -> dict[str, Any]:
     """The proxy's placement: on CUDA, inputs to the device and outputs back to the CPU, on
-    a worker thread bound to the device; elsewhere, a plain worker thread."""
+    a worker thread bound to the device; elsewhere, a worker thread of its own. With
+    `overlap`, the thread pipelines the proxy's stages (collate and copy of the next batch
+    on a second thread while this one computes)."""
     if not device.startswith("cuda"):
-        return {"offload": WorkerThread(name)}
+        return {"offload": WorkerThread(name, overlap=overlap)}
     return {
         "device": device,
         "output_device": "cpu",
@@ -252,7 +254,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument(
-        "--no-overlap", action="store_true", help="on CUDA: one batch at a time, no staging"
+        "--no-overlap",
+        action="store_true",
+        help="one batch at a time: no staging of the next batch meanwhile",
     )
     args = parser.parse_args()
     app = create_app(

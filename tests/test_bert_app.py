@@ -40,8 +40,11 @@ def class_one(answer: dict[str, Any]) -> float:
     return probability if answer["label"] == 1 else 1.0 - probability
 
 
-async def test_batched_equals_regular_and_the_other_routes(bert_app: ModuleType) -> None:
-    app = bert_app.create_app("bert-tiny", "cpu", "float32", batch_size=8)
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "one-at-a-time"])
+async def test_batched_equals_regular_and_the_other_routes(
+    bert_app: ModuleType, overlap: bool
+) -> None:
+    app = bert_app.create_app("bert-tiny", "cpu", "float32", batch_size=8, overlap=overlap)
     async with (
         on_uvicorn(app) as (_, port),
         httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http,
