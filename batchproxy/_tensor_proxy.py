@@ -299,36 +299,45 @@ def _move_outputs(outputs: Any, device: torch.device | None) -> Any:
     on the CPU already and stay as they are."""
     if device is None:
         return outputs
-    import torch
-
-    if isinstance(outputs, torch.Tensor):
-        return outputs.to(device, non_blocking=True)  # from a GPU: into pinned memory
-    if isinstance(outputs, Mapping):
-        return {key: _move_outputs(value, device) for key, value in outputs.items()}
-    if isinstance(outputs, tuple):
-        return tuple(_move_outputs(value, device) for value in outputs)
-    if isinstance(outputs, list):
-        return [_move_outputs(value, device) for value in outputs]
-    return outputs
+    # from a GPU, a non-blocking copy lands in pinned memory
+    return _map_leaves(outputs, lambda tensor: tensor.to(device, non_blocking=True))
 
 
 def _move(data: Any, device: torch.device) -> Any:
     """`data` with every torch tensor on `device` (pinned first for a CUDA target)."""
     import torch
 
-    if isinstance(data, torch.Tensor):
-        if device.type == "cuda" and data.device.type == "cpu" and torch.cuda.is_available():
-            data = data.pin_memory()
-        return data.to(device, non_blocking=True)
-    if isinstance(data, np.ndarray):
+    def move(tensor: torch.Tensor) -> torch.Tensor:
+        if device.type == "cuda" and tensor.device.type == "cpu" and torch.cuda.is_available():
+            tensor = tensor.pin_memory()
+        return tensor.to(device, non_blocking=True)
+
+    def refuse(array: np.ndarray[Any, Any]) -> Any:
         raise TypeError(
             f"device={str(device)!r} applies to torch tensors, but this batch holds NumPy "
             f"arrays; send torch tensors (torch.from_numpy) or leave device unset"
         )
+
+    return _map_leaves(data, move, refuse)
+
+
+def _map_leaves(
+    data: Any,
+    tensor: Callable[[torch.Tensor], Any],
+    array: Callable[[np.ndarray[Any, Any]], Any] | None = None,
+) -> Any:
+    """`data` (nested dicts, tuples and lists) with each torch tensor mapped by `tensor`
+    and each NumPy array by `array` (None: kept)."""
+    import torch
+
+    if isinstance(data, torch.Tensor):
+        return tensor(data)
+    if isinstance(data, np.ndarray):
+        return data if array is None else array(data)
     if isinstance(data, Mapping):
-        return {key: _move(value, device) for key, value in data.items()}
+        return {key: _map_leaves(value, tensor, array) for key, value in data.items()}
     if isinstance(data, tuple):
-        return tuple(_move(value, device) for value in data)
+        return tuple(_map_leaves(value, tensor, array) for value in data)
     if isinstance(data, list):
-        return [_move(value, device) for value in data]
+        return [_map_leaves(value, tensor, array) for value in data]
     return data

@@ -27,13 +27,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from minilm import model_dir  # sets HF_HUB_OFFLINE=1 before transformers is imported
+from minilm import load_tokenizer  # sets HF_HUB_OFFLINE=1 before transformers is imported
 from transformers import (
-    AutoTokenizer,
     BatchEncoding,
     BertConfig,
     BertForSequenceClassification,
@@ -83,23 +83,17 @@ def make_texts(count: int) -> list[str]:
     return texts
 
 
-def load_tokenizer() -> PreTrainedTokenizerBase:
-    """The BERT WordPiece tokenizer shipped with the all-MiniLM-L6-v2 package (offline)."""
-    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
-        str(model_dir()), local_files_only=True
-    )
-    return tokenizer
-
-
 def build_model(
-    tokenizer: PreTrainedTokenizerBase, *, layers: int = 12
+    tokenizer: PreTrainedTokenizerBase, *, layers: int = 12, **config_options: Any
 ) -> BertForSequenceClassification:
-    """BERT-base (`BertConfig()` defaults) with `layers` encoder layers and random weights."""
+    """BERT-base (`BertConfig()` defaults) with `layers` encoder layers and random weights;
+    `config_options` change other `BertConfig` fields (`hidden_size=1024`, ...)."""
     torch.manual_seed(0)
     config = BertConfig(
         vocab_size=len(tokenizer),
         num_hidden_layers=layers,
         pad_token_id=tokenizer.pad_token_id,
+        **config_options,
     )
     config.num_labels = 2  # classes 0 and 1
     model = BertForSequenceClassification(config)

