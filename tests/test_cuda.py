@@ -153,10 +153,13 @@ async def test_a_batch_out_of_memory_is_split_and_its_memory_given_back() -> Non
     worker = WorkerThread("gpu", device="cuda")
     proxy = Attention(batch_size=8, max_delay_ms=50, device="cuda", output_device="cpu",
                       offload=worker, oom_backoff=True)  # fmt: skip
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
     try:
         async with proxy:
+            # a first product on the thread's stream gets cuBLAS its workspace there (32 MiB
+            # on a Hopper card, kept for the stream's life): allocated before the baseline
+            assert torch.allclose(await proxy.inference(torch.tensor(3.0)), torch.tensor(9.0))
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
             values = [float(i + 1) for i in range(8)]
             results = await asyncio.gather(*(proxy.inference(torch.tensor(v)) for v in values))
             stats = proxy.stats
@@ -170,7 +173,7 @@ async def test_a_batch_out_of_memory_is_split_and_its_memory_given_back() -> Non
     del results
     gc.collect()
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() == before
+    assert torch.cuda.memory_allocated() <= before  # (the warm-up call's blocks went too)
 
 
 @needs_cuda
@@ -188,9 +191,13 @@ async def test_captured_cuda_graphs_per_batch_size_give_the_eager_results() -> N
 
         @override
         def _forward(self, batch: Collated, /) -> torch.Tensor:
-            shape = tuple(batch.data.shape)
+            # pad_to_multiple_of rounds ragged batches only: a batch whose items are all
+            # as long (a lone one) comes shorter, and is padded to the graph's length here
+            length = batch.data.shape[1]
+            data = torch.nn.functional.pad(batch.data, (0, 0, 0, 12 - length))
+            shape = tuple(data.shape)
             if shape not in self.graphs:
-                static_in = batch.data.clone()
+                static_in = data.clone()
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side), torch.inference_mode():
@@ -203,9 +210,9 @@ async def test_captured_cuda_graphs_per_batch_size_give_the_eager_results() -> N
                     static_out = model(static_in).cumsum(dim=1)
                 self.graphs[shape] = (graph, static_in, static_out)
             graph, static_in, static_out = self.graphs[shape]
-            static_in.copy_(batch.data)
+            static_in.copy_(data)
             graph.replay()
-            return static_out.clone()
+            return static_out[:, :length].clone()
 
     worker = WorkerThread("gpu", device="cuda")
     proxy = Graphed()
