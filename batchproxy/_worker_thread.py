@@ -120,7 +120,9 @@ class WorkerThread(Executor):
       reason.
     - `overlap`: pipeline the stages of a `StagedModel` (prepare and finish on a
       second thread, compute on this one): two batches in flight (`capacity`
-      2). Default: on with a `device`, off without.
+      2). Off by default: the second slot sends batches out earlier, so smaller,
+      which costs more than it gains where the model's launches are the
+      bottleneck (docs: scaling-out, "On a GPU").
     """
 
     def __init__(
@@ -129,7 +131,7 @@ class WorkerThread(Executor):
         *,
         model: ModelFactory | None = None,
         device: str | torch.device | None = None,
-        overlap: bool | None = None,
+        overlap: bool = False,
     ) -> None:
         if not isinstance(name, str):
             raise TypeError(f"WorkerThread name must be a str, got {name!r}")
@@ -141,9 +143,9 @@ class WorkerThread(Executor):
                 f"WorkerThread {name!r}: device must be a CUDA device ('cuda', 'cuda:1'), "
                 f"got {device!r}; leave it unset for a thread that runs on the CPU"
             )
-        if overlap is not None and not isinstance(overlap, bool):
-            raise TypeError(f"overlap must be a bool or None, got {overlap!r}")
-        self.overlap: bool = self.device is not None if overlap is None else overlap
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be a bool, got {overlap!r}")
+        self.overlap = overlap
         self.stream: torch.cuda.Stream | None = None
         """The thread's CUDA stream (with a `device`), made when the thread starts."""
         self._bind_error: BaseException | None = None  # the device could not be bound

@@ -18,8 +18,9 @@ Routes:
   (up to `batch_size` texts) and runs one forward pass for it. On a CUDA device the
   proxy's worker thread is bound to the device (`WorkerThread(device=...)`), the
   padded batch is copied there pinned and non-blocking, the probabilities come back
-  to the CPU once per batch. With `overlap` (the default; on a CPU too) the next
-  batch's collate and copy overlap the current batch's compute.
+  to the CPU once per batch. With `--overlap` (on a CPU too) the next batch's
+  collate and copy overlap the current batch's compute (off by default: see
+  docs/scaling-out.md, "On a GPU").
 - `POST /classify/regular`: the same body and answer, the regular way: one forward
   pass per request on one model thread, no batching.
 - `POST /constant`: the same body, a constant answer; the model is not touched (what
@@ -172,7 +173,7 @@ def create_app(
     dtype: str = "float32",
     batch_size: int = 64,
     *,
-    overlap: bool = True,
+    overlap: bool = False,
     max_delay_ms: float = 2.0,
     max_queue_size: int | None = 4096,
     timeout: float | None = 60.0,
@@ -254,14 +255,12 @@ def main() -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument(
-        "--no-overlap",
+        "--overlap",
         action="store_true",
-        help="one batch at a time: no staging of the next batch meanwhile",
+        help="stage the next batch (collate, copy) while one computes: two batches in flight",
     )
     args = parser.parse_args()
-    app = create_app(
-        args.model, args.device, args.dtype, args.batch_size, overlap=not args.no_overlap
-    )
+    app = create_app(args.model, args.device, args.dtype, args.batch_size, overlap=args.overlap)
     uvicorn.run(app, host=args.host, port=args.port)
 
 

@@ -115,7 +115,7 @@ async def test_round_trip_results_on_the_cpu_or_kept_on_the_device(
 @needs_cuda
 async def test_overlapped_bursts_give_every_caller_its_own_result() -> None:
     model = linear(1)
-    worker = WorkerThread("gpu", device="cuda")
+    worker = WorkerThread("gpu", device="cuda", overlap=True)
     proxy = Encoder(
         copy.deepcopy(model).cuda(), batch_size=32, max_delay_ms=0.5, device="cuda",
         output_device="cpu", offload=worker, batch_sizes=(8, 16, 32),
@@ -150,7 +150,7 @@ async def test_a_batch_out_of_memory_is_split_and_its_memory_given_back() -> Non
             scores = query @ query.transpose(-1, -2)  # (n, heads, length, length) float32
             return scores.mean(dim=(1, 2, 3))
 
-    worker = WorkerThread("gpu", device="cuda")
+    worker = WorkerThread("gpu", device="cuda", overlap=True)
     proxy = Attention(batch_size=8, max_delay_ms=50, device="cuda", output_device="cpu",
                       offload=worker, oom_backoff=True)  # fmt: skip
     try:
@@ -214,7 +214,7 @@ async def test_captured_cuda_graphs_per_batch_size_give_the_eager_results() -> N
             graph.replay()
             return static_out[:, :length].clone()
 
-    worker = WorkerThread("gpu", device="cuda")
+    worker = WorkerThread("gpu", device="cuda", overlap=True)
     proxy = Graphed()
     try:
         async with proxy:
@@ -234,8 +234,7 @@ async def test_captured_cuda_graphs_per_batch_size_give_the_eager_results() -> N
 async def test_a_device_this_machine_lacks_fails_each_batch_with_the_reason(
     no_leftovers: None,
 ) -> None:
-    async with WorkerThread("gpu", device="cuda:0") as worker:
-        assert worker.overlap is True
+    async with WorkerThread("gpu", device="cuda:0", overlap=True) as worker:
         for _ in range(2):
             with pytest.raises(RuntimeError, match=r"WorkerThread 'gpu' could not bind cuda:0"):
                 await worker.run(lambda items: items, [1])

@@ -125,7 +125,7 @@ async def test_a_batch_sent_to_a_closed_overlapping_thread_fails(no_leftovers: N
 
 
 def test_bad_arguments() -> None:
-    with pytest.raises(TypeError, match="overlap must be a bool or None"):
+    with pytest.raises(TypeError, match="overlap must be a bool"):
         WorkerThread(overlap="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="device must be a CUDA device"):
         WorkerThread(device="cpu")
