@@ -769,7 +769,9 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(result: dict[str, Any], output: Path) -> None:
+def plot(result: dict[str, Any], output: Path, where: str | None = None) -> None:
+    """Throughput and p99 against clients, per model; `where` (the card, the date) goes
+    into the title."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -799,7 +801,8 @@ def plot(result: dict[str, Any], output: Path) -> None:
             axis.legend()
         right.set_yscale("log")
         left.set_ylim(bottom=0)
-    figure.suptitle(f"BERT classification over HTTP ({result['device']}, {result['dtype']})")
+    title = f"BERT classification over HTTP ({result['device']}, {result['dtype']})"
+    figure.suptitle(title if where is None else f"{title}\n{where}")
     figure.tight_layout()
     output.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(output, dpi=110)

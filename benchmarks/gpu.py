@@ -20,6 +20,9 @@ for half precision; `--sections http,tests` for fewer); `--device cpu --quick` i
 smoke run of the same code on a CPU (tiny models, few requests; the `tests` section
 then reports its CUDA tests as skipped). Writes `gpu.json` (and the sections' plots)
 to `--out` (default: `benchmarks/results/runs/`, git-ignored).
+`--publish FOLDER` takes a GPU run's files from FOLDER (gpu.json and the plots) into
+`benchmarks/results/`, where the docs show them, the HTTP plot redrawn with the card
+and the date in its title.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -56,6 +60,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=BENCHMARKS / "results" / "runs")
     parser.add_argument("--server-cpus", default=None, help="http: CPUs for the server, e.g. 0-5")
     parser.add_argument("--client-cpus", default=None, help="http: CPUs for the load")
+    parser.add_argument(
+        "--publish", type=Path, default=None, help="a GPU run's folder: into benchmarks/results"
+    )
     args = parser.parse_args(argv)
     args.sections = [s for s in args.sections.split(",") if s]
     unknown = set(args.sections) - set(SECTIONS)
@@ -157,8 +164,30 @@ def section(name: str) -> Callable[[argparse.Namespace], dict[str, Any]]:
     return run
 
 
+def publish(run: Path, results: Path = BENCHMARKS / "results") -> None:
+    """A GPU run's gpu.json and plots into `results`, the HTTP plot titled with the card."""
+    document = json.loads((run / "gpu.json").read_text())
+    info = document["machine"]
+    if info.get("quick") or info.get("device") != "cuda":
+        raise SystemExit(f"{run / 'gpu.json'} is not a full GPU run: not published")
+    shutil.copyfile(run / "gpu.json", results / "gpu.json")
+    for name in ("gpu_generation.png", "gpu_graphs.png"):
+        if (run / name).is_file():
+            shutil.copyfile(run / name, results / name)
+    http = document["sections"].get("http")
+    if http and "models" in http:
+        import _gpu_http
+
+        where = f"{info['gpu']}, {info['date']}: server on {len(info['server_cpus'])} cores"
+        _gpu_http.plot(http, results / "gpu-http.png", where)
+    print(f"published {run} into {results}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.publish is not None:
+        publish(args.publish)
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
