@@ -19,8 +19,8 @@ on the submitter's own loop.
 
 With `device="cuda:0"` the thread is bound to that GPU: it makes the device
 current and runs every call on a CUDA stream of its own (`stream`), so its work
-does not queue behind other threads' on the default stream. With `overlap`
-(the default for a device thread) a `StagedModel` (what a `TensorProxy` with a
+does not queue behind other threads' on the default stream. With `overlap=True`
+(off by default, device or not) a `StagedModel` (what a `TensorProxy` with a
 plain `def _forward` runs) is pipelined: while the model thread computes one
 batch, a second thread of its own (with its own stream) prepares the next
 (collate, pad, pinned copy to the device) and finishes the one before (waits

@@ -70,8 +70,8 @@ class OneAtATime:
     Each text is tokenized and run alone (`run_alone`, by default
     `minilm.reference_embedding`: batch of one, no padding) on a single worker
     thread, in arrival order: what a server that calls the model from its
-    handler does. It neither batches nor
-    bounds its queue. `model` may be None until the service's `load()`.
+    handler does. It neither batches nor bounds its queue. `model` may be None
+    until the service's `load()`.
     """
 
     def __init__(
