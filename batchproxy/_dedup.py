@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
 from ._queue import Request
@@ -133,6 +133,21 @@ class Deduplicator(Generic[T]):
     def cached(self, key: Hashable, now: float) -> Any:
         """The cached result for `key`, or `MISSING`."""
         return MISSING if self.cache is None else self.cache.get(key, now)
+
+    def new_slots(
+        self, keys: Iterable[Hashable], loop: asyncio.AbstractEventLoop, now: float
+    ) -> int:
+        """How many new slots calls with `keys` (on `loop`, at `now`) would make: one per
+        key neither cached nor in flight (the others add no work)."""
+        new: set[Hashable] = set()
+        for key in keys:
+            if (
+                key not in new
+                and self.slot_for(key, loop) is None
+                and self.cached(key, now) is MISSING
+            ):
+                new.add(key)
+        return len(new)
 
     def slot_for(self, key: Hashable, loop: asyncio.AbstractEventLoop) -> SharedSlot[T] | None:
         """The slot in flight for `key` on `loop`, if any."""
