@@ -93,7 +93,9 @@ class CallForms(Generic[In, Out]):
         failure is raised as soon as it happens and the remaining items are
         withdrawn; with `return_exceptions=True` failures take their item's place
         in the list. An empty input returns `[]` without touching the model.
-        `tenant` and `key` apply to every item (see `inference`).
+        `tenant` and `key` apply to every item (see `inference`). If the items
+        that add work to the queue do not fit (`max_queue_size`, the tenant's
+        limit), the whole list is refused with `QueueFull`.
         """
         if isinstance(items, (str, bytes, bytearray, Mapping)):
             raise TypeError(

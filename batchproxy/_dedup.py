@@ -1,8 +1,11 @@
 """Identical calls computed once (`dedup=`), with a bounded result cache on top.
 
-With `dedup`, each call has a key: `dedup(item)`, or the item itself with
-`dedup=True` (and, when the call has a batch `key`, the pair: identical items
-for different models never share). The first call with a key makes a *slot*: a
+With `dedup`, each call has a key: the pair of its batch `key` (None without
+one) and `dedup(item)`, or the item itself with `dedup=True`. Always the pair, so
+that no call's key can equal another's by accident: with the bare item for a call
+without a batch key, `inference(("k", "x"))` would be `inference("x", key="k")`.
+Identical items for different batch keys (models, adapters, per-batch arguments)
+never share. The first call with a key makes a *slot*: a
 `SharedSlot`, queued and batched like any request, whose future nobody awaits
 (done: nobody needs the slot any more). Every call with that key, the first
 included, is a `Caller` of the slot: a request of its own, never queued, with its
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
 from ._queue import Request
@@ -110,8 +113,9 @@ class Deduplicator(Generic[T]):
         self.inflight: dict[Hashable, SharedSlot[T]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def key(self, item: T, batch_key: Hashable | None) -> Hashable:
-        """A call's key, or a `TypeError` saying how to give one."""
+    def key(self, item: T, batch_key: Hashable | None) -> tuple[Hashable, Hashable]:
+        """A call's key, `(batch_key, the item's key)`, or a `TypeError` saying how to
+        give one."""
         key = item if self._key_of is None else self._key_of(item)
         try:
             hash(key)
@@ -124,11 +128,26 @@ class Deduplicator(Generic[T]):
             raise TypeError(
                 f"{self.name}: dedup needs a hashable key, got {type(key).__name__}; {how}"
             ) from None
-        return key if batch_key is None else (batch_key, key)
+        return (batch_key, key)
 
     def cached(self, key: Hashable, now: float) -> Any:
         """The cached result for `key`, or `MISSING`."""
         return MISSING if self.cache is None else self.cache.get(key, now)
+
+    def new_slots(
+        self, keys: Iterable[Hashable], loop: asyncio.AbstractEventLoop, now: float
+    ) -> int:
+        """How many new slots calls with `keys` (on `loop`, at `now`) would make: one per
+        key neither cached nor in flight (the others add no work)."""
+        new: set[Hashable] = set()
+        for key in keys:
+            if (
+                key not in new
+                and self.slot_for(key, loop) is None
+                and self.cached(key, now) is MISSING
+            ):
+                new.add(key)
+        return len(new)
 
     def slot_for(self, key: Hashable, loop: asyncio.AbstractEventLoop) -> SharedSlot[T] | None:
         """The slot in flight for `key` on `loop`, if any."""

@@ -101,8 +101,11 @@ class Intake(Generic[In]):
         key: object = None,
         *,
         stream: bool = False,
+        identity: tuple[Hashable, Hashable] | None = None,
     ) -> Request[In]:
-        """Queue one call on `binding` (its loop is running this): its request."""
+        """Queue one call on `binding` (its loop is running this): its request.
+        `identity`: with `dedup`, the call's key (`Deduplicator.key`: its batch key
+        first) when `admit_many` has made it already."""
         if stream is not self._streams:
             raise TypeError(
                 f"{self.name} streams its results (its _inference is a generator): "
@@ -114,14 +117,11 @@ class Intake(Generic[In]):
             priority = _validate.priority(priority)
         options = self.options
         seconds = options.timeout if timeout is None else _validate.timeout("timeout", timeout)
-        if self._arguments is not None:
-            key = self._arguments_key(item, key)
-        elif key is None and self._key_of is not None:  # (a per-call key wins)
-            key = self._key_of(item)
+        key = self._batch_key(item, key) if identity is None else identity[0]
         if tenant is not None or key is not None:  # before anything is made for the call
             self._place(binding, tenant, key)
         if self._dedup is not None:
-            return self._admit_shared(binding, item, seconds, priority, tenant, key)
+            return self._admit_shared(binding, item, seconds, priority, tenant, key, identity)
         cost = 1 if self._cost is None else self._cost(item)
         loop, scheduler = binding.loop, binding.scheduler
         if (
@@ -153,6 +153,15 @@ class Intake(Generic[In]):
         self._count_accepted(scheduler.queue.live)
         return request
 
+    def _batch_key(self, item: In, key: object) -> object:
+        """A call's batch key: its arguments (a model that takes them), else its `key=`,
+        else the `key` option's for its item, else None."""
+        if self._arguments is not None:
+            return self._arguments_key(item, key)
+        if key is None and self._key_of is not None:  # (a per-call key wins)
+            return self._key_of(item)
+        return key
+
     def _count_accepted(self, queued: int) -> None:
         settlement = self._settlement
         settlement.stats.requests += 1
@@ -167,6 +176,7 @@ class Intake(Generic[In]):
         priority: int,
         tenant: object,
         key: object,
+        identity: tuple[Hashable, Hashable] | None,
     ) -> Request[In]:
         """`admit` with `dedup`: answer the call from the cache, or make it a caller of
         the slot in flight for its key (a new slot, queued like any request, if none)."""
@@ -174,7 +184,7 @@ class Intake(Generic[In]):
         assert dedup is not None
         if not self._lifecycle.open:
             raise self._lifecycle.closed_error()
-        shared_key = dedup.key(item, key)
+        shared_key = dedup.key(item, key) if identity is None else identity
         now = binding.clock()
         scheduler = binding.scheduler
         cached = dedup.cached(shared_key, now)
@@ -230,12 +240,28 @@ class Intake(Generic[In]):
         """`inference_many` on `binding`'s loop: queue each item as its own request (all
         of them or none), wait for their outcomes, in item order. Unless
         `return_exceptions`, the first failure is raised as soon as it happens and the
-        remaining items are withdrawn."""
-        self.check_room(binding, len(items), _validate.hashable("tenant", tenant))
+        remaining items are withdrawn. The list needs room for the requests it adds to
+        the queue, as `admit` needs it for one: with `dedup`, only for the new slots
+        its items make (an item that joins a slot, or is answered from the cache, adds
+        none)."""
+        tenant = _validate.hashable("tenant", tenant)
+        dedup = self._dedup
+        identities: list[tuple[Hashable, Hashable]] | None = None
+        wanted = len(items)
+        if dedup is not None and self._lifecycle.open:
+            identities = []
+            for item in items:
+                batch_key = _validate.hashable("key", self._batch_key(item, key))
+                identities.append(dedup.key(item, batch_key))
+            wanted = dedup.new_slots(identities, binding.loop, binding.clock())
+        self.check_room(binding, wanted, tenant, calls=len(items))
         requests: list[Request[In]] = []
         try:
-            for item in items:
-                requests.append(self.admit(binding, item, timeout, priority, tenant, key))
+            for index, item in enumerate(items):
+                identity = None if identities is None else identities[index]
+                requests.append(
+                    self.admit(binding, item, timeout, priority, tenant, key, identity=identity)
+                )
         except BaseException:  # an item refused (its length, shed_late) refuses the list:
             self.withdraw(binding, requests)  # those queued before it never reach the model
             raise
@@ -284,20 +310,26 @@ class Intake(Generic[In]):
             )
         return cost
 
-    def check_room(self, binding: Binding[In], wanted: int, tenant: Hashable = None) -> None:
-        """Refuse `wanted` more calls of `tenant` at once: the proxy is closed
-        (`ProxyClosed`), or the queue, or the tenant's share of it, has no room for
-        them (`QueueFull`)."""
+    def check_room(
+        self, binding: Binding[In], wanted: int, tenant: Hashable = None, *, calls: int = 0
+    ) -> None:
+        """Refuse calls of `tenant` that would add `wanted` requests to the queue, at once:
+        the proxy is closed (`ProxyClosed`), or the queue, or the tenant's share of it,
+        has no room for them (`QueueFull`, counted as `calls` calls refused: `wanted`
+        unless more are refused together). Nothing added needs no room."""
         if not self._lifecycle.open:
             raise self._lifecycle.closed_error()
+        if not wanted:
+            return
+        refused = max(calls, wanted)
         queue = binding.scheduler.queue
         limit = self.options.max_queue_size
         if limit is not None and queue.live + wanted > limit:
-            raise self._refuse(wanted, QueueFull(self.name, limit))
+            raise self._refuse(refused, QueueFull(self.name, limit))
         limit = self.options.max_queue_size_per_tenant
         if limit is not None and queued_by(queue, tenant) + wanted > limit:
-            self._settlement.stats.tenant_rejected += wanted
-            raise self._refuse(wanted, QueueFull(self.name, limit, tenant=tenant, per_tenant=True))
+            self._settlement.stats.tenant_rejected += refused
+            raise self._refuse(refused, QueueFull(self.name, limit, tenant=tenant, per_tenant=True))
 
     def _refuse(self, wanted: int, error: QueueFull) -> QueueFull:
         """`error`, counted (and heard by listeners) as `wanted` calls refused."""

@@ -6,6 +6,7 @@ On looptime's virtual clock: a `Recorder` model takes `delay` virtual seconds.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 from typing import Any
 
@@ -241,6 +242,84 @@ async def test_calls_with_different_batch_keys_never_share() -> None:
     await p.aclose()
 
 
+def keyed_answers(items: list[Any]) -> list[Any]:
+    """Each result carries what it was computed from: the batch's key and the item."""
+    key = batchproxy.batch_key()
+    return [("out", key, item) for item in items]
+
+
+async def test_a_keyed_call_never_shares_with_an_unkeyed_call_of_the_pair() -> None:
+    """Issue 27, item 1: `("k", "x")` unkeyed and `"x"` under key `"k"` are different
+    calls (different items for different batches), whatever the identity is made of."""
+    p = Recorder(keyed_answers, delay=1.0, batch_size=8, dedup=True)
+    keyed, unkeyed = await asyncio.gather(p.inference("x", key="k"), p.inference(("k", "x")))
+    assert keyed == ("out", "k", "x")
+    assert unkeyed == ("out", None, ("k", "x"))
+    assert p.stats.deduplicated == 0
+    await p.aclose()
+
+
+@pytest.mark.parametrize("keyed_first", [True, False])
+async def test_the_cache_never_answers_a_keyed_call_with_an_unkeyed_result(
+    keyed_first: bool,
+) -> None:
+    p = Recorder(keyed_answers, batch_size=8, dedup=True, cache_size=8)
+    calls = [lambda: p.inference("x", key="k"), lambda: p.inference(("k", "x"))]
+    if not keyed_first:
+        calls.reverse()
+    results = [await call() for call in calls]
+    if not keyed_first:
+        results.reverse()
+    assert results == [("out", "k", "x"), ("out", None, ("k", "x"))]
+    assert p.stats.cache_hits == 0
+    assert await p.inference("x", key="k") == ("out", "k", "x")  # each from its own entry
+    assert await p.inference(("k", "x")) == ("out", None, ("k", "x"))
+    assert p.stats.cache_hits == 2
+    await p.aclose()
+
+
+async def test_a_dedup_function_and_a_key_function_never_mix_keyed_and_unkeyed() -> None:
+    """The same with `dedup=<function>` and the `key=` option, under tenants: the
+    dedup key of a keyed call is its own, never an unkeyed call's."""
+
+    def batch_of(item: dict[str, Any]) -> Any:
+        return item.get("lang")
+
+    p = Recorder(
+        keyed_answers,
+        delay=1.0,
+        batch_size=8,
+        dedup=lambda item: item["text"],
+        key=batch_of,
+        cache_size=8,
+    )
+    keyed = {"lang": "en", "text": "x"}
+    unkeyed = {"text": ("en", "x")}
+    results = await asyncio.gather(p.inference(keyed, tenant="a"), p.inference(unkeyed, tenant="b"))
+    assert results == [("out", "en", keyed), ("out", None, unkeyed)]
+    assert await p.inference(unkeyed, tenant="a") == ("out", None, unkeyed)  # cached
+    assert p.stats.cache_hits == 1
+    await p.aclose()
+
+
+async def test_calls_with_different_arguments_never_share() -> None:
+    class Scaled(batchproxy.Proxy[Any, Any]):
+        async def _inference(self, items: list[Any], /, *, scale: int = 1) -> list[Any]:
+            await asyncio.sleep(1.0)
+            return [(item, scale) for item in items]
+
+    p = Scaled(batch_size=8, dedup=True, cache_size=8)
+    results = await asyncio.gather(
+        p.with_args(scale=2).inference("x"),
+        p.inference("x"),
+        p.with_args(scale=2).inference("x", tenant="t"),
+    )
+    assert results == [("x", 2), ("x", 1), ("x", 2)]
+    assert p.stats.deduplicated == 1
+    assert await p.with_args(scale=3).inference("x") == ("x", 3)  # not the cached scale 2
+    await p.aclose()
+
+
 async def test_the_cache_answers_a_repeated_call_without_the_model() -> None:
     p = Recorder(delay=1.0, batch_size=8, dedup=True, cache_size=2)
     assert await p.inference("a") == ("out", "a")
@@ -435,7 +514,7 @@ async def test_callers_that_leave_a_long_queued_slot_are_not_kept() -> None:
     patient = asyncio.create_task(p.inference("x"))
     leaving = [asyncio.create_task(p.inference("x", timeout=1.0 + i)) for i in range(1000)]
     await asyncio.gather(*leaving, return_exceptions=True)
-    slot = p._intake._dedup.inflight["x"]  # type: ignore[union-attr]
+    slot = p._intake._dedup.inflight[None, "x"]  # type: ignore[union-attr]
     assert slot.waiting == 1
     assert len(slot.callers) <= 2 + 16
     assert p.stats.timed_out == 1000
@@ -443,4 +522,36 @@ async def test_callers_that_leave_a_long_queued_slot_are_not_kept() -> None:
     first.cancel()
     await asyncio.gather(patient, first, return_exceptions=True)
     assert not p._intake._dedup.inflight  # type: ignore[union-attr]
+    await p.aclose()
+
+
+USER: contextvars.ContextVar[str] = contextvars.ContextVar("user", default="-")
+
+
+async def test_a_dedup_function_reads_the_callers_context() -> None:
+    """A result that depends on the caller (read from its context by the model) is kept
+    apart by a dedup function that reads the same context: it runs in the caller's."""
+
+    def per_user(items: list[Any]) -> list[Any]:
+        users = [context.get(USER) for context in batchproxy.caller_contexts()]
+        return [(user, item) for user, item in zip(users, items, strict=True)]
+
+    p = Recorder(
+        per_user,
+        delay=1.0,
+        batch_size=8,
+        caller_context=True,
+        dedup=lambda text: (USER.get(), text),
+        cache_size=8,
+    )
+
+    async def as_user(user: str, text: str) -> Any:
+        USER.set(user)  # (each task has its own copy of the context)
+        return await p.inference(text)
+
+    results = await asyncio.gather(as_user("ann", "x"), as_user("bob", "x"), as_user("ann", "x"))
+    assert results == [("ann", "x"), ("bob", "x"), ("ann", "x")]
+    assert p.stats.deduplicated == 1
+    assert await as_user("bob", "x") == ("bob", "x")  # from bob's cache entry
+    assert p.stats.cache_hits == 1
     await p.aclose()

@@ -257,3 +257,113 @@ async def test_first_failure_is_raised_when_it_happens_not_after_slower_items():
             await p.inference_many(["slow", "bad"])
         assert loop.time() == start  # not after the slow item's 10 s
         assert p.stats.cancelled == 1  # the slow item was withdrawn
+
+
+# Issue 27, item 3: with `dedup`, an item that joins a slot in flight or is answered
+# from the cache adds no work. `inference_many` needs room only for the slots its items
+# make, as `inference` does for one item: never refused (nor counted against a tenant's
+# limit) for the others.
+
+
+async def held(p: Recorder) -> asyncio.Task[Any]:
+    """A first call holding the proxy's one batch slot (its model takes 10 s)."""
+    first = asyncio.create_task(p.inference("first"))
+    await spin()
+    assert p.batches[-1] == ["first"]
+    return first
+
+
+@pytest.mark.looptime
+@pytest.mark.parametrize("keyed", [False, True])
+async def test_items_that_join_queued_slots_need_no_room(keyed: bool) -> None:
+    key = "k" if keyed else None
+    p = Recorder(delay=10.0, batch_size=2, max_concurrent_batches=1, max_queue_size=2, dedup=True)
+    first = await held(p)
+    queued = [asyncio.create_task(p.inference(x, key=key)) for x in ["x", "y"]]
+    await spin()
+    with pytest.raises(batchproxy.QueueFull):  # the queue is full
+        await p.inference("z", key=key)
+    assert p.stats.rejected == 1
+    many = await p.inference_many(["x", "y", "x"], key=key)  # every one joins
+    assert many == [("out", "x"), ("out", "y"), ("out", "x")]
+    assert await asyncio.gather(first, *queued) == [("out", v) for v in ["first", "x", "y"]]
+    assert p.batches == [["first"], ["x", "y"]]
+    stats = p.stats
+    assert (stats.rejected, stats.deduplicated, stats.succeeded) == (1, 3, 6)
+    assert_settled(stats)
+    await p.aclose()
+
+
+@pytest.mark.looptime
+async def test_cached_items_need_no_room() -> None:
+    p = Recorder(
+        delay=10.0,
+        batch_size=1,
+        max_concurrent_batches=1,
+        max_queue_size=1,
+        dedup=True,
+        cache_size=8,
+    )
+    assert await p.inference("a") == ("out", "a")
+    first = await held(p)
+    queued = asyncio.create_task(p.inference("b"))
+    await spin()
+    assert await p.inference_many(["a", "a"]) == [("out", "a")] * 2  # at once, from the cache
+    assert p.stats.cache_hits == 2
+    assert await asyncio.gather(first, queued) == [("out", "first"), ("out", "b")]
+    assert p.stats.rejected == 0
+    await p.aclose()
+
+
+@pytest.mark.looptime
+async def test_room_is_needed_for_the_new_slots_only_and_a_refusal_refuses_every_item() -> None:
+    """Repeats within the list make one slot; an item that makes a slot with no room
+    left refuses the whole list, every item counted as refused."""
+    p = Recorder(delay=10.0, batch_size=4, max_concurrent_batches=1, max_queue_size=2, dedup=True)
+    first = await held(p)
+    queued = asyncio.create_task(p.inference("x"))
+    await spin()
+    fits = asyncio.create_task(p.inference_many(["x", "n", "n", "x"]))  # one new slot: n
+    await spin()
+    assert p.stats.queue_depth == 2
+    with pytest.raises(batchproxy.QueueFull):
+        await p.inference_many(["x", "n", "m"])  # m needs room, there is none
+    assert p.stats.rejected == 3
+    assert p.stats.deduplicated == 3  # x, n and x of `fits`; none of the refused list
+    await asyncio.gather(first, queued)
+    assert await fits == [("out", v) for v in ["x", "n", "n", "x"]]
+    assert sorted(p.batches[1]) == ["n", "x"]
+    assert_settled(p.stats)
+    await p.aclose()
+
+
+@pytest.mark.looptime
+async def test_items_that_join_do_not_count_against_the_tenant_limit() -> None:
+    p = Recorder(
+        delay=10.0,
+        batch_size=4,
+        max_concurrent_batches=1,
+        max_queue_size_per_tenant=1,
+        dedup=True,
+        cache_size=8,
+    )
+    assert await p.inference("cached", tenant="t") == ("out", "cached")
+    first = await held(p)
+    queued = asyncio.create_task(p.inference("x", tenant="t"))  # t's one place
+    await spin()
+    joins = asyncio.create_task(p.inference_many(["x", "cached", "x"], tenant="t"))
+    other = asyncio.create_task(p.inference_many(["x"], tenant="u"))  # another tenant's slot
+    await spin()
+    with pytest.raises(batchproxy.QueueFull):
+        await p.inference_many(["x", "y"], tenant="t")  # y would be t's second place
+    stats = p.stats
+    assert (stats.rejected, stats.tenant_rejected) == (2, 2)
+    assert await asyncio.gather(first, queued, joins, other) == [
+        ("out", "first"),
+        ("out", "x"),
+        [("out", "x"), ("out", "cached"), ("out", "x")],
+        [("out", "x")],
+    ]
+    assert p.batches == [["cached"], ["first"], ["x"]]
+    assert_settled(p.stats)
+    await p.aclose()
