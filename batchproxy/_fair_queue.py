@@ -188,6 +188,10 @@ class FairQueue(Composite[T]):
         """A batch fills across tenants: full when all of them together fill it."""
         return full_reason(self, limit, budget)
 
+    def next_live(self, limit: int, budget: int | None) -> int:
+        """A batch takes from every tenant."""
+        return self.live
+
     def count_ahead(self, probe: Request[T]) -> int:
         """Those ahead of `probe` in its tenant's queue, and from each other tenant the
         requests fair queuing serves before its turn comes."""

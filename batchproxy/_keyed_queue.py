@@ -124,6 +124,13 @@ class KeyedQueue(Composite[T]):
                 return why
         return None
 
+    def next_live(self, limit: int, budget: int | None) -> int:
+        """A batch takes from one key: the live requests of the key that goes next."""
+        if not self.live:
+            return 0
+        key = self._next_key(limit, budget)
+        return 0 if key is _NOBODY else self._subs[key].live
+
     def count_ahead(self, probe: Request[T]) -> int:
         """Those ahead in every key (taking turns, the other keys' batches come in
         between): an estimate, for `shed_late`."""

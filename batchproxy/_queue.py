@@ -217,6 +217,10 @@ class RequestQueue(Generic[T]):
         """Why one batch may leave now by size alone (see `full_reason`)."""
         return full_reason(self, limit, budget)
 
+    def next_live(self, limit: int, budget: int | None) -> int:
+        """A batch may take any of the live requests."""
+        return self.live
+
     def count_ahead(self, probe: Request[T]) -> int:
         """How many live requests go before `probe` (a new request, not queued) by its
         priority and deadline, ignoring aging: every one in a higher level, and in its
@@ -394,6 +398,12 @@ class Queue(Protocol[T]):
     def full_reason(self, limit: int, budget: int | None) -> str | None:
         """Why one batch may leave now by size alone: a pop of `limit` would be full
         ("full"), or its cost reaches `budget` ("token budget"); None: not full."""
+        ...
+
+    def next_live(self, limit: int, budget: int | None) -> int:
+        """How many live requests the next pop (of `limit`, under `budget`) draws its
+        batch from: all of them, or with batch keys the next key's only. (`batch_sizes`
+        without a filler sizes the batch, and waits for the next size, by it.)"""
         ...
 
     def peek(self, now: float = 0.0) -> Request[T] | None: ...

@@ -81,7 +81,7 @@ async def call_with_reruns(
         while start < len(items):  # by index: a piece answered with a wrong count
             piece = cap.cap if oom else half  # the cap may drop meanwhile
             chunk = items[start : start + piece]  # shows up as a mismatch
-            with narrowed(start, start + len(chunk)):  # its callers' contexts, for the model
+            with narrowed(range(start, start + len(chunk))):  # its callers' contexts, for the model
                 results, _ = await call_with_reruns(runner, chunk, top=False)
             pieces.extend(runner.result_sequence(results))
             start += len(chunk)

@@ -66,7 +66,8 @@ load. With `max_batch_tokens`, members x largest cost stays within the
 budget, and an item over the budget goes alone.
 
 Allowed batch sizes without a filler (`cut_to`, from `batch_sizes`): a batch
-takes the largest allowed size the queue fills, the rest stay queued; one due to
+takes the largest allowed size that the requests it draws from fill (the queue's,
+or with batch keys its key's: `Queue.next_live`), the rest stay queued; one due to
 leave at a size not allowed (but full, a full token budget, or draining) waits
 for the next allowed size while the missing requests are expected before its
 window closes and its deadline rule (`_sizes.BatchSizes.wait_until`). With a
@@ -355,8 +356,8 @@ class Scheduler(Generic[T]):
     def _take(self) -> list[Request[T]]:
         now = 0.0 if self.queue.aging is None else self.loop.time()  # only aging needs it
         size = self._batch_size
-        if self._cut_to is not None:  # the largest allowed size the queue fills
-            size = self._cut_to.fit(min(self.queue.live, size))
+        if self._cut_to is not None:  # the largest allowed size the batch's requests fill
+            size = self._cut_to.fit(min(self.queue.next_live(size, self._budget), size))
         if not self._by_cost:
             return self.queue.pop_batch(size, now)
         return self.queue.pop_similar(
@@ -452,7 +453,7 @@ class Scheduler(Generic[T]):
             return None
         deadline = queue.earliest_deadline()
         return cut.wait_until(
-            min(queue.live, self._batch_size),
+            min(queue.next_live(self._batch_size, self._budget), self._batch_size),
             last_arrival=self._last_arrival,
             gap=max(self._mean_gap, self._last_gap),
             closes=oldest + self._max_delay,

@@ -30,6 +30,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ._callers import narrowed
 from ._errors import BatchSizeMismatch
 from ._executor import Executor, ModelFn
 from ._stats import StatsRecorder
@@ -204,27 +205,29 @@ class SizedExecutor(Executor):
         sizes, n = self.sizes, len(items)
         if n in sizes.sizes:
             return await self.inner.run(fn, items)  # (the common case: a full batch)
-        pieces = sizes.pieces(n)
-        if len(pieces) == 1:
-            return await self._run_piece(fn, items, pieces[0][1])
         results: list[Any] = []
         start = 0
-        for count, size in pieces:
-            results.extend(await self._run_piece(fn, items[start : start + count], size))
+        for count, size in sizes.pieces(n):
+            piece = items if count == n else items[start : start + count]
+            results.extend(await self._run_piece(fn, piece, start, size))
             start += count
         return results
 
-    async def _run_piece(self, fn: ModelFn, items: list[Any], size: int) -> Any:
-        """One model call on `items`, padded to `size` (pad mode), its results checked
-        and the filler's dropped; `BatchSizeMismatch` for a wrong count (no telling
-        whose result is whose)."""
+    async def _run_piece(self, fn: ModelFn, items: list[Any], start: int, size: int) -> Any:
+        """One model call on `items` (from `start` in the call's items), padded to `size`
+        (pad mode), seeing its own items' caller contexts and a filler's for each filler
+        row; its results checked and the filler's dropped; `BatchSizeMismatch` for a
+        wrong count (no telling whose result is whose)."""
         count = len(items)
         extra = size - count
+        fillers = 0
         if extra:
             self._stats.padded_rows += extra
-            if not self._model_pads:
+            if not self._model_pads:  # (a model that pads itself narrows its own rows)
                 items = items + [self._filler] * extra
-        results = await self.inner.run(fn, items)
+                fillers = extra
+        with narrowed(range(start, start + count), fillers=fillers):
+            results = await self.inner.run(fn, items)
         if self._model_pads:
             size = count  # its filler rows never leave the model
         rows = _rows(results)

@@ -16,6 +16,7 @@ the model across the threads' streams.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from abc import abstractmethod
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from . import _validate, tensors
+from ._callers import narrowed
 from ._devices import torch_device
 from ._proxy import Proxy
 from ._sizes import BatchSizes
@@ -141,7 +143,9 @@ class TensorProxy(Proxy[In, Out]):
     async def _run_async(self, items: list[In], /) -> list[Any]:
         batch = self._prepare(items)
         if batch.padded is not None:
-            batch.deliver(_move_outputs(await self._forward(batch.padded), self._output_device))
+            with batch.callers():
+                outputs = await self._forward(batch.padded)
+            batch.deliver(_move_outputs(outputs, self._output_device))
         return batch.results
 
     def _prepare(self, items: list[In]) -> _Batch:
@@ -163,10 +167,11 @@ class TensorProxy(Proxy[In, Out]):
                 data=_move(collated.data, self._device),
                 mask=None if collated.mask is None else _move(collated.mask, self._device),
             )
-        padded = collated
+        padded, fillers = collated, 0
         if self._sizes is not None:  # filler rows up to an allowed size
-            padded = pad_rows(collated, self._sizes.cover(len(valid)), self._pad_value)
-        return _Batch(results, valid, collated, padded)
+            fillers = self._sizes.cover(len(valid)) - len(valid)
+            padded = pad_rows(collated, len(valid) + fillers, self._pad_value)
+        return _Batch(results, valid, collated, padded, fillers)
 
 
 class _Stages(StagedModel):
@@ -196,7 +201,9 @@ class _Stages(StagedModel):
         if batch.ready is not None:
             _wait_on_this_stream(batch.ready, batch.padded)
         proxy = self._proxy
-        batch.outputs = _move_outputs(proxy._forward(batch.padded), proxy._output_device)
+        with batch.callers():
+            outputs = proxy._forward(batch.padded)
+        batch.outputs = _move_outputs(outputs, proxy._output_device)
         if batch.ready is not None or _on_cuda(proxy._output_device):
             batch.done = _record_event()
         return batch
@@ -218,12 +225,19 @@ class _Batch:
     valid: list[int]
     collated: Collated | None
     padded: Collated | None = None
+    fillers: int = 0
+    """The filler rows at the end of `padded`'s batch axis (`batch_sizes`)."""
     outputs: Any = None
     """What `_forward` returned (moved to `output_device`), until split."""
     ready: torch.cuda.Event | None = None
     """Recorded after the copies to the device (a CUDA device only)."""
     done: torch.cuda.Event | None = None
     """Recorded after the model and the copy back (a CUDA device only)."""
+
+    def callers(self) -> contextlib.AbstractContextManager[None]:
+        """While `_forward` runs: `caller_contexts()` gives one context per row of the
+        batch axis (the valid items', then an empty one per filler row)."""
+        return narrowed(self.valid, fillers=self.fillers)
 
     def deliver(self, outputs: Any) -> None:
         """Each valid item's part of `outputs`; `split` refuses outputs with a wrong count."""

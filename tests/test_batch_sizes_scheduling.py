@@ -120,3 +120,33 @@ async def test_a_cut_leftover_whose_deadline_passes_fails_and_never_runs() -> No
         assert all(9 not in call for call in proxy.calls)
         assert proxy.sizes == [4, 2]
         assert proxy.stats.timed_out == 1
+
+
+# -- with batch keys: a key's batch is sized from that key's own waiting requests ------
+
+
+async def test_a_keys_cut_batch_is_sized_from_its_own_waiting_requests() -> None:
+    async with Strict(batch_size=8, key=lambda item: item % 2) as proxy:
+        # 3 of key 1 and 5 of key 0: 8 wait in all, but each batch holds one key's
+        items = [1, 3, 5, 0, 2, 4, 6, 8]
+        assert await asyncio.gather(*map(proxy.inference, items)) == [2 * i for i in items]
+        # each batch left at an allowed size of its own key's requests: one model call
+        assert proxy.stats.batches == len(proxy.calls)
+        assert sorted(map(tuple, proxy.calls)) == [(0, 2, 4, 6), (1, 3), (5,), (8,)]
+
+
+async def test_a_keys_partial_batch_waits_for_its_own_next_size() -> None:
+    loop = asyncio.get_running_loop()
+    async with Strict(batch_size=4, max_delay_ms=50, delay=30 * MS) as proxy:
+        start = loop.time()
+        tasks = []
+        for item, key, at in [(0, "b", 0), (1, "a", 5), (2, "a", 10), (3, "a", 15), (4, "b", 25)]:
+            await asyncio.sleep(max(0.0, start + at * MS - loop.time()))
+            tasks.append(asyncio.create_task(proxy.inference(item, key=key)))
+        # at 30 ms 4 wait in all (an allowed size) but key "a"'s batch would be 3: its
+        # fourth is expected by 35 ms, inside its window, so it waits for it
+        await asyncio.sleep(start + 33 * MS - loop.time())
+        tasks.append(asyncio.create_task(proxy.inference(5, key="a")))
+        assert await asyncio.gather(*tasks) == [2 * i for i in range(6)]
+        assert proxy.calls == [[0], [1, 2, 3, 5], [4]]
+        assert ms_since(proxy, start) == [0, 33, 63]

@@ -4,13 +4,14 @@ allowed size; their outputs dropped before the split."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from typing import Any
 
 import numpy as np
 import pytest
 from _sized_models import check
 
-from batchproxy import TensorProxy
+from batchproxy import TensorProxy, caller_contexts
 from batchproxy.tensors import Collated
 
 
@@ -73,6 +74,46 @@ async def test_dict_items_pad_each_key_with_its_own_value() -> None:
         assert result["ids"].tolist() == [1, 2]
         assert p.batch.data["ids"][1:].tolist() == [[7, 7]] * 3
         assert p.batch.data["labels"][1:].tolist() == [[-100, -100]] * 3
+
+
+REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id")
+
+
+class Traced(StaticNumpy):
+    """Also records its callers' request ids, one per row of the batch axis."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(caller_context=True, **options)
+        self.ids: list[list[str | None]] = []
+
+    def _forward(self, batch: Collated) -> Any:
+        self.ids.append([context.get(REQUEST_ID) for context in caller_contexts()])
+        return super()._forward(batch)
+
+
+class TracedAsync(Traced):
+    async def _forward(self, batch: Collated) -> Any:  # type: ignore[override]
+        return Traced._forward(self, batch)
+
+
+async def call_as(proxy: Traced, request_id: str, item: Any) -> Any:
+    REQUEST_ID.set(request_id)
+    return await proxy.inference(item)
+
+
+@pytest.mark.parametrize("proxy_type", [Traced, TracedAsync])
+async def test_caller_contexts_are_one_per_row_the_filler_rows_empty(
+    proxy_type: type[Traced],
+) -> None:
+    async with proxy_type(batch_size=8, batch_sizes=(2, 4, 8)) as proxy:
+        items: list[Any] = [np.ones(2), np.ones((2, 2)), np.ones(2), np.ones(2), np.ones(2)]
+        calls = (call_as(proxy, f"req-{i}", item) for i, item in enumerate(items))
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        assert isinstance(results[1], Exception)  # another rank: not in the batch
+        assert proxy.seen[0].data.shape[0] == 4
+        assert proxy.ids == [["req-0", "req-2", "req-3", "req-4"]]
+        await asyncio.gather(*(call_as(proxy, f"req-{i}", np.ones(2)) for i in range(3)))
+        assert proxy.ids[1] == ["req-0", "req-1", "req-2", None]  # a filler: no caller
 
 
 def test_tensor_proxy_takes_no_pad_item() -> None:

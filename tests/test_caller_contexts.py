@@ -137,3 +137,93 @@ async def test_a_call_admitted_before_it_was_turned_on_has_an_empty_context() ->
 def test_the_option_is_checked() -> None:
     with pytest.raises(TypeError, match="caller_context"):
         Tagged(caller_context="yes")
+
+
+# -- with batch_sizes: one context per item the model is called on -------------------
+
+
+class SizedTagged(Proxy[int, Any]):
+    """A static-shape model that records, per call, its items and its callers' request
+    ids; a filler row (`pad_item=-1`) has no caller, so its context is empty."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(caller_context=True, **options)
+        self.seen: list[tuple[list[int], list[str | None]]] = []
+
+    @override
+    async def _inference(self, items: list[int]) -> Sequence[Any]:
+        ids = [context.get(REQUEST_ID) for context in caller_contexts()]
+        self.seen.append((list(items), ids))
+        return [(item, ids[i] if i < len(ids) else "missing") for i, item in enumerate(items)]
+
+
+def each_call_saw_its_own_items_contexts(proxy: SizedTagged) -> None:
+    for items, ids in proxy.seen:
+        assert ids == [None if item == -1 else f"req-{item}" for item in items]
+
+
+@pytest.mark.parametrize("offload", [False, True])
+async def test_a_batch_cut_into_allowed_sizes_gives_each_call_its_own_items_contexts(
+    offload: bool,
+) -> None:
+    async with SizedTagged(batch_size=4, batch_sizes=(1, 2, 4), offload=offload) as proxy:
+        calls = [asyncio.create_task(call_as(proxy, f"req-{i}", i)) for i in range(4)]
+        await asyncio.sleep(0)  # all queued; the batch task has not taken them yet
+        calls[1].cancel()  # dropped at the pop: a batch of 3, run as calls of 2 and 1
+        got = await asyncio.gather(*calls[:1], *calls[2:])
+    assert got == [(0, "req-0"), (2, "req-2"), (3, "req-3")]
+    assert [items for items, _ in proxy.seen] == [[0, 2], [3]]
+    each_call_saw_its_own_items_contexts(proxy)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+async def test_a_padded_batch_gives_its_filler_rows_empty_contexts(offload: bool) -> None:
+    async with SizedTagged(
+        batch_size=8, batch_sizes=(2, 4, 8), pad_item=-1, offload=offload
+    ) as proxy:
+        got = await asyncio.gather(*(call_as(proxy, f"req-{i}", i) for i in range(7)))
+    assert got == [(i, f"req-{i}") for i in range(7)]
+    assert [items for items, _ in proxy.seen] == [[0, 1, 2, 3, 4, 5, 6, -1]]
+    each_call_saw_its_own_items_contexts(proxy)
+
+
+@pytest.mark.parametrize("pad_item", [-1, None])
+async def test_isolated_pieces_of_a_sized_batch_see_their_own_items_contexts(
+    pad_item: int | None,
+) -> None:
+    class Picky(SizedTagged):
+        @override
+        async def _inference(self, items: list[int]) -> Sequence[Any]:
+            result = await super()._inference(items)
+            if 1 in items and len([item for item in items if item != -1]) > 1:
+                raise ValueError("1 spoils any batch it is in (alone, with fillers, it runs)")
+            return result
+
+    options: dict[str, Any] = {} if pad_item is None else {"pad_item": pad_item}
+    sizes = (2, 4) if pad_item is not None else (1, 2, 4)
+    async with Picky(batch_size=4, batch_sizes=sizes, isolate_errors=True, **options) as proxy:
+        calls = [asyncio.create_task(call_as(proxy, f"req-{i}", i)) for i in range(4)]
+        await asyncio.sleep(0)
+        calls[3].cancel()  # a batch of 3: padded to 4, or cut into 2 and 1
+        got = await asyncio.gather(*calls[:3])
+    assert got == [(0, "req-0"), (1, "req-1"), (2, "req-2")]
+    alone = [1] if pad_item is None else [1, -1]
+    assert alone in [items for items, _ in proxy.seen]  # it was re-run down to the item
+    each_call_saw_its_own_items_contexts(proxy)
+
+
+async def test_a_filler_rows_context_is_a_fresh_empty_one() -> None:
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("var")
+
+    class Marks(Proxy[int, int]):
+        @override
+        async def _inference(self, items: list[int]) -> list[int]:
+            contexts = caller_contexts()
+            assert len(contexts) == len(items) == 2
+            assert len(contexts[1]) == 0  # no variable in it
+            contexts[1].run(var.set, "set by the model")  # changes nothing elsewhere
+            return items
+
+    async with Marks(batch_sizes=(2,), pad_item=0, caller_context=True) as proxy:
+        assert await proxy.inference(1) == 1
+        assert await proxy.inference(2) == 2
