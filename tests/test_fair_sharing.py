@@ -470,6 +470,8 @@ async def test_streams_and_generation_share_fairly(
         ({"tenant_weights": {"a": True}}, TypeError, "must be a number"),
         ({"tenant_weights": {"a": "2"}}, TypeError, "must be a number"),
         ({"tenant_weights": {"a": 1e-320}}, ValueError, "too small"),
+        ({"tenant_weights": {"a": 10**400}}, ValueError, "must be a finite number > 0"),
+        ({"tenant_weights": {"a": -(10**400)}}, ValueError, "must be a finite number > 0"),
         ({"max_queue_size_per_tenant": 0}, ValueError, "max_queue_size_per_tenant"),
         ({"max_queue_size_per_tenant": 1.5}, TypeError, "max_queue_size_per_tenant"),
     ],
