@@ -6,7 +6,7 @@ BIN     = $(VENV)/bin
 # takes the CPU build on this machine and never resolves a newer torch with CUDA packages
 TORCH   = torch==2.13.0
 
-.PHONY: demo demo-publish test lint typecheck unit package test-pythons docs docs-check bench bench-tensors bench-suite bench-scheduling bench-scaleout bench-autoscale bench-dedup bench-soak bench-soak-deadlines bench-generation bench-keys bench-fairness bench-sizes bench-gpu bench-gpu-quick clean
+.PHONY: demo demo-publish test lint typecheck unit package test-pythons docs docs-check bench bench-tensors bench-suite bench-scheduling bench-scaleout bench-autoscale bench-dedup bench-soak bench-soak-deadlines bench-generation bench-keys bench-fairness bench-sizes bench-scale bench-gpu bench-gpu-quick clean
 
 # the real model over HTTP, regular vs batched: the table, and demo.{json,png} in
 # benchmarks/results/runs/ (git-ignored: a run changes no tracked file)
@@ -114,6 +114,10 @@ bench-fairness: $(VENV)/.installed
 # a static-shape engine (sizes 1..32) on the virtual clock: padding vs cutting vs any size
 bench-sizes: $(VENV)/.installed
 	$(BIN)/python benchmarks/batch_sizes.py
+
+# 100,000 distinct tenants, keys and dedup keys: time per place, memory after the drain
+bench-scale: $(VENV)/.installed
+	$(BIN)/python benchmarks/scale.py
 
 # on a machine with an NVIDIA GPU: BERT over HTTP (regular vs batched, the HTTP floor, in
 # process), the overlap's gain, GPT-2 continuous batching, CUDA graphs, and the CUDA tests;

@@ -13,9 +13,20 @@ pass (on a tie, the one waiting longest), and taking a request advances that
 tenant's pass by 1 / its weight. So while tenants stay backlogged, each gets
 batch places in proportion to its weight, and one alone gets them all (nothing
 is held back for tenants that send nothing). A tenant that starts waiting starts
-at the queue's virtual time (the lowest pass of the tenants waiting, or the last
-one's): it cannot bank credit while idle, and the others do not owe it for
-their past. Fairness is counted in requests, not in their cost.
+at the queue's virtual time (the lowest pass of the tenants waiting when it
+arrives, or the last one's): it cannot bank credit while idle, and the others do
+not owe it for their past. Fairness is counted in requests, not in their cost.
+
+Passes are exact: integers in units of 2**-_SCALE, and a tenant's step is its
+weight's reciprocal to 53 bits (`stride`), for every positive float weight. A
+float pass lost the steps of weight-1 tenants once a weight of 1e-300 had moved
+the virtual time to 1e300; an integer loses nothing at any size.
+
+The waiting tenants are in a heap by (pass, since) kept between batches, so a
+place costs one heap step (O(log n) in the tenants waiting), not a heap built
+over all of them per batch. A tenant's heap entry is valid while it is the
+tuple its `_Tenant` holds (`entry`); others are stale, skipped at the top and
+dropped when they outnumber the valid ones.
 
 Fairness comes first: within a tenant, its sub-queue's order applies (priority,
 then earliest deadline, then arrival, with aging), so no tenant buys a larger
@@ -25,34 +36,53 @@ are summed here, kept by the difference each call into a sub-queue makes.
 
 from __future__ import annotations
 
+import functools
 import heapq
-import math
+import itertools
 from collections.abc import Callable, Hashable, Iterator
 from typing import Generic, TypeVar
 
 from ._queue import Composite, Queue, Request, RequestQueue, full_reason, pick_similar
 
-__all__ = ["FairQueue", "Weight"]
+__all__ = ["FairQueue", "Weight", "stride"]
 
 T = TypeVar("T")
 
 Weight = Callable[[Hashable | None], float]
 """A tenant's weight (finite, > 0), read each time its pass advances."""
 
+_SCALE = 1077
+"""Passes count units of 2**-_SCALE: the step of the largest float weight (just
+under 2**1024) still has 53 significant bits, as a float has."""
+
+_COMPACT_MIN_STALE = 64
+
+_Entry = tuple[int, int, Hashable | None]  # (pass, since, tenant): a heap entry
+
 
 def _equal(tenant: Hashable | None) -> float:
     return 1.0
 
 
+@functools.lru_cache(maxsize=1024)
+def stride(weight: float) -> int:
+    """The pass step of a tenant of `weight` (finite, > 0): 1 / weight in units of
+    2**-_SCALE, rounded down (at least 1)."""
+    numerator, denominator = weight.as_integer_ratio()
+    return max(1, (denominator << _SCALE) // numerator)
+
+
 class _Tenant(Generic[T]):
-    """One waiting tenant: its queue, its pass, and when it started waiting (ties)."""
+    """One waiting tenant: its queue, its pass, when it started waiting (ties), and
+    its valid heap entry (None while out of the heap)."""
 
-    __slots__ = ("pass_", "queue", "since")
+    __slots__ = ("entry", "pass_", "queue", "since")
 
-    def __init__(self, queue: Queue[T], pass_: float, since: int) -> None:
+    def __init__(self, queue: Queue[T], pass_: int, since: int) -> None:
         self.queue = queue
         self.pass_ = pass_
         self.since = since
+        self.entry: _Entry | None = None
 
 
 class FairQueue(Composite[T]):
@@ -60,6 +90,7 @@ class FairQueue(Composite[T]):
 
     __slots__ = (
         "_factory",
+        "_heap",
         "_started",
         "_tenants",
         "_vtime",
@@ -79,7 +110,8 @@ class FairQueue(Composite[T]):
         self._factory = factory  # a tenant's sub-queue, given `aging`
         self.weight = weight
         self._tenants: dict[Hashable | None, _Tenant[T]] = {}  # those with requests waiting
-        self._vtime = 0.0
+        self._heap: list[_Entry] = []  # the waiting tenants by (pass, since); stale entries
+        self._vtime = 0  # the lowest pass when last looked at (`_virtual_time`)
         self._started = 0  # tenants that started waiting so far: the tie-break
         self.live = 0
         self.live_cost = 0
@@ -90,7 +122,8 @@ class FairQueue(Composite[T]):
         queued before any call named a tenant)."""
         fair: FairQueue[T] = cls(queue.aging, weight=weight)
         if queue.live:
-            fair._tenants[None] = _Tenant(queue, 0.0, 0)
+            waiting = fair._tenants[None] = _Tenant(queue, 0, 0)
+            fair._enlist(None, waiting)
             fair.live, fair.live_cost = queue.live, queue.live_cost
         return fair
 
@@ -109,11 +142,14 @@ class FairQueue(Composite[T]):
     # -- the queue interface --------------------------------------------------------------
 
     def push(self, request: Request[T]) -> None:
-        waiting = self._tenants.get(request.tenant)
+        key = request.tenant
+        waiting = self._tenants.get(key)
         if waiting is None:
             self._started += 1
             queue = self._factory(self._aging)
-            waiting = self._tenants[request.tenant] = _Tenant(queue, self._vtime, self._started)
+            waiting = _Tenant(queue, self._virtual_time(), self._started)
+            self._tenants[key] = waiting
+            self._enlist(key, waiting)
         waiting.queue.push(request)
         self.live += 1
         self.live_cost += request.cost
@@ -126,7 +162,7 @@ class FairQueue(Composite[T]):
         self.live -= 1
         self.live_cost -= request.cost
         if not waiting.queue.live:
-            del self._tenants[key]
+            self._leave(key, waiting)
         return True
 
     def pop_batch(self, limit: int, now: float = 0.0) -> list[Request[T]]:
@@ -134,13 +170,14 @@ class FairQueue(Composite[T]):
         each share in its tenant's own order."""
         batch: list[Request[T]] = []
         while len(batch) < limit and self._tenants:  # again if some callers had left
-            for key, waiting, share in self._shares(limit - len(batch)):
+            for key, (waiting, share, step) in self._shares(limit - len(batch)).items():
                 queue = waiting.queue
                 live, cost = queue.live, queue.live_cost
                 taken = queue.pop_batch(share, now)
-                self._served(key, waiting, live, cost, len(taken))
+                # its pass moved `share` steps; those its departed callers left go back
+                self._served(key, waiting, live, cost, (len(taken) - share) * step)
                 batch += taken
-        self._move_vtime()
+        self._virtual_time()
         return batch
 
     def pop_similar(
@@ -157,20 +194,38 @@ class FairQueue(Composite[T]):
         return pick_similar(self, limit, budget, window, now, group, max_passes)
 
     def in_pop_order(self, now: float) -> Iterator[Request[T]]:
-        """The tenants' requests merged in the order a pop takes them."""
-        heap = [
-            (w.pass_, w.since, 1.0 / self.weight(key), w.queue.in_pop_order(now))
-            for key, w in self._tenants.items()
-        ]
-        heapq.heapify(heap)
-        while heap:
-            pass_, since, stride, requests = heap[0]
+        """The tenants' requests merged in the order a pop takes them. The heap is read
+        from its root down, as far as the caller reads: O(log n) per request."""
+        heap, tenants, weight = self._heap, self._tenants, self.weight
+        unique = itertools.count()  # (never compare iterators)
+        # (pass, since, unique, heap index or -1, the tenant's requests, its step)
+        frontier: list[tuple[int, int, int, int, Iterator[Request[T]] | None, int]] = []
+
+        def reach(node: int) -> None:
+            if node < len(heap):
+                pass_, since, _ = heap[node]
+                heapq.heappush(frontier, (pass_, since, next(unique), node, None, 0))
+
+        reach(0)
+        while frontier:
+            pass_, since, _, node, requests, step = frontier[0]
+            if requests is None:  # a heap entry: its children next, and its tenant
+                heapq.heappop(frontier)
+                reach(2 * node + 1)
+                reach(2 * node + 2)
+                entry = heap[node]
+                waiting = tenants.get(entry[2])
+                if waiting is not None and waiting.entry is entry:
+                    requests = waiting.queue.in_pop_order(now)
+                    step = stride(weight(entry[2]))
+                    heapq.heappush(frontier, (pass_, since, next(unique), -1, requests, step))
+                continue
             request = next(requests, None)
             if request is None:
-                heapq.heappop(heap)
+                heapq.heappop(frontier)
                 continue
             yield request
-            heapq.heapreplace(heap, (pass_ + stride, since, stride, requests))
+            heapq.heapreplace(frontier, (pass_ + step, since, next(unique), -1, requests, step))
 
     def take(self, requests: list[Request[T]]) -> None:
         by_tenant: dict[Hashable | None, list[Request[T]]] = {}
@@ -181,8 +236,8 @@ class FairQueue(Composite[T]):
             queue = waiting.queue
             live, cost = queue.live, queue.live_cost
             queue.take(group)
-            self._served(key, waiting, live, cost, len(group))
-        self._move_vtime()
+            self._served(key, waiting, live, cost, len(group) * stride(self.weight(key)))
+        self._virtual_time()
 
     def full_reason(self, limit: int, budget: int | None) -> str | None:
         """A batch fills across tenants: full when all of them together fill it."""
@@ -194,15 +249,25 @@ class FairQueue(Composite[T]):
 
     def count_ahead(self, probe: Request[T]) -> int:
         """Those ahead of `probe` in its tenant's queue, and from each other tenant the
-        requests fair queuing serves before its turn comes."""
+        requests fair queuing serves before its turn comes. Reads only the heap entries
+        below its turn."""
         key = probe.tenant
         own = self._tenants.get(key)
         ahead = 0 if own is None else own.queue.count_ahead(probe)
-        turn = (self._vtime if own is None else own.pass_) + ahead / self.weight(key)
-        for other, waiting in self._tenants.items():
-            if other is key or other == key or waiting.pass_ >= turn:
+        turn = (self._virtual_time() if own is None else own.pass_) + ahead * stride(
+            self.weight(key)
+        )
+        heap, nodes = self._heap, [0]
+        while nodes:
+            node = nodes.pop()
+            if node >= len(heap) or heap[node][0] >= turn:
+                continue  # (every entry below it has as high a pass)
+            nodes += (2 * node + 1, 2 * node + 2)
+            pass_, _, other = entry = heap[node]
+            waiting = self._tenants.get(other)
+            if waiting is None or waiting.entry is not entry or waiting is own:
                 continue
-            before = math.ceil((turn - waiting.pass_) * self.weight(other))
+            before = -((pass_ - turn) // stride(self.weight(other)))  # ceil of the steps
             ahead += min(waiting.queue.live, before)
         return ahead
 
@@ -210,7 +275,9 @@ class FairQueue(Composite[T]):
         return next(self.in_pop_order(now), None)
 
     def earliest_deadline(self) -> float:
-        return min((w.queue.earliest_deadline() for w in self._tenants.values()), default=math.inf)
+        return min(
+            (w.queue.earliest_deadline() for w in self._tenants.values()), default=float("inf")
+        )
 
     def oldest_enqueued_at(self) -> float | None:
         oldest: float | None = None
@@ -226,45 +293,89 @@ class FairQueue(Composite[T]):
     def drain(self) -> list[Request[T]]:
         drained = [r for waiting in self._tenants.values() for r in waiting.queue.drain()]
         self._tenants.clear()
+        self._heap.clear()
         self.live = self.live_cost = 0
         return drained
 
     # -- internals ------------------------------------------------------------------------
 
-    def _shares(self, places: int) -> list[tuple[Hashable | None, _Tenant[T], int]]:
-        """How many of `places` each tenant gets: one at a time to the lowest pass."""
-        tenants = self._tenants
-        if len(tenants) == 1:
-            ((key, waiting),) = tenants.items()
-            return [(key, waiting, min(places, waiting.queue.live))]
-        heap = [(w.pass_, w.since, 1.0 / self.weight(key), key) for key, w in tenants.items()]
-        heapq.heapify(heap)
-        shares: dict[Hashable | None, int] = {}
-        while places and heap:
-            pass_, since, stride, key = heap[0]
-            share = shares.get(key, 0)
-            if share >= tenants[key].queue.live:
+    def _shares(self, places: int) -> dict[Hashable | None, tuple[_Tenant[T], int, int]]:
+        """How many of `places` each tenant gets, one at a time to the lowest pass: the
+        passes advance as the places are given (by one heap step each). For each
+        tenant served: it, its share and its step."""
+        heap, tenants = self._heap, self._tenants
+        shares: dict[Hashable | None, tuple[_Tenant[T], int, int]] = {}
+        while places:
+            entry = self._top()
+            if entry is None:
+                break
+            key = entry[2]
+            waiting = tenants[key]
+            _, share, step = shares.get(key) or (waiting, 0, stride(self.weight(key)))
+            more = waiting.queue.live - share
+            if len(heap) > 1:
+                more = 1  # one place, then whoever is lowest
+            more = min(more, places)
+            share += more
+            places -= more
+            waiting.pass_ += more * step
+            shares[key] = (waiting, share, step)
+            if share >= waiting.queue.live:  # all it has: out of the heap
                 heapq.heappop(heap)
-                continue
-            shares[key] = share + 1
-            places -= 1
-            heapq.heapreplace(heap, (pass_ + stride, since, stride, key))
-        return [(key, tenants[key], share) for key, share in shares.items()]
+                waiting.entry = None
+            else:
+                waiting.entry = new = (waiting.pass_, waiting.since, key)
+                heapq.heapreplace(heap, new)
+        return shares
 
     def _served(
-        self, key: Hashable | None, waiting: _Tenant[T], live: int, cost: int, served: int
+        self, key: Hashable | None, waiting: _Tenant[T], live: int, cost: int, advance: int
     ) -> None:
         """After a call into a tenant's queue (which had `live` requests costing `cost`):
-        the totals follow, its pass advances by `served`, and an emptied tenant goes."""
+        the totals follow, its pass moves by `advance`, and an emptied tenant goes."""
         queue = waiting.queue
         self.live += queue.live - live
         self.live_cost += queue.live_cost - cost
-        if served:
-            waiting.pass_ += served / self.weight(key)
+        waiting.pass_ += advance
         if not queue.live:
-            del self._tenants[key]
+            self._leave(key, waiting)
+        elif waiting.entry is None or waiting.entry[0] != waiting.pass_:
+            self._enlist(key, waiting)
 
-    def _move_vtime(self) -> None:
-        """The virtual time: the lowest pass of the tenants waiting (unchanged if none)."""
-        if self._tenants:
-            self._vtime = min(w.pass_ for w in self._tenants.values())
+    def _enlist(self, key: Hashable | None, waiting: _Tenant[T]) -> None:
+        """A heap entry for `waiting` at its pass (an older one goes stale)."""
+        waiting.entry = entry = (waiting.pass_, waiting.since, key)
+        heapq.heappush(self._heap, entry)
+        self._compact()
+
+    def _leave(self, key: Hashable | None, waiting: _Tenant[T]) -> None:
+        """An emptied tenant is dropped (its heap entry goes stale)."""
+        del self._tenants[key]
+        waiting.entry = None
+        self._compact()
+
+    def _top(self) -> _Entry | None:
+        """The valid entry of the lowest pass (stale ones above it dropped)."""
+        heap, tenants = self._heap, self._tenants
+        while heap:
+            entry = heap[0]
+            waiting = tenants.get(entry[2])
+            if waiting is not None and waiting.entry is entry:
+                return entry
+            heapq.heappop(heap)
+        return None
+
+    def _compact(self) -> None:
+        """Rebuild the heap from the valid entries once the stale ones outnumber them."""
+        heap, tenants = self._heap, self._tenants
+        if len(heap) > 2 * len(tenants) + _COMPACT_MIN_STALE:
+            heap[:] = [w.entry for w in tenants.values() if w.entry is not None]
+            heapq.heapify(heap)
+
+    def _virtual_time(self) -> int:
+        """The virtual time: the lowest pass of the tenants waiting, or, with none, the
+        last one seen."""
+        entry = self._top()
+        if entry is not None:
+            self._vtime = entry[0]
+        return self._vtime

@@ -18,13 +18,25 @@ the length-aware choice work as in a plain `RequestQueue`. Which key goes next:
 
 Limitation: a deadline orders requests within its key, and makes the scheduler
 send a batch early, but does not move its key ahead in the rotation.
+
+Cost: the rotation is an `OrderedDict` (its front and a move to the back are
+O(1)), and three heaps kept between batches answer "which is the first key in
+the rotation that fills a batch", "the oldest arrival" and "the earliest
+deadline" in O(log n) in the keys waiting, asking only the sub-queues that
+changed. Their entries are checked when they reach the top (a key's recorded
+value is never above its true one, so a checked top is the true minimum), and
+the heaps are rebuilt once stale entries outnumber the keys. A change of the
+batch limit or token budget rebuilds the heap of full keys (O(n)).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
-from collections.abc import Callable, Hashable, Iterable, Iterator
-from typing import TypeVar
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator
+from typing import Generic, TypeVar
 
 from ._queue import Composite, Queue, Request, RequestQueue
 
@@ -33,12 +45,43 @@ __all__ = ["KeyedQueue"]
 T = TypeVar("T")
 
 _NOBODY: Hashable = object()  # no key: every queued request turned out to be dead
+_COMPACT_MIN_STALE = 64
+
+_Entry = tuple[float, int, Hashable]  # (value, unique, key): a heap entry
+
+
+class _Key(Generic[T]):
+    """One waiting key: its sub-queue, its place in the rotation (`turn`, larger is
+    later), and what the heaps hold for it: the turn of its entry among the full keys
+    (-1: none), its recorded oldest arrival and earliest deadline (inf: none)."""
+
+    __slots__ = ("arrival", "deadline", "full", "sub", "turn")
+
+    def __init__(self, sub: Queue[T], turn: int) -> None:
+        self.sub = sub
+        self.turn = turn
+        self.full = -1
+        self.arrival = math.inf
+        self.deadline = math.inf
 
 
 class KeyedQueue(Composite[T]):
     """One sub-queue per key, served in rotation; the `Queue` interface."""
 
-    __slots__ = ("_clock", "_new", "_subs", "_window", "fair", "live", "live_cost")
+    __slots__ = (
+        "_arrivals",
+        "_clock",
+        "_deadlines",
+        "_full",
+        "_limits",
+        "_new",
+        "_subs",
+        "_unique",
+        "_window",
+        "fair",
+        "live",
+        "live_cost",
+    )
 
     def __init__(
         self,
@@ -47,12 +90,17 @@ class KeyedQueue(Composite[T]):
         aging: float | None = None,
         new: Callable[[float | None], Queue[T]] = RequestQueue,
     ) -> None:
-        # the rotation is this dict's order: front first; a served key is re-inserted
-        self._subs: dict[Hashable, Queue[T]] = {}
+        # the rotation is this dict's order: front first; a served key moves to the end
+        self._subs: OrderedDict[Hashable, _Key[T]] = OrderedDict()
         self._clock = clock  # the loop's time
         self._window = window  # seconds a key's oldest request may be overtaken by full batches
         self._aging = aging
         self._new = new  # a sub-queue, given the aging
+        self._unique = itertools.count()  # turns and tie-breaks: keys are never compared
+        self._full: list[tuple[int, Hashable]] = []  # (turn, key) of the keys that fill one
+        self._limits: tuple[int, int | None] | None = None  # what `_full` is full for
+        self._arrivals: list[_Entry] = []  # (oldest arrival, unique, key)
+        self._deadlines: list[_Entry] = []  # (earliest deadline, unique, key)
         self.fair = False  # its sub-queues are `FairQueue`s (`_placement`)
         self.live = 0
         self.live_cost = 0
@@ -68,31 +116,36 @@ class KeyedQueue(Composite[T]):
         """A keyed queue whose key None holds `queue` (the requests queued so far)."""
         keyed = cls(clock, window, queue.aging, new)
         if queue.live:
-            keyed._subs[None] = queue
+            record = keyed._subs[None] = _Key(queue, next(keyed._unique))
+            keyed._note(None, record, queue.oldest_enqueued_at(), queue.earliest_deadline())
             keyed.live, keyed.live_cost = queue.live, queue.live_cost
         return keyed
 
     def waiting_per_key(self) -> dict[Hashable, int]:
         """Requests waiting, per key, in rotation order."""
-        return {key: sub.live for key, sub in self._subs.items()}
+        return {key: record.sub.live for key, record in self._subs.items()}
 
     # -- the Queue interface ---------------------------------------------------------
 
     def push(self, request: Request[T]) -> None:
-        sub = self._subs.get(request.key)
-        if sub is None:  # its waiting begins: it joins the back of the rotation
-            sub = self._subs[request.key] = self._new(self._aging)
-        sub.push(request)
+        key = request.key
+        record = self._subs.get(key)
+        if record is None:  # its waiting begins: it joins the back of the rotation
+            record = self._subs[key] = _Key(self._new(self._aging), next(self._unique))
+        record.sub.push(request)
         self.live += 1
         self.live_cost += request.cost
+        self._note(key, record, request.enqueued_at, request.deadline)
+        self._check_full(key, record)
 
     def discard(self, request: Request[T]) -> bool:
-        sub = self._subs.get(request.key)
-        if sub is None:
+        record = self._subs.get(request.key)
+        if record is None:
             return False
+        sub = record.sub
         live, cost = sub.live, sub.live_cost
         left = sub.discard(request)
-        self._settle(request.key, sub, live, cost)
+        self._settle(request.key, record, live, cost)
         return left
 
     def pop_batch(self, limit: int, now: float = 0.0) -> list[Request[T]]:
@@ -118,11 +171,8 @@ class KeyedQueue(Composite[T]):
 
     def full_reason(self, limit: int, budget: int | None) -> str | None:
         """Why a batch may leave by size alone: one key can fill it."""
-        for sub in self._subs.values():
-            why = sub.full_reason(limit, budget)
-            if why is not None:
-                return why
-        return None
+        key = self._first_full(limit, budget)
+        return None if key is _NOBODY else self._subs[key].sub.full_reason(limit, budget)
 
     def next_live(self, limit: int, budget: int | None) -> int:
         """A batch takes from one key: the live requests of the key that goes next."""
@@ -134,53 +184,86 @@ class KeyedQueue(Composite[T]):
     def count_ahead(self, probe: Request[T]) -> int:
         """Those ahead in every key (taking turns, the other keys' batches come in
         between): an estimate, for `shed_late`."""
-        return sum(sub.count_ahead(probe) for sub in self._subs.values())
+        return sum(record.sub.count_ahead(probe) for record in self._subs.values())
 
     def in_pop_order(self, now: float) -> Iterator[Request[T]]:
         """Each key's requests in its own order, the keys in rotation order (batches
         come from one key: this is the order of the keys' turns, not of one batch)."""
-        for sub in list(self._subs.values()):
-            yield from sub.in_pop_order(now)
+        for record in list(self._subs.values()):
+            yield from record.sub.in_pop_order(now)
 
     def take(self, requests: list[Request[T]]) -> None:
         by_key: dict[Hashable, list[Request[T]]] = {}
         for request in requests:
             by_key.setdefault(request.key, []).append(request)
         for key, group in by_key.items():
-            sub = self._subs[key]
+            record = self._subs[key]
+            sub = record.sub
             live, cost = sub.live, sub.live_cost
             sub.take(group)
-            self._settle(key, sub, live, cost)
+            self._settle(key, record, live, cost)
 
     def nest(self, wrap: Callable[[Queue[T]], Queue[T]]) -> None:
         """Every key's sub-queue, and each new one, wrapped by `wrap` (a `FairQueue`
         around it, once calls name tenants: `_placement`)."""
-        self._subs = {key: wrap(sub) for key, sub in self._subs.items()}
+        for record in self._subs.values():
+            record.sub = wrap(record.sub)
         new = self._new
         self._new = lambda aging: wrap(new(aging))
 
     def subqueues(self) -> list[Queue[T]]:
         """The keys' sub-queues, in rotation order."""
-        return list(self._subs.values())
+        return [record.sub for record in self._subs.values()]
 
     def peek(self, now: float = 0.0) -> Request[T] | None:
-        for sub in self._subs.values():
-            request = sub.peek(now)
+        for record in self._subs.values():
+            request = record.sub.peek(now)
             if request is not None:
                 return request
         return None
 
     def earliest_deadline(self) -> float:
-        return min((sub.earliest_deadline() for sub in self._subs.values()), default=math.inf)
+        heap, subs = self._deadlines, self._subs
+        while heap:
+            deadline, _, key = heap[0]
+            record = subs.get(key)
+            if record is None or record.deadline != deadline:
+                heapq.heappop(heap)  # stale
+                continue
+            actual = record.sub.earliest_deadline()
+            if actual == deadline:
+                return deadline
+            record.deadline = actual  # its earliest left: the entry follows
+            if actual == math.inf:
+                heapq.heappop(heap)
+            else:
+                heapq.heapreplace(heap, (actual, next(self._unique), key))
+        return math.inf
 
     def oldest_enqueued_at(self) -> float | None:
-        arrivals = [self._oldest(key, sub) for key, sub in list(self._subs.items())]
-        return min((arrived for arrived in arrivals if arrived is not None), default=None)
+        heap, subs = self._arrivals, self._subs
+        while heap:
+            arrival, _, key = heap[0]
+            record = subs.get(key)
+            if record is None or record.arrival != arrival:
+                heapq.heappop(heap)  # stale
+                continue
+            actual = self._oldest(key, record)
+            if actual == arrival:
+                return arrival
+            if actual is None:  # every caller of that key left: it was dropped
+                heapq.heappop(heap)
+                continue
+            record.arrival = actual  # its oldest left: the entry follows
+            heapq.heapreplace(heap, (actual, next(self._unique), key))
+        return None
 
     def drain(self) -> list[Request[T]]:
-        subs: Iterable[Queue[T]] = self._subs.values()
-        drained = [request for sub in subs for request in sub.drain()]
-        self._subs = {}
+        drained = [request for record in self._subs.values() for request in record.sub.drain()]
+        self._subs = OrderedDict()
+        self._full.clear()
+        self._arrivals.clear()
+        self._deadlines.clear()
         self.live = self.live_cost = 0
         return drained
 
@@ -197,47 +280,112 @@ class KeyedQueue(Composite[T]):
             key = self._next_key(limit, budget)
             if key is _NOBODY:
                 break
-            sub = self._subs[key]
+            record = self._subs[key]
+            sub = record.sub
             live, cost = sub.live, sub.live_cost
             batch = take(sub)
-            self._settle(key, sub, live, cost)
             if key in self._subs:
-                del self._subs[key]
-                self._subs[key] = sub
+                self._subs.move_to_end(key)
+                record.turn = next(self._unique)
+            self._settle(key, record, live, cost)
             if batch:
                 return batch
-            self._oldest(key, sub)  # its callers all left: retire them
+            self._oldest(key, record)  # its callers all left: retire them
         return []  # every queued request turned out to be dead
 
     def _next_key(self, limit: int, budget: int | None) -> Hashable:
         """The key whose batch goes next (see the module docstring); None: every queued
         request turned out to be dead (`_NOBODY`)."""
         while True:
-            front, sub = next(iter(self._subs.items()))
-            if sub.full_reason(limit, budget) is not None:
-                return front
-            oldest = self._oldest(front, sub)
-            if oldest is not None:
-                break
             if not self._subs:  # every caller of every key left
                 return _NOBODY
+            front, record = next(iter(self._subs.items()))
+            if record.sub.full_reason(limit, budget) is not None:
+                return front
+            oldest = self._oldest(front, record)
+            if oldest is not None:
+                break
         if self._clock() - oldest >= self._window():
             return front  # its oldest request has waited its window: it goes first
-        for key, other in self._subs.items():
-            if other.full_reason(limit, budget) is not None:
-                return key
-        return front
+        full = self._first_full(limit, budget)
+        return front if full is _NOBODY else full
 
-    def _oldest(self, key: Hashable, sub: Queue[T]) -> float | None:
+    def _first_full(self, limit: int, budget: int | None) -> Hashable:
+        """The first key in the rotation that fills a batch of `limit` (or `budget`);
+        `_NOBODY`: none does."""
+        heap, subs = self._full, self._subs
+        if self._limits != (limit, budget):  # full for other limits: ask every key
+            self._limits = (limit, budget)
+            heap.clear()
+            for waiting, its in subs.items():
+                its.full = -1
+                self._check_full(waiting, its)
+        while heap:
+            turn, key = heap[0]
+            record = subs.get(key)
+            if record is not None and record.full == turn == record.turn:
+                if record.sub.full_reason(limit, budget) is not None:
+                    return key
+                record.full = -1  # no longer full: asked again when it changes
+            heapq.heappop(heap)
+        return _NOBODY
+
+    def _check_full(self, key: Hashable, record: _Key[T]) -> None:
+        """After `record` changed: among the full keys if it fills a batch now."""
+        limits = self._limits
+        if (
+            limits is not None
+            and record.full != record.turn
+            and record.sub.full_reason(*limits) is not None
+        ):
+            record.full = record.turn
+            heapq.heappush(self._full, (record.turn, key))
+
+    def _note(self, key: Hashable, record: _Key[T], arrival: float | None, deadline: float) -> None:
+        """An earlier arrival or deadline of `key` than the heaps hold for it."""
+        if arrival is not None and arrival < record.arrival:
+            record.arrival = arrival
+            heapq.heappush(self._arrivals, (arrival, next(self._unique), key))
+        if deadline < record.deadline:
+            record.deadline = deadline
+            heapq.heappush(self._deadlines, (deadline, next(self._unique), key))
+
+    def _oldest(self, key: Hashable, record: _Key[T]) -> float | None:
         """When `key`'s oldest live request arrived (retiring those whose caller left)."""
+        sub = record.sub
         live, cost = sub.live, sub.live_cost
         arrived = sub.oldest_enqueued_at()
-        self._settle(key, sub, live, cost)
+        self._settle(key, record, live, cost)
         return arrived
 
-    def _settle(self, key: Hashable, sub: Queue[T], live: int, cost: int) -> None:
-        """Follow `sub`'s change since it held `live` requests of `cost`; drop it empty."""
+    def _settle(self, key: Hashable, record: _Key[T], live: int, cost: int) -> None:
+        """Follow `record`'s change since it held `live` requests of `cost`; drop it empty."""
+        sub = record.sub
         self.live += sub.live - live
         self.live_cost += sub.live_cost - cost
         if not sub.live:
-            self._subs.pop(key, None)
+            if self._subs.get(key) is record:
+                del self._subs[key]
+            self._compact()
+        else:
+            self._check_full(key, record)
+
+    def _compact(self) -> None:
+        """Rebuild the heaps from the keys waiting once stale entries outnumber them."""
+        subs = self._subs
+        most = 2 * len(subs) + _COMPACT_MIN_STALE
+        if len(self._full) > most:
+            self._full[:] = [(r.turn, k) for k, r in subs.items() if r.full == r.turn]
+            heapq.heapify(self._full)
+        if len(self._arrivals) > most:
+            self._arrivals[:] = [
+                (r.arrival, next(self._unique), k) for k, r in subs.items() if r.arrival < math.inf
+            ]
+            heapq.heapify(self._arrivals)
+        if len(self._deadlines) > most:
+            self._deadlines[:] = [
+                (r.deadline, next(self._unique), k)
+                for k, r in subs.items()
+                if r.deadline < math.inf
+            ]
+            heapq.heapify(self._deadlines)

@@ -11,7 +11,6 @@ keyword arguments of `Proxy(...)`, `@batch(...)` and `configure(...)`.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -296,9 +295,6 @@ def _weights(value: object) -> Mapping[Hashable, float] | None:
         )
         for tenant, weight in value.items()
     }
-    for tenant, weight in weights.items():
-        if 1.0 / weight == math.inf:
-            raise ValueError(f"tenant_weights[{tenant!r}] is too small: {weight!r}")
     return MappingProxyType(weights)
 
 

@@ -63,7 +63,10 @@ def finite(name: str, value: object, *, allow_zero: bool) -> float:
     """A finite number > 0 (or >= 0 with `allow_zero`): a quantity, not a duration."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int (or Fraction) beyond any float: not a finite number
+        number = -math.inf if value < 0 else math.inf
     if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")

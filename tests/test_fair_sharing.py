@@ -221,6 +221,86 @@ def test_composites_nest_through_the_factory() -> None:
     assert sum(map(user_of, queue.drain())) == sum(range(1, 8))
 
 
+def test_a_tiny_weight_does_not_swallow_the_others_steps() -> None:
+    """Issue 27 item 4: a weight of 1e-300 moved the virtual time to about 1e300, where
+    a weight-1 tenant's step of 1 was lost to rounding: two equal tenants then took
+    whole batches in turn, for the queue's lifetime. Passes are exact now."""
+    weights = {"tiny": 1e-300, "tinier": 5e-324}
+    queue: FairQueue[Any] = FairQueue(weight=lambda tenant: weights.get(tenant, 1.0))
+    fill(queue, "tiny", 2)
+    assert tenants_of(queue.pop_batch(1)) == ["tiny"]  # its pass jumps by 1e300
+    fill(queue, "a", 100)
+    fill(queue, "b", 100)
+    # the newcomers start at its pass, where it is first on the tie; then its next
+    # turn is 1e300 steps away, and a and b share every batch
+    assert sorted(map(str, tenants_of(queue.pop_batch(9)))) == ["a"] * 4 + ["b"] * 4 + ["tiny"]
+    for _ in range(3):
+        assert sorted(map(str, tenants_of(queue.pop_batch(8)))) == ["a"] * 4 + ["b"] * 4
+    queue.drain()
+    fill(queue, "tinier", 1)  # the smallest float weight works as well
+    queue.pop_batch(1)
+    fill(queue, "c", 10)  # after the tiny ones have gone, newcomers still share
+    fill(queue, "d", 10)
+    assert sorted(map(str, tenants_of(queue.pop_batch(4)))) == ["c", "c", "d", "d"]
+
+
+def test_a_huge_weight_takes_its_share_and_no_more() -> None:
+    queue: FairQueue[Any] = FairQueue(weight=lambda tenant: 1e300 if tenant == "big" else 1.0)
+    fill(queue, "big", 50)
+    fill(queue, "small", 50)
+    taken = tenants_of(queue.pop_batch(40))
+    assert taken.count("small") == 1  # its first turn (a tie at the start), then none
+    assert taken.count("big") == 39
+
+
+def test_a_newcomer_starts_at_the_lowest_pass_after_a_cancellation() -> None:
+    """Issue 27 item 10: the virtual time moved only on pops, so after the tenant with
+    the lowest pass left by cancellation a newcomer started below every waiting pass
+    and took every place until it caught up."""
+    queue: FairQueue[Any] = FairQueue(weight=lambda tenant: 0.01 if tenant == "y" else 1.0)
+    fill(queue, "x", 2)
+    fill(queue, "y", 2)
+    assert tenants_of(queue.pop_batch(2)) == ["x", "y"]  # passes: x 1, y 100
+    (left,) = [r for r in queue.in_pop_order(0.0) if r.tenant == "x"]
+    assert queue.discard(left)  # x leaves: the lowest waiting pass is y's 100
+    fill(queue, "new", 10)
+    # the newcomer starts at 100, tied with y who has waited longer: not at 1
+    assert tenants_of(queue.pop_batch(2)) == ["y", "new"]
+
+
+def test_a_pop_costs_a_heap_step_per_place_at_100000_tenants() -> None:
+    """Issue 27 item 5: every batch rebuilt a heap over all the waiting tenants (reading
+    each one's weight), so a burst from n distinct tenants cost O(n) per batch. Now a
+    place reads one weight and costs one step of a heap kept between batches."""
+    tenants, places = 100_000, 0
+    reads = 0
+
+    def weight(tenant: Hashable | None) -> float:
+        nonlocal reads
+        reads += 1
+        if reads > 2 * tenants + 1000:
+            raise AssertionError(f"{reads} weights read for {places} places")
+        return 1.0
+
+    loop = asyncio.new_event_loop()
+    try:
+        queue: FairQueue[Any] = FairQueue(weight=weight)
+        for tenant in range(tenants):
+            made: Request[Any] = Request(tenant, loop.create_future(), 0, 0.0)
+            made.tenant = tenant
+            queue.push(made)
+        served = []
+        while queue.live:
+            batch = queue.pop_batch(32)
+            places += len(batch)
+            served += [r.tenant for r in batch]
+        assert served == list(range(tenants))  # all tied: in the order they came
+        assert queue._tenants == {}
+        assert len(queue._heap) == 0
+    finally:
+        loop.close()
+
+
 def test_a_plain_queue_holds_tenant_nones_requests_only() -> None:
     plain: RequestQueue[Any] = RequestQueue()
     plain.push(request(1, None))
@@ -469,7 +549,8 @@ async def test_streams_and_generation_share_fairly(
         ({"tenant_weights": {"a": math.nan}}, ValueError, "must be a finite number > 0"),
         ({"tenant_weights": {"a": True}}, TypeError, "must be a number"),
         ({"tenant_weights": {"a": "2"}}, TypeError, "must be a number"),
-        ({"tenant_weights": {"a": 1e-320}}, ValueError, "too small"),
+        ({"tenant_weights": {"a": 10**400}}, ValueError, "must be a finite number > 0"),
+        ({"tenant_weights": {"a": -(10**400)}}, ValueError, "must be a finite number > 0"),
         ({"max_queue_size_per_tenant": 0}, ValueError, "max_queue_size_per_tenant"),
         ({"max_queue_size_per_tenant": 1.5}, TypeError, "max_queue_size_per_tenant"),
     ],
@@ -483,6 +564,11 @@ def test_bad_tenant_options_are_refused_at_construction_and_by_configure(
     with pytest.raises(error, match=message):
         proxy.configure(**options)
     assert proxy.options.tenant_weights is None
+
+
+def test_any_positive_float_weight_is_accepted() -> None:
+    proxy = Recorder(tenant_weights={"tiny": 5e-324, "huge": 1.7e308})
+    assert proxy.options.tenant_weights == {"tiny": 5e-324, "huge": 1.7e308}
 
 
 def test_weights_are_copied_so_a_later_change_bypasses_no_check() -> None:

@@ -350,3 +350,55 @@ async def test_the_queue_pops_nothing_when_every_caller_left() -> None:
         request.future.cancel()
     assert queue.pop_similar(4, None, 64) == []
     assert queue.live == 0
+
+
+def test_a_batch_costs_o_log_n_per_place_at_100000_keys() -> None:
+    """Issue 27 item 5: the keyed queue asked every key whether it could fill a batch,
+    and the scheduler's window and deadline rules read every key's oldest arrival and
+    earliest deadline, for each batch: O(keys) per batch. Now each reads a heap kept
+    between batches, and a key's sub-queue is asked only when it changed."""
+    keys, budget = 100_000, 20 * 100_000
+    asked = 0
+
+    class Counted(RequestQueue[Any]):
+        def _ask(self) -> None:
+            nonlocal asked
+            asked += 1
+            if asked > budget:
+                raise AssertionError(f"the sub-queues were asked {asked} times")
+
+        @override
+        def full_reason(self, limit: int, budget: int | None) -> str | None:
+            self._ask()
+            return super().full_reason(limit, budget)
+
+        @override
+        def oldest_enqueued_at(self) -> float | None:
+            self._ask()
+            return super().oldest_enqueued_at()
+
+        @override
+        def earliest_deadline(self) -> float:
+            self._ask()
+            return super().earliest_deadline()
+
+    loop = asyncio.new_event_loop()
+    try:
+        queue: KeyedQueue[Any] = KeyedQueue(lambda: 0.0, lambda: 1.0, new=Counted)
+        for key in range(keys):
+            made: Request[Any] = Request(key, loop.create_future(), 0, float(key), 1, key + 5.0)
+            made.key = key
+            queue.push(made)
+        served = []
+        while queue.live:  # what the scheduler asks for each batch
+            assert queue.full_reason(32, None) is None  # no key fills a batch
+            assert queue.oldest_enqueued_at() == (served[-1] + 1 if served else 0.0)
+            assert queue.earliest_deadline() == queue.oldest_enqueued_at() + 5.0
+            batch = queue.pop_batch(32)
+            assert len(batch) == 1
+            served += [r.item for r in batch]
+        assert served == list(range(keys))  # the keys took turns in the order they came
+        assert queue.oldest_enqueued_at() is None
+        assert queue.earliest_deadline() == float("inf")
+    finally:
+        loop.close()
