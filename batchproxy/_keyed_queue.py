@@ -179,7 +179,7 @@ class KeyedQueue(Composite[T]):
         if not self.live:
             return 0
         key = self._next_key(limit, budget)
-        return 0 if key is _NOBODY else self._subs[key].live
+        return 0 if key is _NOBODY else self._subs[key].sub.live
 
     def count_ahead(self, probe: Request[T]) -> int:
         """Those ahead in every key (taking turns, the other keys' batches come in
