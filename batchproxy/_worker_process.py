@@ -3,7 +3,9 @@ to stop or until the proxy's process is gone.
 
 Replies: ``("ready", pid)`` after the factory ran, ``("failed", exc, traceback)``
 if it raised; then per batch ``("ok", results)`` or ``("raised", exc, traceback)``.
-A stop message (None) or a closed pipe ends the loop. SIGINT is ignored: a
+A stop message (None) or a closed pipe ends the loop. A watchdog thread, started
+before the factory runs, ends the process as soon as its parent is gone, even
+while the factory or a batch still runs. SIGINT is ignored: a
 Ctrl-C in the terminal reaches the whole process group, and shutting the
 workers down is the parent's job.
 """
@@ -13,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import multiprocessing
 import os
 import pickle
 import signal
+import threading
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
@@ -28,6 +32,7 @@ __all__ = ["serve"]
 
 def serve(conn: Connection, factory: ModelFactory) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with_parent()
     try:
         model = factory()
     except BaseException as exc:
@@ -55,6 +60,26 @@ def serve(conn: Connection, factory: ModelFactory) -> None:
     finally:
         if loop is not None:
             loop.close()
+
+
+def _exit_with_parent() -> None:
+    """End this process when its parent is gone, whatever the main thread is doing.
+
+    The pipe tells the main thread only when it next reads it, which is after the
+    factory returns and between batches. `multiprocessing` gives a spawned child a
+    sentinel of its parent (a pipe end on POSIX, a process handle on Windows) that
+    becomes ready when the parent exits, however it ends: a daemon thread waits on
+    it. (Linux's PR_SET_PDEATHSIG would follow the parent's thread that started
+    this process, not the parent process, so it is not used.)"""
+    parent = multiprocessing.parent_process()
+    if parent is None:  # not started by multiprocessing: nothing to watch
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(1)  # no cleanup: the factory or a batch may hold any lock
+
+    threading.Thread(target=watch, name="batchproxy-parent-watchdog", daemon=True).start()
 
 
 async def _awaited(awaitable: Any) -> Any:

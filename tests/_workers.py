@@ -57,3 +57,22 @@ def unpicklable_results() -> Callable[[list[Any]], list[Any]]:
         return [lambda item=item: item for item in items]
 
     return model
+
+
+def hanging(pid_file: str) -> Callable[[list[Any]], list[Any]]:
+    """A model load that never ends; writes its process id to `pid_file` first."""
+    with open(pid_file + ".tmp", "w") as file:
+        file.write(str(os.getpid()))
+    os.replace(pid_file + ".tmp", pid_file)  # whole, or not there
+    time.sleep(600)
+    raise AssertionError("the test should have stopped this worker")
+
+
+def hanging_after_first(pid_file: str) -> Callable[[list[Any]], list[Any]]:
+    """`tagging` in the first worker to call it, `hanging(pid_file)` in the later ones."""
+    try:
+        with open(pid_file + ".first", "x"):
+            pass
+    except FileExistsError:
+        return hanging(pid_file)
+    return tagging()
