@@ -271,9 +271,12 @@ class Worker:
         assert process is not None
         assert conn is not None
         try:
-            frames = _ipc.encode(job.items)
+            frames, refused = self._encode(job.items)
         except Exception as exc:
             job.fail(TypeError(f"{self.owner.name}: the batch could not be pickled: {exc!r}"))
+            return True
+        if frames is None:  # no item of it can travel: each caller has its error
+            job.reply([refused[i] for i in range(len(job.items))])
             return True
         if not process.is_alive():  # it died while idle (nothing reads its pipe then)
             self._died_idle()
@@ -304,10 +307,34 @@ class Worker:
             job.fail(TypeError(f"{self.owner.name}: the results could not be unpickled: {exc!r}"))
             return True
         if reply[0] == "ok":
-            job.reply(reply[1])
+            job.reply(_restore(reply[1], refused, len(job.items)))
         else:
             job.fail(_remote(reply[1], reply[2]))
         return True
+
+    def _encode(self, items: list[Any]) -> tuple[_ipc.Frames | None, dict[int, BaseException]]:
+        """The frames of the batch, less the items that cannot be pickled (None if that
+        is all of them), and a TypeError for each of those by its index: an item that
+        cannot travel fails its own caller only. Raises if the items pickle one by one
+        but not together."""
+        try:
+            return _ipc.encode(items), {}
+        except Exception:
+            pass
+        refused: dict[int, BaseException] = {}
+        for index, item in enumerate(items):
+            try:
+                _ipc.encode(item)
+            except Exception as exc:
+                refused[index] = error = TypeError(
+                    f"{self.owner.name}: the item could not be pickled to reach a worker "
+                    f"process: {exc!r}"
+                )
+                error.__cause__ = exc
+        if not refused:
+            return _ipc.encode(items), refused  # raises again: the batch fails
+        sent = [item for index, item in enumerate(items) if index not in refused]
+        return (_ipc.encode(sent) if sent else None), refused
 
     def _finish_serving(self, job: Job) -> bool:
         """The process is done with `job`; True (its process stopped) if it was abandoned
@@ -392,6 +419,23 @@ class Worker:
                 process.kill()
                 process.join()
             process.close()
+
+
+def _restore(results: Any, refused: dict[int, BaseException], size: int) -> Any:
+    """The model's results for the items sent, with each refused item's error put
+    back in its place, for a batch of `size`. Results that are not one per item
+    sent are left as they are: the proxy reports them."""
+    if not refused:
+        return results
+    try:
+        restored = list(results)
+    except TypeError:
+        return results
+    if len(restored) != size - len(refused):
+        return results
+    for index in sorted(refused):
+        restored.insert(index, refused[index])
+    return restored
 
 
 def _remote(exc: BaseException, text: str) -> BaseException:

@@ -12,7 +12,11 @@ Failure, written down:
 
 - The model raises: that batch's callers get the exception (its traceback in
   the worker as `__cause__`); per-item exceptions reach only their callers.
-- A batch or its results cannot be pickled: that batch fails with a TypeError.
+- An item that cannot be pickled fails its own caller with a TypeError; the
+  rest of its batch runs without it. A result that cannot be pickled back fails
+  its own caller so too. A batch the worker cannot unpickle (a class it cannot
+  import), or results that are not a sequence and cannot be pickled, fail that
+  batch with a TypeError; the worker stays up.
 - A worker process dies (killed, segfault, `os._exit`): exactly the batch it
   held fails with `WorkerDied`, or with `retry_on_crash=True` is rerun once on
   another worker; the worker is restarted and batches queued for it wait. A

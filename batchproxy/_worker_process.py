@@ -43,9 +43,16 @@ def serve(conn: Connection, factory: ModelFactory) -> None:
     try:
         while True:
             try:
-                items = _ipc.decode(_ipc.receive(conn))
+                frames = _ipc.receive(conn)
             except (EOFError, OSError):
                 return  # the proxy's process is gone
+            try:
+                items = _ipc.decode(frames)
+            except Exception as exc:  # e.g. a class this process cannot import
+                error = TypeError(f"the batch could not be unpickled in the worker: {exc!r}")
+                error.__cause__ = exc
+                _reply(conn, ("raised", *_portable(error)))
+                continue
             if items is None:
                 return
             try:
@@ -90,10 +97,31 @@ def _reply(conn: Connection, message: tuple[Any, ...]) -> None:
     try:
         frames = _ipc.encode(message)
     except Exception as exc:  # results (or an exception) that cannot be pickled
-        error = TypeError(f"the worker's reply could not be pickled: {exc!r}")
-        frames = _ipc.encode(("raised", *_portable(error)))
+        try:
+            if message[0] != "ok":
+                raise
+            frames = _ipc.encode(("ok", _each_portable(message[1])))
+        except Exception:  # not a batch's results, or not one by one either
+            error = TypeError(f"the worker's reply could not be pickled: {exc!r}")
+            frames = _ipc.encode(("raised", *_portable(error)))
     with contextlib.suppress(OSError):  # the proxy's process is gone; nobody waits
         _ipc.send(conn, frames)
+
+
+def _each_portable(results: Any) -> list[Any]:
+    """A batch's results, each one that cannot be pickled replaced by a TypeError,
+    so that only its own caller fails. Raises if `results` is not a sequence."""
+    if isinstance(results, (str, bytes)) or not hasattr(results, "__len__"):
+        raise TypeError("not a sequence of results")
+    portable = list(results)
+    for index, result in enumerate(portable):
+        try:
+            _ipc.encode(result)
+        except Exception as exc:
+            portable[index] = TypeError(
+                f"the result could not be pickled to return from the worker process: {exc!r}"
+            )
+    return portable
 
 
 def _portable(exc: BaseException) -> tuple[BaseException, str]:

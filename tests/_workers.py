@@ -76,3 +76,23 @@ def hanging_after_first(pid_file: str) -> Callable[[list[Any]], list[Any]]:
     except FileExistsError:
         return hanging(pid_file)
     return tagging()
+
+
+def unpicklable_result_for_marker() -> Callable[[list[Any]], list[Any]]:
+    """Each item back as it came, except "unpicklable", which comes back as a lambda."""
+
+    def model(items: list[Any]) -> list[Any]:
+        return [(lambda: None) if item == "unpicklable" else item for item in items]
+
+    return model
+
+
+def refuse_to_load() -> None:
+    raise ValueError("this item cannot be rebuilt here")
+
+
+class Unloadable:
+    """Pickles, but cannot be unpickled."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return refuse_to_load, ()

@@ -102,14 +102,14 @@ async def test_a_batch_that_cannot_be_pickled_fails_alone(tagging) -> None:
         assert (await proxy.inference("next"))[1] == "next"
 
 
-async def test_results_that_cannot_be_pickled_fail_their_batch() -> None:
+async def test_results_that_cannot_be_pickled_fail_their_callers() -> None:
     async with (
         ProcessWorkers(_workers.unpicklable_results, 1) as workers,
         Proxy(offload=workers) as proxy,
     ):
-        with pytest.raises(TypeError, match="reply could not be pickled"):
+        with pytest.raises(TypeError, match="result could not be pickled"):
             await proxy.inference(1)
-        with pytest.raises(TypeError, match="reply could not be pickled"):
+        with pytest.raises(TypeError, match="result could not be pickled"):
             await proxy.inference(2)  # the worker is still there
 
 
@@ -731,3 +731,50 @@ def test_a_worker_in_its_factory_exits_when_its_parent_is_killed(tmp_path: Path)
             parent.wait()
         if worker is not None and not exited(worker):
             os.kill(worker, signal.SIGKILL)
+
+
+# -- items and results that cannot travel (issue 27, item 11) --------------------------------
+
+
+async def test_an_item_that_cannot_be_pickled_fails_only_its_caller(tagging) -> None:
+    """It failed its whole batch with `TypeError: the batch could not be pickled`."""
+    async with Proxy(offload=tagging, batch_size=4, max_delay_ms=500) as proxy:
+        items: list[Any] = ["a", lambda: None, "c", "d"]
+        results = await asyncio.gather(*map(proxy.inference, items), return_exceptions=True)
+        assert proxy.stats.batches == 1
+    assert [item for _, item in (results[0], results[2], results[3])] == ["a", "c", "d"]
+    assert isinstance(results[1], TypeError)
+    assert "item could not be pickled" in str(results[1])
+
+
+async def test_a_batch_of_only_unpicklable_items_never_reaches_a_worker(tagging) -> None:
+    async with Proxy(offload=tagging, batch_size=2, max_delay_ms=500) as proxy:
+        results = await asyncio.gather(
+            proxy.inference(lambda: 1), proxy.inference(lambda: 2), return_exceptions=True
+        )
+    assert all(isinstance(r, TypeError) for r in results)
+
+
+async def test_a_result_that_cannot_be_pickled_fails_only_its_caller() -> None:
+    async with (
+        ProcessWorkers(_workers.unpicklable_result_for_marker, 1) as workers,
+        Proxy(offload=workers, batch_size=4, max_delay_ms=500) as proxy,
+    ):
+        items = ["a", "unpicklable", "c", "d"]
+        results = await asyncio.gather(*map(proxy.inference, items), return_exceptions=True)
+        assert proxy.stats.batches == 1
+    assert [results[0], results[2], results[3]] == ["a", "c", "d"]
+    assert isinstance(results[1], TypeError)
+    assert "result could not be pickled" in str(results[1])
+
+
+async def test_a_batch_that_cannot_be_unpickled_in_the_worker_does_not_kill_it() -> None:
+    """It raised out of the worker's loop: the process died and the batch failed with
+    `WorkerDied`, and the worker's model had to be built again."""
+    async with ProcessWorkers(_workers.tagging, 1) as workers, Proxy(offload=workers) as proxy:
+        pid = workers.pids[0]
+        with pytest.raises(TypeError, match="could not be unpickled in the worker") as raised:
+            await proxy.inference(_workers.Unloadable())
+        assert "cannot be rebuilt here" in str(raised.value)
+        assert await proxy.inference("next") == (pid, "next")
+        assert workers.pids == [pid]
