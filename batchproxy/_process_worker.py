@@ -17,7 +17,8 @@ import multiprocessing
 import queue
 import signal
 import threading
-from multiprocessing.connection import Connection
+import time
+from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
 
@@ -43,6 +44,7 @@ class _Pool(Protocol):
     _lock: threading.Lock
     _factory: ModelFactory
     _stop_timeout: float
+    _start_timeout: float | None
 
     def _dispatch(self, job: Job, avoid: Worker | None = None) -> None: ...
 
@@ -91,9 +93,23 @@ class Worker:
         self.exited: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._process: BaseProcess | None = None
         self._conn: Connection | None = None
+        # Why this worker must stop starting (closed, scaled away), and the pipe that
+        # wakes its thread while it waits for a process to start (under owner._lock).
+        self._stop_reason: str | None = None
+        self._wake: Connection | None = None
         self.thread = threading.Thread(
             target=self._main, name=f"batchproxy-{owner.name}-{index}", daemon=True
         )
+
+    def stop_starting(self, reason: str) -> None:
+        """Stop waiting for a process that is still starting: it is stopped and this
+        worker is broken with `reason` (under the owner's lock; a started one keeps
+        serving until it reads its stop)."""
+        if self._stop_reason is None:
+            self._stop_reason = reason
+        if self._wake is not None:
+            with contextlib.suppress(OSError):
+                self._wake.send_bytes(b"")
 
     def _main(self) -> None:
         try:
@@ -155,27 +171,9 @@ class Worker:
 
     def _start_process(self) -> None:
         self.starting = True
-        context = multiprocessing.get_context("spawn")
-        ours, theirs = context.Pipe(duplex=True)
-        process = context.Process(
-            target=serve,
-            args=(theirs, self.owner._factory),
-            name=f"batchproxy-{self.owner.name}-{self.index}",
-        )
-        try:
-            process.start()
-        except Exception as exc:  # e.g. spawned from an unguarded __main__ while importing
-            ours.close()
-            message: tuple[Any, ...] = ("not started", exc)
-        else:
-            self._process, self._conn = process, ours
-            message = ()
-        theirs.close()  # so that our end sees EOF when the worker dies
-        if not message:
-            try:
-                message = _ipc.decode(_ipc.receive(ours))
-            except (EOFError, OSError):
-                message = ("died", self._reap())
+        with self.owner._lock:
+            reason = self._stop_reason
+        message = self._spawn() if reason is None else ("stopped", reason)
         if message[0] == "ready":
             self.pid = message[1]
         else:
@@ -193,6 +191,17 @@ class Worker:
                     f"{self.owner.name}: worker {self.index} could not be started: {message[1]}"
                 )
                 error.__cause__ = message[1]
+            elif message[0] == "stopped":
+                error = RuntimeError(
+                    f"{message[1]} while worker {self.index} was starting (its model "
+                    f"factory had not returned)"
+                )
+            elif message[0] == "overdue":
+                error = TimeoutError(
+                    f"{self.owner.name}: the model factory did not return within "
+                    f"{self.owner._start_timeout:g} s in worker {self.index} (start_timeout); "
+                    f"its process was stopped"
+                )
             else:
                 error = RuntimeError(
                     f"{self.owner.name}: worker {self.index} died while building its model "
@@ -200,9 +209,59 @@ class Worker:
                 )
             with self.owner._lock:
                 self.broken = error
-            self._stop_process()
+            # A factory past its start_timeout is not waited for; one still running at
+            # a stop gets the stop_timeout that any worker gets.
+            self._stop_process(grace=0.0 if message[0] == "overdue" else None)
         self.starting = False
         _set(self.ready)
+
+    def _spawn(self) -> tuple[Any, ...]:
+        """Start a process; its first message (ready or failed), or why there is none."""
+        context = multiprocessing.get_context("spawn")
+        ours, theirs = context.Pipe(duplex=True)
+        process = context.Process(
+            target=serve,
+            args=(theirs, self.owner._factory),
+            name=f"batchproxy-{self.owner.name}-{self.index}",
+        )
+        try:
+            process.start()
+        except Exception as exc:  # e.g. spawned from an unguarded __main__ while importing
+            ours.close()
+            theirs.close()
+            return ("not started", exc)
+        self._process, self._conn = process, ours
+        theirs.close()  # so that our end sees EOF when the worker dies
+        return self._await_ready(ours)
+
+    def _await_ready(self, conn: Connection) -> tuple[Any, ...]:
+        """The process's first message (ready or failed), or why there is none: it died,
+        it was told to stop meanwhile, or its factory ran past `start_timeout`."""
+        timeout = self.owner._start_timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        awake, wake = multiprocessing.get_context("spawn").Pipe(duplex=False)
+        try:
+            with self.owner._lock:
+                reason = self._stop_reason
+                self._wake = wake
+            while reason is None:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                ready = wait([conn, awake], left)
+                if conn in ready:
+                    try:
+                        return tuple(_ipc.decode(_ipc.receive(conn)))
+                    except (EOFError, OSError):
+                        return ("died", self._reap())
+                if not ready:
+                    return ("overdue", f"its factory ran past start_timeout={timeout:g} s")
+                with self.owner._lock:
+                    reason = self._stop_reason
+            return ("stopped", reason)
+        finally:
+            with self.owner._lock:
+                self._wake = None
+            awake.close()
+            wake.close()
 
     def _serve(self, job: Job) -> bool:
         """Run `job` on the process and answer it. False if the process turned out to
@@ -212,9 +271,12 @@ class Worker:
         assert process is not None
         assert conn is not None
         try:
-            frames = _ipc.encode(job.items)
+            frames, refused = self._encode(job.items)
         except Exception as exc:
             job.fail(TypeError(f"{self.owner.name}: the batch could not be pickled: {exc!r}"))
+            return True
+        if frames is None:  # no item of it can travel: each caller has its error
+            job.reply([refused[i] for i in range(len(job.items))])
             return True
         if not process.is_alive():  # it died while idle (nothing reads its pipe then)
             self._died_idle()
@@ -245,10 +307,34 @@ class Worker:
             job.fail(TypeError(f"{self.owner.name}: the results could not be unpickled: {exc!r}"))
             return True
         if reply[0] == "ok":
-            job.reply(reply[1])
+            job.reply(_restore(reply[1], refused, len(job.items)))
         else:
             job.fail(_remote(reply[1], reply[2]))
         return True
+
+    def _encode(self, items: list[Any]) -> tuple[_ipc.Frames | None, dict[int, BaseException]]:
+        """The frames of the batch, less the items that cannot be pickled (None if that
+        is all of them), and a TypeError for each of those by its index: an item that
+        cannot travel fails its own caller only. Raises if the items pickle one by one
+        but not together."""
+        try:
+            return _ipc.encode(items), {}
+        except Exception:
+            pass
+        refused: dict[int, BaseException] = {}
+        for index, item in enumerate(items):
+            try:
+                _ipc.encode(item)
+            except Exception as exc:
+                refused[index] = error = TypeError(
+                    f"{self.owner.name}: the item could not be pickled to reach a worker "
+                    f"process: {exc!r}"
+                )
+                error.__cause__ = exc
+        if not refused:
+            return _ipc.encode(items), refused  # raises again: the batch fails
+        sent = [item for index, item in enumerate(items) if index not in refused]
+        return (_ipc.encode(sent) if sent else None), refused
 
     def _finish_serving(self, job: Job) -> bool:
         """The process is done with `job`; True (its process stopped) if it was abandoned
@@ -311,7 +397,9 @@ class Worker:
                 return f"killed by signal {signal.Signals(-code).name}"
         return f"exit code {code}"
 
-    def _stop_process(self) -> None:
+    def _stop_process(self, grace: float | None = None) -> None:
+        """Tell the process to stop, give it `grace` seconds (default: the stop_timeout),
+        then terminate it, and kill it if that does not end it either."""
         process, conn = self._process, self._conn
         self._process = self._conn = None
         self.pid = None
@@ -322,7 +410,7 @@ class Worker:
         if process is None:
             return
         try:
-            process.join(self.owner._stop_timeout)
+            process.join(self.owner._stop_timeout if grace is None else grace)
         finally:  # even if that wait raised: no process is left running or unreaped
             if process.exitcode is None:
                 process.terminate()
@@ -331,6 +419,23 @@ class Worker:
                 process.kill()
                 process.join()
             process.close()
+
+
+def _restore(results: Any, refused: dict[int, BaseException], size: int) -> Any:
+    """The model's results for the items sent, with each refused item's error put
+    back in its place, for a batch of `size`. Results that are not one per item
+    sent are left as they are: the proxy reports them."""
+    if not refused:
+        return results
+    try:
+        restored = list(results)
+    except TypeError:
+        return results
+    if len(restored) != size - len(refused):
+        return results
+    for index in sorted(refused):
+        restored.insert(index, refused[index])
+    return restored
 
 
 def _remote(exc: BaseException, text: str) -> BaseException:

@@ -12,7 +12,11 @@ Failure, written down:
 
 - The model raises: that batch's callers get the exception (its traceback in
   the worker as `__cause__`); per-item exceptions reach only their callers.
-- A batch or its results cannot be pickled: that batch fails with a TypeError.
+- An item that cannot be pickled fails its own caller with a TypeError; the
+  rest of its batch runs without it. A result that cannot be pickled back fails
+  its own caller so too. A batch the worker cannot unpickle (a class it cannot
+  import), or results that are not a sequence and cannot be pickled, fail that
+  batch with a TypeError; the worker stays up.
 - A worker process dies (killed, segfault, `os._exit`): exactly the batch it
   held fails with `WorkerDied`, or with `retry_on_crash=True` is rerun once on
   another worker; the worker is restarted and batches queued for it wait. A
@@ -27,6 +31,9 @@ Failure, written down:
   process.
 - The factory raises in a worker: that worker takes no batches; when no worker
   is left, every batch fails at once with the factory's error.
+- A worker's process is not up within `start_timeout` (its factory hangs or is
+  slow; on a first start, a `scale()` or a restart after a death): it is
+  terminated and that worker is broken as above, with a `TimeoutError`.
 - `scale(n)` (or the autoscaler, with `autoscaling=Autoscaling(...)`): new
   workers take batches once their process is up; removed ones (broken or
   starting first, then the least loaded) take no new batch, run the batches
@@ -34,9 +41,14 @@ Failure, written down:
 - `aclose()` (or `close()`): batches already handed over run to the end, then
   each worker is told to stop, joined, and terminated or killed if it does not
   exit within `stop_timeout` (at most about 24.8 days: longer is cut to that).
+  A worker still in its factory is stopped the same way without waiting for
+  its factory (the batches handed to it fail: it never started), so `aclose()`
+  is bounded by `stop_timeout` whatever state the workers are in; a worker
+  scaled away while it starts is stopped so too (its batches go to the others).
   Workers still open when the interpreter exits are closed the same way, and a
-  worker whose parent dies exits on its own (its pipe closes). No process is
-  left running or unreaped, even if stopping one raises.
+  worker whose parent dies exits on its own, at once, even in its factory or a
+  batch (a thread in it watches the parent). No process is left running or
+  unreaped, even if stopping one raises.
 """
 
 from __future__ import annotations
@@ -93,8 +105,9 @@ class ProcessWorkers(PoolExecutor):
     `n` batches in flight. `factory` must be picklable (a module-level function
     or class) and return `model(items) -> results` (a plain or `async def`
     callable). Start the workers ahead of traffic with `await workers.start()`
-    (or `async with`), which also reports a failing factory; stop them with
-    `await workers.aclose()`.
+    (or `async with`), which also reports a failing factory, or one that did not
+    return within `start_timeout` seconds (None: no limit) with `TimeoutError`;
+    stop them with `await workers.aclose()`.
     """
 
     hosts_model = True
@@ -107,6 +120,7 @@ class ProcessWorkers(PoolExecutor):
         retry_on_crash: bool = False,
         name: str = "ProcessWorkers",
         stop_timeout: float = 5.0,
+        start_timeout: float | None = 60.0,
         autoscaling: Autoscaling | None = None,
     ) -> None:
         if not callable(factory):
@@ -129,6 +143,8 @@ class ProcessWorkers(PoolExecutor):
         self._stop_timeout = min(
             _validate.duration("stop_timeout", stop_timeout, allow_zero=True), _JOIN_MAX
         )
+        start_timeout = _validate.timeout("start_timeout", start_timeout)
+        self._start_timeout = None if start_timeout is None else min(start_timeout, _JOIN_MAX)
         self._lock = threading.Lock()
         self._workers = [Worker(self, i) for i in range(_validate.count("n", n))]
         self._retiring: list[Worker] = []  # scaled away, finishing their batches
@@ -229,6 +245,7 @@ class ProcessWorkers(PoolExecutor):
                 if self._started:  # else its thread never runs: nothing to stop
                     self._retiring.append(worker)
                     worker.jobs.put(STOP)  # after the jobs handed to it
+                    worker.stop_starting(f"{self.name}: worker {worker.index} was scaled away")
             added = [Worker(self, self._created + i) for i in range(max(0, n - len(workers)))]
             self._created += len(added)
             workers.extend(added)
@@ -263,12 +280,14 @@ class ProcessWorkers(PoolExecutor):
         with self._lock:
             self._closed = True
             started = self._started
+            workers = [*self._workers, *self._retiring]
+            if started:
+                for worker in workers:
+                    worker.jobs.put(STOP)  # a second one to a retiring worker is never read
+                    worker.stop_starting(f"{self.name} closed")
         _open_executors.discard(self)
         if not started:
             return []
-        workers = [*self._workers, *self._retiring]
-        for worker in workers:
-            worker.jobs.put(STOP)  # a second one to a retiring worker is never read
         return [w.thread for w in workers if w.thread is not threading.current_thread()]
 
     # -- running batches -------------------------------------------------------------------

@@ -57,3 +57,42 @@ def unpicklable_results() -> Callable[[list[Any]], list[Any]]:
         return [lambda item=item: item for item in items]
 
     return model
+
+
+def hanging(pid_file: str) -> Callable[[list[Any]], list[Any]]:
+    """A model load that never ends; writes its process id to `pid_file` first."""
+    with open(pid_file + ".tmp", "w") as file:
+        file.write(str(os.getpid()))
+    os.replace(pid_file + ".tmp", pid_file)  # whole, or not there
+    time.sleep(600)
+    raise AssertionError("the test should have stopped this worker")
+
+
+def hanging_after_first(pid_file: str) -> Callable[[list[Any]], list[Any]]:
+    """`tagging` in the first worker to call it, `hanging(pid_file)` in the later ones."""
+    try:
+        with open(pid_file + ".first", "x"):
+            pass
+    except FileExistsError:
+        return hanging(pid_file)
+    return tagging()
+
+
+def unpicklable_result_for_marker() -> Callable[[list[Any]], list[Any]]:
+    """Each item back as it came, except "unpicklable", which comes back as a lambda."""
+
+    def model(items: list[Any]) -> list[Any]:
+        return [(lambda: None) if item == "unpicklable" else item for item in items]
+
+    return model
+
+
+def refuse_to_load() -> None:
+    raise ValueError("this item cannot be rebuilt here")
+
+
+class Unloadable:
+    """Pickles, but cannot be unpickled."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return refuse_to_load, ()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import multiprocessing
 import os
 import random
 import signal
@@ -14,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import _workers
 import numpy as np
@@ -99,14 +102,14 @@ async def test_a_batch_that_cannot_be_pickled_fails_alone(tagging) -> None:
         assert (await proxy.inference("next"))[1] == "next"
 
 
-async def test_results_that_cannot_be_pickled_fail_their_batch() -> None:
+async def test_results_that_cannot_be_pickled_fail_their_callers() -> None:
     async with (
         ProcessWorkers(_workers.unpicklable_results, 1) as workers,
         Proxy(offload=workers) as proxy,
     ):
-        with pytest.raises(TypeError, match="reply could not be pickled"):
+        with pytest.raises(TypeError, match="result could not be pickled"):
             await proxy.inference(1)
-        with pytest.raises(TypeError, match="reply could not be pickled"):
+        with pytest.raises(TypeError, match="result could not be pickled"):
             await proxy.inference(2)  # the worker is still there
 
 
@@ -445,6 +448,8 @@ async def test_arrays_round_trip_through_a_worker() -> None:
         ((_workers.tagging, 1.5), {}, TypeError, "n must be an int"),
         ((_workers.tagging,), {"retry_on_crash": "yes"}, TypeError, "retry_on_crash"),
         ((_workers.tagging,), {"stop_timeout": -1}, ValueError, "stop_timeout"),
+        ((_workers.tagging,), {"start_timeout": 0}, ValueError, "start_timeout"),
+        ((_workers.tagging,), {"start_timeout": "1"}, TypeError, "start_timeout"),
     ],
 )
 def test_bad_arguments_are_refused(args, kwargs, error, match) -> None:
@@ -592,3 +597,184 @@ async def test_prometheus_exports_the_workers() -> None:
         text = render(metrics.registry).decode()
         for state, value in (("target", 2), ("ready", 2), ("pending", 0)):
             assert f'batchproxy_pool_replicas{{pool="cpu",state="{state}"}} {value}.0' in text
+
+
+# -- factories that hang, and a parent that dies (issue 27) --------------------------------
+
+
+def exited(pid: int) -> bool:
+    """No such process, or one that has exited and waits for its parent to reap it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def read_pid(pid_file: Path, seconds: float = 60) -> int:
+    deadline = time.monotonic() + seconds
+    while not pid_file.exists():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{pid_file} never appeared")
+        time.sleep(0.02)
+    return int(pid_file.read_text())
+
+
+@contextlib.contextmanager
+def hung_factory(tmp_path: Path) -> Iterator[tuple[Any, Path]]:
+    """`_workers.hanging` writing to a fresh pid file; whatever process wrote there is
+    killed at the end if it still runs (a worker this test started)."""
+    pid_file = tmp_path / f"hung-{time.monotonic_ns()}.pid"
+    try:
+        yield functools.partial(_workers.hanging, str(pid_file)), pid_file
+    finally:
+        if pid_file.exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+async def test_aclose_is_bounded_while_a_worker_is_in_its_factory(tmp_path: Path) -> None:
+    """Issue 27, item 7: a starting worker waited for its ready message with no stop
+    check, so `aclose()` never returned while its factory ran. A batch handed to it
+    meanwhile fails with a clear error."""
+    with hung_factory(tmp_path) as (factory, pid_file):
+        workers = ProcessWorkers(factory, 1, stop_timeout=0.5)
+        starting = asyncio.create_task(workers.start())
+        pid = await asyncio.to_thread(read_pid, pid_file)
+        async with Proxy(offload=workers, batch_size=1) as proxy:
+            call = asyncio.create_task(proxy.inference(1))
+            await asyncio.sleep(0.1)  # handed to the starting worker
+            began = time.monotonic()
+            await asyncio.wait_for(workers.aclose(), 15)
+            assert time.monotonic() - began < 5  # stop_timeout, then a terminate
+            with pytest.raises(RuntimeError, match="closed"):
+                await asyncio.wait_for(call, 5)
+        assert gone(pid)
+        with pytest.raises(RuntimeError, match="closed while worker 0 was starting"):
+            await asyncio.wait_for(starting, 5)
+
+
+async def test_aclose_is_bounded_while_a_scaled_up_worker_loads(tmp_path: Path) -> None:
+    """The same for a worker that `scale()` added while another serves."""
+    with hung_factory(tmp_path) as (_, pid_file):
+        first = functools.partial(_workers.hanging_after_first, str(pid_file))
+        workers = ProcessWorkers(first, 1, stop_timeout=0.5)
+        await workers.start()
+        up = workers.pids[0]
+        assert up is not None
+        scaling = asyncio.create_task(workers.scale(2))
+        hung = await asyncio.to_thread(read_pid, pid_file)
+        began = time.monotonic()
+        await asyncio.wait_for(workers.aclose(), 15)
+        assert time.monotonic() - began < 5
+        assert gone(up)
+        assert gone(hung)
+        await asyncio.wait_for(scaling, 5)  # the first worker was up: not an error
+
+
+async def test_start_timeout_stops_a_hung_factory_with_a_clear_error(tmp_path: Path) -> None:
+    """Issue 27, item 7: `start()` waited for ever on a factory that never returns."""
+    with hung_factory(tmp_path) as (factory, pid_file):
+        workers = ProcessWorkers(factory, 1, start_timeout=2)
+        before = set(multiprocessing.active_children())  # the module's shared workers
+        try:
+            began = time.monotonic()
+            with pytest.raises(TimeoutError, match=r"factory did not return within 2 s"):
+                await asyncio.wait_for(workers.start(), 15)
+            assert time.monotonic() - began < 8
+            assert set(multiprocessing.active_children()) <= before  # stopped and reaped
+            if pid_file.exists():  # (the timeout may end it before its factory runs)
+                assert gone(int(pid_file.read_text()))
+            assert workers.stats.broken == 1
+            async with Proxy(offload=workers) as proxy:
+                with pytest.raises(TimeoutError, match="start_timeout"):
+                    await asyncio.wait_for(proxy.inference(1), 5)
+        finally:
+            await asyncio.wait_for(workers.aclose(), 15)
+
+
+def test_a_worker_in_its_factory_exits_when_its_parent_is_killed(tmp_path: Path) -> None:
+    """Issue 27, item 8: a worker noticed its parent's death only once its factory
+    returned (by its pipe closing), so a hung or slow load outlived a SIGKILLed parent."""
+    pid_file = tmp_path / "worker.pid"
+    script = tmp_path / "parent.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import asyncio, functools, sys, time
+            sys.path.insert(0, {str(Path(__file__).parent)!r})
+            import _workers
+            from batchproxy import ProcessWorkers
+
+            async def main():
+                factory = functools.partial(_workers.hanging, {str(pid_file)!r})
+                await ProcessWorkers(factory, 1).start()  # never returns
+
+            if __name__ == "__main__":
+                asyncio.run(main())
+            """
+        )
+    )
+    parent = subprocess.Popen([sys.executable, str(script)])
+    worker = None
+    try:
+        worker = read_pid(pid_file)
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while not exited(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert exited(worker)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        if worker is not None and not exited(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
+# -- items and results that cannot travel (issue 27, item 11) --------------------------------
+
+
+async def test_an_item_that_cannot_be_pickled_fails_only_its_caller(tagging) -> None:
+    """It failed its whole batch with `TypeError: the batch could not be pickled`."""
+    async with Proxy(offload=tagging, batch_size=4, max_delay_ms=500) as proxy:
+        items: list[Any] = ["a", lambda: None, "c", "d"]
+        results = await asyncio.gather(*map(proxy.inference, items), return_exceptions=True)
+        assert proxy.stats.batches == 1
+    assert [item for _, item in (results[0], results[2], results[3])] == ["a", "c", "d"]
+    assert isinstance(results[1], TypeError)
+    assert "item could not be pickled" in str(results[1])
+
+
+async def test_a_batch_of_only_unpicklable_items_never_reaches_a_worker(tagging) -> None:
+    async with Proxy(offload=tagging, batch_size=2, max_delay_ms=500) as proxy:
+        results = await asyncio.gather(
+            proxy.inference(lambda: 1), proxy.inference(lambda: 2), return_exceptions=True
+        )
+    assert all(isinstance(r, TypeError) for r in results)
+
+
+async def test_a_result_that_cannot_be_pickled_fails_only_its_caller() -> None:
+    async with (
+        ProcessWorkers(_workers.unpicklable_result_for_marker, 1) as workers,
+        Proxy(offload=workers, batch_size=4, max_delay_ms=500) as proxy,
+    ):
+        items = ["a", "unpicklable", "c", "d"]
+        results = await asyncio.gather(*map(proxy.inference, items), return_exceptions=True)
+        assert proxy.stats.batches == 1
+    assert [results[0], results[2], results[3]] == ["a", "c", "d"]
+    assert isinstance(results[1], TypeError)
+    assert "result could not be pickled" in str(results[1])
+
+
+async def test_a_batch_that_cannot_be_unpickled_in_the_worker_does_not_kill_it() -> None:
+    """It raised out of the worker's loop: the process died and the batch failed with
+    `WorkerDied`, and the worker's model had to be built again."""
+    async with ProcessWorkers(_workers.tagging, 1) as workers, Proxy(offload=workers) as proxy:
+        pid = workers.pids[0]
+        with pytest.raises(TypeError, match="could not be unpickled in the worker") as raised:
+            await proxy.inference(_workers.Unloadable())
+        assert "cannot be rebuilt here" in str(raised.value)
+        assert await proxy.inference("next") == (pid, "next")
+        assert workers.pids == [pid]
