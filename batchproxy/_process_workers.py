@@ -120,7 +120,7 @@ class ProcessWorkers(PoolExecutor):
         retry_on_crash: bool = False,
         name: str = "ProcessWorkers",
         stop_timeout: float = 5.0,
-        start_timeout: float | None = 60.0,
+        start_timeout: float | None = 600.0,
         autoscaling: Autoscaling | None = None,
     ) -> None:
         if not callable(factory):
