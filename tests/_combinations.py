@@ -35,7 +35,7 @@ CALLER: contextvars.ContextVar[int | None] = contextvars.ContextVar("caller", de
 PAD = "PAD"
 """The filler item (`pad_item`): never an item of a call."""
 
-ITEMS: list[Hashable] = ["x", "y", "bad", "boom", "oom", ("k", "x"), ("k", "y")]
+ITEMS: list[Hashable] = ["x", "x", "y", "bad", "boom", "oom", ("k", "x"), ("k", "y")]
 """Few, so dedup and the cache meet often; tuples that look like (key, item) pairs."""
 KEYS: list[Hashable] = [None, "k", "j"]
 TAGS = ["", "t"]
@@ -74,6 +74,7 @@ class ModelCall:
     tag: str
     contexts: list[int | None] | None  # the caller ids of `caller_contexts()`, if on
     raised: str | None = None  # "boom" or "oom"
+    done: bool = False  # the model returned or raised
 
 
 class Log:
@@ -95,6 +96,12 @@ class Log:
         self.calls.append(call)
         return call
 
+    def running(self, identity: Identity) -> bool:
+        """Whether a model call on `identity` is under way."""
+        return any(
+            not c.done and (item, c.key, c.tag) == identity for c in self.calls for item in c.items
+        )
+
     def answer(self, call: ModelCall) -> list[Any]:
         try:
             return answer(call.items, call.key, call.tag)
@@ -104,6 +111,8 @@ class Log:
         except RuntimeError:
             call.raised = "boom"
             raise
+        finally:
+            call.done = True
 
 
 class Plain(batchproxy.Proxy[Hashable, Any]):
@@ -227,7 +236,7 @@ def configs(draw: st.DrawFn, *, threads: bool = False) -> Config:
         "batch_size": batch_size,
         "max_delay_ms": draw(st.sampled_from([0.0, 1.0, 5.0])),
         "max_concurrent_batches": draw(st.sampled_from([None, 1, 2])),
-        "max_queue_size": draw(st.none() | st.integers(1, 10)),
+        "max_queue_size": draw(st.sampled_from([None, 1, 2, 3, 10])),
         "max_queue_size_per_tenant": draw(st.none() | st.integers(1, 4)),
         "tenant_weights": draw(st.none() | st.just({"a": 3.0, "b": 0.5})),
         "aging_ms": draw(st.none() | st.sampled_from([1.0, 10.0])),
@@ -345,7 +354,7 @@ async def run(config: Config, program: Program) -> Run:
 
     def surely_queued(identity: Identity) -> bool:
         """A caller with this identity waits with no deadline nor cancel, and the model
-        has not yet been called on it: joining its slot adds no work."""
+        has not been called on it since that call began: joining its slot adds no work."""
         return queued.get(identity, -1) >= len(log.calls) and identity[0] != PAD
 
     def called(identity: Identity) -> bool:
@@ -366,8 +375,9 @@ async def run(config: Config, program: Program) -> Run:
                 del queued[identity]
         joinable = bool(config.options.get("dedup")) and all(map(surely_queued, identities))
         plain = call.timeout is None and call.cancel_after is None and call.form == "inference"
+        plain = plain and not any(map(log.running, identities))  # would join a queued slot
         if plain and config.options.get("dedup"):
-            loop.call_soon(register, call, identities)
+            loop.call_soon(register, call, identities, len(log.calls))
         try:
             await one_call(proxy, call, settle)
         except batchproxy.QueueFull as exc:
@@ -379,12 +389,12 @@ async def run(config: Config, program: Program) -> Run:
                 for identity in identities:
                     queued.pop(identity, None)
 
-    def register(call: Call, identities: list[Identity]) -> None:
+    def register(call: Call, identities: list[Identity], mark: int) -> None:
         """Once a plain waiting caller has been admitted (a step after its call began),
         mark its identity queued, till the model is called on it or the caller ends."""
         if not result.outcomes[call.id, 0]:
             for identity in identities:
-                queued.setdefault(identity, len(log.calls))
+                queued.setdefault(identity, mark)
 
     async def cancel(task: asyncio.Task[None], after: float) -> None:
         await asyncio.sleep(after)
