@@ -83,3 +83,89 @@ def test_every_combination_with_threads(data: st.DataObject) -> None:
     config = data.draw(configs(threads=True), label="config")
     program = data.draw(programs(config, HORIZON, threads=True), label="program")
     in_real_time(config, program)
+
+
+# -- what the walk found on today's code: each its shrunk example, with every check on ----
+
+
+def call(
+    id: int,
+    item: Hashable,
+    *,
+    at: float = 0.0,
+    form: str = "inference",
+    key: Hashable = None,
+    tenant: Hashable = None,
+) -> Call:
+    return Call(id, at, form, (item,), key, "", tenant, 0, None, None)
+
+
+def plain(delay: float = 0.0, *, keys: bool = False, **options: Any) -> Config:
+    return Config("plain", {"max_delay_ms": 0.0, **options}, keys, False, delay)
+
+
+FOUND: dict[str, tuple[str, Config, Program]] = {
+    # dedup keys a call with a batch key by (key, item), one without by its item:
+    # inference("y", key="k") and inference(("k", "y")) share a slot
+    "dedup-with-keys": (
+        "issue 27 item 1",
+        plain(0.01, keys=True, batch_size=1, dedup=True),
+        Program([call(0, "x"), call(1, "y", key="k"), call(2, ("k", "y"))]),
+    ),
+    # ... and the cache answers the second with the first one's result
+    "cache-with-keys": (
+        "issue 27 item 1",
+        plain(keys=True, batch_size=1, dedup=True, cache_size=4),
+        Program([call(0, "y", key="k"), call(1, ("k", "y"), at=0.01)]),
+    ),
+    # a batch of 1 padded to 2 gets 1 context for 2 items
+    "contexts-when-padded": (
+        "issue 27 item 2",
+        plain(batch_size=2, batch_sizes=(2, 4, 8), pad_item="PAD", caller_context=True),
+        Program([call(0, "x")]),
+    ),
+    # a batch of 2 (allowed: 1, 3) run as [y] and [x]: each call sees both contexts
+    "contexts-when-cut": (
+        "issue 27 item 2",
+        plain(0.01, keys=True, batch_size=3, batch_sizes=(1, 3), caller_context=True),
+        Program([call(0, "y"), call(1, "x", key="k"), call(2, "y", key="k"), call(3, "x")]),
+    ),
+    # inference_many(["x"]) while an "x" is queued: QueueFull, though it adds no work
+    "many-joining-a-queued-call": (
+        "issue 27 item 3",
+        plain(0.01, batch_size=1, dedup=True, max_queue_size=1),
+        Program([call(0, "y"), call(1, "x", at=0.001), call(2, "x", at=0.005, form="many")]),
+    ),
+    "many-joining-a-queued-call-of-its-tenant": (
+        "issue 27 item 3",
+        plain(0.01, batch_size=1, dedup=True, max_queue_size_per_tenant=1),
+        Program([call(0, "y"), call(1, "x", at=0.001), call(2, "x", at=0.005, form="many")]),
+    ),
+    # not in the issue: a key's batch of 2 (allowed: 1, 3) runs as [x] and [boom]; the
+    # second raises, and the caller of "x", whose model call answered, fails with it
+    "an-error-in-one-cut-fails-the-other": (
+        "issue 27 (found by the combination test): cut-error",
+        plain(keys=True, batch_size=3, batch_sizes=(1, 3)),
+        Program([call(0, "x"), call(1, "boom"), call(2, "x", key="k")]),
+    ),
+}
+"""Failures found by the walk, each minimal, all checks on. Each is marked xfail
+(strict): when its fix merges, it passes, the xfail fails, and the marker goes (and
+its item leaves `KNOWN` in tests/_combinations.py)."""
+
+
+@pytest.mark.virtual_clock
+@pytest.mark.parametrize(
+    ("config", "program"),
+    [
+        pytest.param(config, program, id=name, marks=pytest.mark.xfail(strict=True, reason=why, raises=AssertionError))
+        for name, (why, config, program) in FOUND.items()
+    ],
+)
+def test_what_the_walk_found(config: Config, program: Program) -> None:
+    loop = looptime.new_event_loop(start=0.0)
+    try:
+        result = loop.run_until_complete(asyncio.wait_for(run(config, program), timeout=3600))
+    finally:
+        loop.close()
+    check(result, known=frozenset())
