@@ -172,17 +172,26 @@ class Streaming(batchproxy.Proxy[Hashable, Any]):
         yield [r if isinstance(r, Exception) else Last(r) for r in results]
 
 
+def process_model() -> Callable[[list[Hashable]], list[Any]]:
+    """A `ProcessWorkers` factory: `answer` in a worker process (which sees no batch
+    key, so such runs use none)."""
+    return lambda items: answer(items, None, "")
+
+
 @dataclass(frozen=True)
 class Config:
     """The proxy's options and how it is made."""
 
-    model: str  # "plain", "tagged" (with_args) or "streaming"
+    model: str  # "plain", "tagged" (with_args), "streaming" or "process" (ProcessWorkers)
     options: dict[str, Any]
     keys: bool  # calls may pass key=
     offload: bool  # a WorkerThread runs the model
     delay: float  # the model's own time per call
 
     def make(self, log: Log) -> batchproxy.Proxy[Hashable, Any]:
+        if self.model == "process":
+            workers = batchproxy.ProcessWorkers(process_model, 1, name="combinations")
+            return batchproxy.Proxy(offload=workers, name="combo", **self.options)
         cls = {"plain": Plain, "tagged": Tagged, "streaming": Streaming}[self.model]
         offload = batchproxy.WorkerThread(name="combinations") if self.offload else False
         return cls(log, self.delay, offload=offload, name="combo", **self.options)
@@ -229,8 +238,8 @@ class Program:
 
 
 @st.composite
-def configs(draw: st.DrawFn, *, threads: bool = False) -> Config:
-    model = draw(st.sampled_from(["plain", "plain", "tagged", "streaming"]))
+def configs(draw: st.DrawFn, *, threads: bool = False, processes: bool = False) -> Config:
+    model = "process" if processes else draw(st.sampled_from(["plain", "plain", "tagged", "streaming"]))
     batch_size = draw(st.integers(1, 8))
     options: dict[str, Any] = {
         "batch_size": batch_size,
@@ -240,7 +249,7 @@ def configs(draw: st.DrawFn, *, threads: bool = False) -> Config:
         "max_queue_size_per_tenant": draw(st.none() | st.integers(1, 4)),
         "tenant_weights": draw(st.none() | st.just({"a": 3.0, "b": 0.5})),
         "aging_ms": draw(st.none() | st.sampled_from([1.0, 10.0])),
-        "caller_context": draw(st.booleans()),
+        "caller_context": model != "process" and draw(st.booleans()),
     }
     if model != "streaming":
         options["isolate_errors"] = draw(st.booleans())
@@ -257,10 +266,10 @@ def configs(draw: st.DrawFn, *, threads: bool = False) -> Config:
         elif sizes == "pad":
             options["batch_sizes"] = (2, 4, 8) if batch_size >= 2 else (1, 4, 8)
             options["pad_item"] = PAD
-    keys = model != "tagged" and draw(st.booleans())
-    if model != "tagged" and draw(st.booleans()):
+    keys = model not in ("tagged", "process") and draw(st.booleans())
+    if model not in ("tagged", "process") and draw(st.booleans()):
         options["key"] = key_option
-    offload = threads and model != "streaming" and draw(st.booleans())
+    offload = threads and model in ("plain", "tagged") and draw(st.booleans())
     delay = draw(st.sampled_from([0.0, 0.001, 0.01]))
     return Config(model, options, keys, offload, delay)
 
@@ -431,7 +440,7 @@ async def run(config: Config, program: Program) -> Run:
             if not result.outcomes[call.id, index]:
                 settle(call, outcome, index)  # ended outside `one_call`
     await proxy.aclose()
-    if config.offload:  # shared, so not the proxy's to close
+    if config.offload or config.model == "process":  # not the proxy's to close
         await proxy._executor.aclose()
     return result
 
@@ -572,7 +581,7 @@ def check(result: Run, known: frozenset[str] = KNOWN) -> None:
         problems.append(f"stats: rejected {stats.rejected}, callers saw {counts['rejected']}")
     items = sum(1 for c in log.calls for i in c.items if i != PAD)
     cut = options.get("batch_sizes") is not None and "pad_item" not in options
-    if config.model != "streaming" and stats.items > items and not (cut and "cut-error" in known):
+    if config.model in ("plain", "tagged") and stats.items > items and not (cut and "cut-error" in known):
         problems.append(f"stats: {stats.items} items, the model saw {items}")
     total = sum(len(call.items) for call in program.calls)
     accepted = total - counts["refused"] - counts["rejected"]
@@ -636,6 +645,9 @@ def explain(
                 return None
             return f"cross-talk: got {outcome!r} for {identity}"
         return None
+    if config.model == "process":  # its model calls are not seen from here
+        if isinstance(outcome, (RuntimeError, MemoryError)) and not options.get("isolate_errors"):
+            return None
     runs = ran.get(identity, [])
     if "1" in known and options.get("dedup"):  # and those it was taken for
         runs = [

@@ -85,6 +85,16 @@ def test_every_combination_with_threads(data: st.DataObject) -> None:
     in_real_time(config, program)
 
 
+@combination_settings(3)
+@given(data=st.data())
+def test_every_combination_on_worker_processes(data: st.DataObject) -> None:
+    """A few examples on `ProcessWorkers` (one worker process each: slow to start), with
+    calls from threads; its model sees no batch key nor contexts, so none are drawn."""
+    config = data.draw(configs(threads=True, processes=True), label="config")
+    program = data.draw(programs(config, HORIZON, threads=True), label="program")
+    in_real_time(config, program)
+
+
 # -- what the walk found on today's code: each its shrunk example, with every check on ----
 
 
