@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import contextvars
 import os
-from collections.abc import AsyncIterator, Callable, Hashable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -239,7 +239,9 @@ class Program:
 
 @st.composite
 def configs(draw: st.DrawFn, *, threads: bool = False, processes: bool = False) -> Config:
-    model = "process" if processes else draw(st.sampled_from(["plain", "plain", "tagged", "streaming"]))
+    model = (
+        "process" if processes else draw(st.sampled_from(["plain", "plain", "tagged", "streaming"]))
+    )
     batch_size = draw(st.integers(1, 8))
     options: dict[str, Any] = {
         "batch_size": batch_size,
@@ -343,16 +345,54 @@ class Run:
     max_batch_size: int = 0
 
 
+class Queued:
+    """Which identities surely wait in the queue (for "a call that only joins a queued
+    identical call is never refused"): a caller with no deadline nor cancel, admitted
+    while no model call on its identity was under way, until the model is called on
+    its identity or the caller ends."""
+
+    def __init__(self, log: Log, result: Run) -> None:
+        self.log = log
+        self.result = result
+        self.since: dict[Identity, int] = {}  # identity -> model calls made before it
+
+    def joinable(self, identities: list[Identity]) -> bool:
+        """Whether a call on `identities`, now, only joins queued identical calls."""
+        calls = self.log.calls
+        for identity, mark in list(self.since.items()):
+            if any((item, c.key, c.tag) == identity for c in calls[mark:] for item in c.items):
+                del self.since[identity]  # sent to the model since
+        return all(i in self.since and i[0] != PAD for i in identities)
+
+    def calling(self, call: Call, identities: list[Identity]) -> None:
+        """`call` is about to be made: once admitted (a step later), its identities
+        wait in the queue, if they surely do."""
+        plain = call.timeout is None and call.cancel_after is None and call.form == "inference"
+        if plain and not any(map(self.log.running, identities)):  # not joining a run
+            asyncio.get_running_loop().call_soon(
+                self._admitted, call, identities, len(self.log.calls)
+            )
+
+    def _admitted(self, call: Call, identities: list[Identity], mark: int) -> None:
+        if not self.result.outcomes[call.id, 0]:  # not refused
+            for identity in identities:
+                self.since.setdefault(identity, mark)
+
+    def ended(self, call: Call, identities: list[Identity]) -> None:
+        if call.timeout is None and call.cancel_after is None:
+            for identity in identities:
+                self.since.pop(identity, None)
+
+
 async def run(config: Config, program: Program) -> Run:
     """Run `program` against a proxy made from `config`, in the running loop; close it."""
-    loop = asyncio.get_running_loop()
     log = Log()
     proxy = config.make(log)
     await proxy.start()  # here: a thread's first call would start it on a loop of its own
-    start = loop.time()
     result = Run(config, program, proxy, log, {})
     result.max_batch_size = config.options["batch_size"]
-    queued: dict[Identity, int] = {}  # identities with a caller surely still queued
+    queued = Queued(log, result)
+    dedup = bool(config.options.get("dedup"))
     for call in program.calls:
         for index in range(len(call.items)):
             result.outcomes[call.id, index] = []
@@ -360,16 +400,6 @@ async def run(config: Config, program: Program) -> Run:
     def settle(call: Call, outcome: Any, index: int | None = None) -> None:
         for i in range(len(call.items)) if index is None else [index]:
             result.outcomes[call.id, i].append(outcome)
-
-    def surely_queued(identity: Identity) -> bool:
-        """A caller with this identity waits with no deadline nor cancel, and the model
-        has not been called on it since that call began: joining its slot adds no work."""
-        return queued.get(identity, -1) >= len(log.calls) and identity[0] != PAD
-
-    def called(identity: Identity) -> bool:
-        return any(
-            (item, c.key, c.tag) == identity for c in log.calls[queued[identity] :] for item in c.items
-        )
 
     async def caller(call: Call) -> None:
         CALLER.set(call.id)
@@ -379,14 +409,9 @@ async def run(config: Config, program: Program) -> Run:
             settle(call, NEVER_CALLED)
             raise
         identities = [call.identity(config, item) for item in call.items]
-        for identity in list(queued):
-            if called(identity):
-                del queued[identity]
-        joinable = bool(config.options.get("dedup")) and all(map(surely_queued, identities))
-        plain = call.timeout is None and call.cancel_after is None and call.form == "inference"
-        plain = plain and not any(map(log.running, identities))  # would join a queued slot
-        if plain and config.options.get("dedup"):
-            loop.call_soon(register, call, identities, len(log.calls))
+        joinable = dedup and queued.joinable(identities)
+        if dedup:
+            queued.calling(call, identities)
         try:
             await one_call(proxy, call, settle)
         except batchproxy.QueueFull as exc:
@@ -394,34 +419,7 @@ async def run(config: Config, program: Program) -> Run:
                 result.joinable_refused.append(f"call {call.id} ({call.form}): {exc}")
             raise
         finally:
-            if call.timeout is None and call.cancel_after is None:
-                for identity in identities:
-                    queued.pop(identity, None)
-
-    def register(call: Call, identities: list[Identity], mark: int) -> None:
-        """Once a plain waiting caller has been admitted (a step after its call began),
-        mark its identity queued, till the model is called on it or the caller ends."""
-        if not result.outcomes[call.id, 0]:
-            for identity in identities:
-                queued.setdefault(identity, mark)
-
-    async def cancel(task: asyncio.Task[None], after: float) -> None:
-        await asyncio.sleep(after)
-        task.cancel()
-
-    async def configure(at: float) -> None:
-        await asyncio.sleep(at)
-        try:
-            proxy.configure(**program.changes)
-        except (ValueError, TypeError):
-            return
-        result.configured = True
-        result.max_batch_size = max(result.max_batch_size, proxy.options.batch_size)
-
-    async def close(at: float) -> None:
-        await asyncio.sleep(at)
-        result.closed_at = loop.time() - start
-        await proxy.aclose()
+            queued.ended(call, identities)
 
     tasks = []
     helpers = []
@@ -431,11 +429,11 @@ async def run(config: Config, program: Program) -> Run:
         if call.cancel_after is not None:
             helpers.append(asyncio.create_task(cancel(task, call.at + call.cancel_after)))
     if program.configure_at is not None:
-        helpers.append(asyncio.create_task(configure(program.configure_at)))
+        helpers.append(asyncio.create_task(configure(result, program.configure_at)))
     if program.close_at is not None:
-        helpers.append(asyncio.create_task(close(program.close_at)))
+        helpers.append(asyncio.create_task(close(result, program.close_at)))
     done = await asyncio.gather(*tasks, *helpers, return_exceptions=True)
-    for call, outcome in zip(program.calls, done):
+    for call, outcome in zip(program.calls, done, strict=False):  # (then the helpers)
         for index in range(len(call.items)):
             if not result.outcomes[call.id, index]:
                 settle(call, outcome, index)  # ended outside `one_call`
@@ -443,6 +441,29 @@ async def run(config: Config, program: Program) -> Run:
     if config.offload or config.model == "process":  # not the proxy's to close
         await proxy._executor.aclose()
     return result
+
+
+async def cancel(task: asyncio.Task[None], after: float) -> None:
+    await asyncio.sleep(after)
+    task.cancel()
+
+
+async def configure(result: Run, at: float) -> None:
+    """`configure()` under load (a change it refuses changes nothing)."""
+    await asyncio.sleep(at)
+    try:
+        result.proxy.configure(**result.program.changes)
+    except (ValueError, TypeError):
+        return
+    result.configured = True
+    result.max_batch_size = max(result.max_batch_size, result.proxy.options.batch_size)
+
+
+async def close(result: Run, at: float) -> None:
+    """`aclose()` mid-flight."""
+    await asyncio.sleep(at)
+    result.closed_at = at
+    await result.proxy.aclose()
 
 
 async def one_call(
@@ -513,90 +534,103 @@ def dedup_key(item: Hashable, key: Hashable) -> Hashable:
 
 
 def check(result: Run, known: frozenset[str] = KNOWN) -> None:
-    """Every promise, for one run (see the test module's docstring); what an item of
+    """Every promise, for one run (see the test module's docstring); what a failure of
     `known` explains is left out."""
-    config, program, log = result.config, result.program, result.log
-    options = config.options
-    problems: list[str] = []
-    cut_or_padded = options.get("batch_sizes") is not None
+    counts = {"rejected": 0, "refused": 0, "cancelled": 0}
+    problems = [
+        *model_calls_problems(result, known),
+        *callers_problems(result, known, counts),
+        *stats_problems(result, known, counts),
+    ]
+    if problems:
+        problems.append("model calls (items, key, tag, contexts, raised):")
+        problems += [
+            f"  {c.items} {c.key!r} {c.tag!r} {c.contexts} {c.raised}" for c in result.log.calls
+        ]
+    assert not problems, "\n".join(problems)
 
-    # every model call has an allowed size, and sees its own items' contexts, in order
-    calls_by_id = {call.id: call for call in program.calls}
-    sizes = options.get("batch_sizes")
-    for number, model_call in enumerate(log.calls):
+
+def model_calls_problems(result: Run, known: frozenset[str]) -> Iterator[str]:
+    """Every model call has an allowed size, and sees its own items' contexts, in order."""
+    config = result.config
+    sizes = config.options.get("batch_sizes")
+    lenient = sizes is not None and "2" in known
+    calls_by_id = {call.id: call for call in result.program.calls}
+    for number, model_call in enumerate(result.log.calls):
         size = len(model_call.items)
         if not 1 <= size <= result.max_batch_size:
-            problems.append(f"model call {number} has {size} items: {model_call.items}")
+            yield f"model call {number} has {size} items: {model_call.items}"
         if sizes is not None and config.model != "streaming" and size not in sizes:
-            problems.append(f"model call {number} of {size} items: not in {sizes}")
-        if model_call.contexts is not None:
-            if len(model_call.contexts) != size and not (cut_or_padded and "2" in known):
-                problems.append(
-                    f"model call {number} on {size} items saw {len(model_call.contexts)} "
-                    f"contexts: {model_call.items} / {model_call.contexts}"
+            yield f"model call {number} of {size} items: not in {sizes}"
+        if model_call.contexts is None or lenient:
+            continue
+        if len(model_call.contexts) != size:
+            yield (
+                f"model call {number} on {size} items saw {len(model_call.contexts)} "
+                f"contexts: {model_call.items} / {model_call.contexts}"
+            )
+        for item, caller in zip(model_call.items, model_call.contexts, strict=False):
+            owner = calls_by_id.get(caller) if caller is not None else None
+            seen = (item, model_call.key, model_call.tag)
+            if item != PAD and (
+                owner is None or seen not in {owner.identity(config, i) for i in owner.items}
+            ):
+                yield (
+                    f"model call {number} on {model_call.items} (key {model_call.key!r}) "
+                    f"saw call {caller}'s context "
+                    f"({owner.items if owner else None}, key {owner.key if owner else None!r})"
+                    f" for item {item!r}"
                 )
-            for item, caller in zip(model_call.items, model_call.contexts):
-                if item == PAD:
-                    continue
-                owner = calls_by_id.get(caller) if caller is not None else None
-                seen = (item, model_call.key, model_call.tag)
-                if owner is None or seen not in {owner.identity(config, i) for i in owner.items}:
-                    if cut_or_padded and "2" in known:
-                        continue
-                    problems.append(
-                        f"model call {number} on {model_call.items} (key {model_call.key!r}) "
-                        f"saw call {caller}'s context "
-                        f"({owner.items if owner else None}, key {owner.key if owner else None!r})"
-                        f" for item {item!r}"
-                    )
 
-    # every call ended once, with its own result or an error its story explains
+
+def callers_problems(result: Run, known: frozenset[str], counts: dict[str, int]) -> Iterator[str]:
+    """Every call ended once, with its own result or an error its story explains."""
     ran: dict[Identity, list[ModelCall]] = {}
-    for model_call in log.calls:
+    for model_call in result.log.calls:
         for item in model_call.items:
             ran.setdefault((item, model_call.key, model_call.tag), []).append(model_call)
-    counts = {"ok": 0, "rejected": 0, "refused": 0, "cancelled": 0}
-    for call in program.calls:
+    for call in result.program.calls:
         for index, item in enumerate(call.items):
             outcomes = result.outcomes[call.id, index]
             where = f"call {call.id} ({call.form} of {item!r}, key {call.key!r}, tag {call.tag!r})"
             if len(outcomes) != 1:
-                problems.append(f"{where} ended {len(outcomes)} times: {outcomes}")
+                yield f"{where} ended {len(outcomes)} times: {outcomes}"
                 continue
             problem = explain(result, call, item, outcomes[0], ran, counts, known)
             if problem:
-                problems.append(f"{where}: {problem}")
-    problems += [
-        refused for refused in result.joinable_refused if not ("3" in known and "(many)" in refused)
-    ]
+                yield f"{where}: {problem}"
+    for refused in result.joinable_refused:
+        if not ("3" in known and "(many)" in refused):
+            yield refused
 
-    # the stats add up
+
+def stats_problems(result: Run, known: frozenset[str], counts: dict[str, int]) -> Iterator[str]:
+    """The stats add up, to each other and to what the callers and the model saw."""
+    options, log = result.config.options, result.log
     stats = result.proxy.stats
     ended = stats.succeeded + stats.errors + stats.timed_out + stats.cancelled
     if stats.requests != ended:
-        problems.append(f"stats: requests {stats.requests} != ended {ended}: {stats}")
+        yield f"stats: requests {stats.requests} != ended {ended}: {stats}"
     if stats.queue_depth or stats.in_flight:
-        problems.append(f"stats: still queued or running: {stats}")
+        yield f"stats: still queued or running: {stats}"
     if stats.rejected != counts["rejected"]:
-        problems.append(f"stats: rejected {stats.rejected}, callers saw {counts['rejected']}")
+        yield f"stats: rejected {stats.rejected}, callers saw {counts['rejected']}"
     items = sum(1 for c in log.calls for i in c.items if i != PAD)
     cut = options.get("batch_sizes") is not None and "pad_item" not in options
-    if config.model in ("plain", "tagged") and stats.items > items and not (cut and "cut-error" in known):
-        problems.append(f"stats: {stats.items} items, the model saw {items}")
-    total = sum(len(call.items) for call in program.calls)
+    if (
+        result.config.model in ("plain", "tagged")
+        and stats.items > items
+        and not (cut and "cut-error" in known)
+    ):
+        yield f"stats: {stats.items} items, the model saw {items}"
+    total = sum(len(call.items) for call in result.program.calls)
     accepted = total - counts["refused"] - counts["rejected"]
     # a caller cancelled as it called, on a closed proxy, may not have been accepted
     if not accepted - counts["cancelled"] <= stats.requests <= accepted:
-        problems.append(
+        yield (
             f"stats: {stats.requests} accepted, callers saw {accepted} "
             f"({counts['cancelled']} of them cancelled): {result.outcomes}"
         )
-    if problems:
-        problems.append("model calls (items, key, tag, contexts, raised):")
-        problems += [
-            f"  {c.items} {c.key!r} {c.tag!r} {c.contexts} {c.raised}" for c in log.calls
-        ]
-    assert not problems, "\n".join(problems)
 
 
 def explain(
@@ -645,9 +679,12 @@ def explain(
                 return None
             return f"cross-talk: got {outcome!r} for {identity}"
         return None
-    if config.model == "process":  # its model calls are not seen from here
-        if isinstance(outcome, (RuntimeError, MemoryError)) and not options.get("isolate_errors"):
-            return None
+    if config.model == "process":  # a worker process's model calls are not seen from here
+        reruns = options.get("isolate_errors") or options.get("oom_backoff")
+        if isinstance(outcome, RuntimeError) and str(outcome) == "boom":
+            return None if item == "boom" or not options.get("isolate_errors") else "boom"
+        if isinstance(outcome, MemoryError):
+            return None if not reruns else f"{outcome!r} with isolate_errors or oom_backoff"
     runs = ran.get(identity, [])
     if "1" in known and options.get("dedup"):  # and those it was taken for
         runs = [
