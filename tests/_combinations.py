@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import contextvars
 import os
-from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,7 +138,7 @@ class Tagged(batchproxy.Proxy[Hashable, Any]):
         self.log, self.delay = log, delay
 
     @override
-    async def _inference(  # type: ignore[override]  # a per-batch argument
+    async def _inference(  # a per-batch argument
         self, items: list[Hashable], /, *, tag: str = ""
     ) -> Sequence[Any]:
         call = self.log.record(items, tag, self.options.caller_context, arguments=True)
@@ -155,9 +155,9 @@ class Streaming(batchproxy.Proxy[Hashable, Any]):
         self.log, self.delay = log, delay
 
     @override
-    async def _inference(  # type: ignore[override]  # a generator: one list per step
+    async def _inference(  # a generator: one list per step; sent: the positions kept
         self, items: list[Hashable]
-    ) -> AsyncIterator[list[Any]]:
+    ) -> AsyncGenerator[list[Any], list[int]]:
         call = self.log.record(items, "", self.options.caller_context)
         left = list(items)
         keep = yield [("c0", item, call.key, "") for item in left]
