@@ -44,9 +44,19 @@ WALK = 2000
 fewer, in proportion: BATCHPROXY_COMBINATIONS=N scales them all to N / WALK."""
 
 
+def examples(default: int) -> int:
+    return max(1, round(default * EXAMPLES / WALK)) if EXAMPLES else default
+
+
+def time_limit(default: int, seconds_each: float) -> pytest.MarkDecorator:
+    """pytest-timeout's limit for `examples(default)` examples of about `seconds_each`
+    on a busy machine (a few times what a quiet one takes), and at least 5 minutes."""
+    return pytest.mark.timeout(max(300, round(examples(default) * seconds_each)))
+
+
 def combination_settings(default: int) -> settings:
     return settings(
-        max_examples=max(1, round(default * EXAMPLES / WALK)) if EXAMPLES else default,
+        max_examples=examples(default),
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
@@ -75,6 +85,7 @@ def in_real_time(config: Config, program: Program) -> None:
 
 
 @pytest.mark.virtual_clock
+@time_limit(WALK, 0.15)
 @combination_settings(WALK)
 @given(data=st.data())
 def test_every_combination_keeps_every_promise(data: st.DataObject) -> None:
@@ -83,6 +94,7 @@ def test_every_combination_keeps_every_promise(data: st.DataObject) -> None:
     on_virtual_clock(config, program)
 
 
+@time_limit(200, 0.5)
 @combination_settings(200)
 @given(data=st.data())
 def test_every_combination_with_threads(data: st.DataObject) -> None:
@@ -92,6 +104,7 @@ def test_every_combination_with_threads(data: st.DataObject) -> None:
     in_real_time(config, program)
 
 
+@time_limit(5, 10)
 @combination_settings(5)
 @given(data=st.data())
 def test_every_combination_on_worker_processes(data: st.DataObject) -> None:
