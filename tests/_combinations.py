@@ -291,7 +291,7 @@ def programs(draw: st.DrawFn, config: Config, horizon: float, *, threads: bool =
         calls.append(
             Call(
                 id=i,
-                at=draw(st.sampled_from([0.0, 0.0, horizon / 4, horizon / 2])),
+                at=draw(st.sampled_from([0.0, 0.0, horizon / 20, horizon / 4, horizon / 2])),
                 form=form,
                 items=tuple(draw(st.lists(st.sampled_from(ITEMS), min_size=count, max_size=count))),
                 key=draw(st.sampled_from(KEYS)) if config.keys else None,

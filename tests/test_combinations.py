@@ -166,6 +166,19 @@ FOUND: dict[str, tuple[str, Config, Program]] = {
         plain(0.01, batch_size=1, dedup=True, max_queue_size=1),
         Program([call(0, "y"), call(1, "x", at=0.001), call(2, "x", at=0.005, form="many")]),
     ),
+    # as the walk shrank it: inference_many(["x", "x"]) beside a queued "x" wants room
+    # for 2 in a queue of 2 holding 1
+    "many-of-repeats-joining-a-queued-call": (
+        "issue 27 item 3",
+        plain(0.001, batch_size=1, dedup=True, max_queue_size=2),
+        Program(
+            [
+                call(0, "y"),
+                Call(1, 0.001, "many", ("x", "x"), None, "", None, 0, None, None),
+                call(2, "x"),
+            ]
+        ),
+    ),
     "many-joining-a-queued-call-of-its-tenant": (
         "issue 27 item 3",
         plain(0.01, batch_size=1, dedup=True, max_queue_size_per_tenant=1),
