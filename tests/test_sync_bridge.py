@@ -479,3 +479,26 @@ def test_a_sync_caller_is_released_when_its_loop_is_closed_without_shutting_down
         gate.set()
     assert proxy.inference_sync(2, timeout=10) == ("out", 2)  # it moves on
     BackgroundLoop.default().close()
+
+
+# -- the event loop the suite runs on (`--loop`, tests/conftest.py) ------------------------------
+
+
+def loop_kind(loop: asyncio.AbstractEventLoop) -> str:
+    return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
+
+
+async def test_async_tests_run_on_the_loop_asked_for(request: pytest.FixtureRequest) -> None:
+    assert loop_kind(asyncio.get_running_loop()) == request.config.getoption("loop")
+
+
+def test_asyncio_run_and_background_loops_run_on_the_loop_asked_for(
+    request: pytest.FixtureRequest,
+) -> None:
+    async def running() -> asyncio.AbstractEventLoop:
+        return asyncio.get_running_loop()
+
+    wanted = request.config.getoption("loop")
+    assert loop_kind(asyncio.run(running())) == wanted
+    with BackgroundLoop("which-loop") as background:
+        assert loop_kind(background.run(running(), timeout=10)) == wanted
