@@ -52,10 +52,9 @@ def pytest_configure(config: pytest.Config) -> None:
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     suite = config.getoption("suite")
     if suite is not None:
-        allowed = (_virtual_clock_skip(config),) if _virtual_clock_skip(config) else ()
-        config.pluginmanager.register(
-            SuiteCheck(suite, allowed, loop), "batchproxy-suite-check"
-        )
+        skip = _virtual_clock_skip(config)
+        allowed = () if skip is None else (skip,)
+        config.pluginmanager.register(SuiteCheck(suite, allowed, loop), "batchproxy-suite-check")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
