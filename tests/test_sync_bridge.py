@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from _support import LoopThread, Recorder, ThreadRecorder, assert_settled, tag_with_thread
+from typing_extensions import override
 
 import batchproxy
 from batchproxy import BackgroundLoop, DeadlineExceeded, ProxyClosed
@@ -479,6 +480,57 @@ def test_a_sync_caller_is_released_when_its_loop_is_closed_without_shutting_down
         gate.set()
     assert proxy.inference_sync(2, timeout=10) == ("out", 2)  # it moves on
     BackgroundLoop.default().close()
+
+
+class StopsItsLoopWhenCancelled(Recorder):
+    """A model that stops its loop when its batch is cancelled: the loop-end hook, which
+    cancels the batches still running, is then cut short (as by a stray `loop.stop()`)."""
+
+    @override
+    async def _inference(self, items: list[Any]) -> list[Any]:
+        try:
+            return await super()._inference(items)
+        except asyncio.CancelledError:
+            asyncio.get_running_loop().stop()
+            raise
+
+
+def test_a_sync_caller_is_released_when_the_loops_end_hook_is_cut_short() -> None:
+    """The loop-end hook began (the bridge routes nothing more: callers wait for it to
+    finish) but the loop was closed before it finished: its shutdown stopped early
+    (`run_until_complete` raised "Event loop stopped before Future completed"). A
+    thread that calls then must not wait for that hook for ever: it finds the loop
+    closed, and the call moves on (as after any loop closed unannounced)."""
+    proxy = StopsItsLoopWhenCancelled(batch_size=1, delay=3600, name="cut-short")
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="cut-short-loop")
+    thread.start()
+    asyncio.run_coroutine_threadsafe(proxy.start(), loop).result(10)
+    stuck = proxy.submit(0)  # its batch runs: the hook cancels it, and the loop stops
+    wait_for(lambda: proxy.stats.in_flight == 1)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    with pytest.raises(RuntimeError, match="stopped before Future completed"):
+        loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()
+    assert isinstance(stuck.exception(0), batchproxy.InferenceError)  # the hook settled it
+    proxy.delay = 0  # the next loop's batches answer at once
+    outcome: list[object] = []
+
+    def call() -> None:
+        try:
+            outcome.append(proxy.inference_sync(1, timeout=30))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    caller = threading.Thread(target=call, daemon=True)
+    try:
+        caller.start()
+        caller.join(10)
+        assert not caller.is_alive(), "the caller waits for a hook that will never finish"
+        assert outcome == [("out", 1)]  # it moved on to the default loop
+    finally:
+        BackgroundLoop.default().close()
 
 
 # -- the event loop the suite runs on (`--loop`, tests/conftest.py) ------------------------------
