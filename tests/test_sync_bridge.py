@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import CodeType
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from typing_extensions import override
 
 import batchproxy
 from batchproxy import BackgroundLoop, DeadlineExceeded, ProxyClosed
+from batchproxy._bridge import LoopBridge
 
 DEFAULT_THREAD = "batchproxy-loop"
 
@@ -44,12 +46,6 @@ def run_threads(target: Callable[[int], object], count: int) -> None:
     for thread in threads:
         thread.join(30)
     assert not any(thread.is_alive() for thread in threads)
-
-
-def blocked_in_a_wait(thread: int) -> bool:
-    """Whether `thread` is blocked in `threading`'s waits (a lock, an event, a future)."""
-    frame = sys._current_frames().get(thread)
-    return frame is not None and frame.f_code.co_filename == threading.__file__
 
 
 def wait_for(condition: Callable[[], bool], seconds: float = 10.0) -> None:
@@ -116,17 +112,40 @@ def test_timeout_raises_deadline_exceeded_and_leaves_nothing_queued(
     assert proxy.batches == [[0]]
 
 
+def blocked_in(thread: int, code: CodeType) -> bool:
+    """Whether `thread` is blocked in threading's waits called (at any depth) from `code`."""
+    frame = sys._current_frames().get(thread)
+    if frame is None or frame.f_code.co_filename != threading.__file__:
+        return False
+    while frame is not None and frame.f_code is not code:
+        frame = frame.f_back
+    return frame is not None
+
+
 def test_an_interrupted_wait_withdraws_the_call(background: BackgroundLoop) -> None:
     """Ctrl-C in a thread blocked in inference_sync takes its request out of the queue."""
     assert threading.current_thread() is threading.main_thread()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, (
+        "SIGINT's handler is not Python's default: a test before this one left its own"
+    )
     gate = threading.Event()
     proxy = ThreadRecorder(gate=gate, batch_size=1)
     busy = proxy.submit(0)
+    failed: list[BaseException] = []
 
     def interrupt_once_queued() -> None:
+        # the signal goes once the main thread waits in the bridge for its queued call:
+        # not in any other wait of `threading` (starting this thread is one)
         main = threading.main_thread().ident or 0
-        wait_for(lambda: proxy.stats.queue_depth == 1 and blocked_in_a_wait(main))
-        signal.pthread_kill(main, signal.SIGINT)
+        try:
+            wait_for(
+                lambda: proxy.stats.queue_depth == 1 and blocked_in(main, LoopBridge.wait.__code__)
+            )
+        except BaseException as exc:
+            failed.append(exc)
+            gate.set()  # the main thread's call then ends at once: the test fails, not hangs
+        else:
+            signal.pthread_kill(main, signal.SIGINT)
 
     interrupter = threading.Thread(target=interrupt_once_queued)
     try:
@@ -139,6 +158,7 @@ def test_an_interrupted_wait_withdraws_the_call(background: BackgroundLoop) -> N
     finally:
         gate.set()
         interrupter.join(10)
+        assert failed == []
     assert busy.result(10) == ("out", 0)
     assert proxy.batches == [[0]]
 
