@@ -43,7 +43,7 @@ Reported:
 `--deadlines` runs the load of issue 16 instead (`STEADY`, written to
 `soak-deadlines.*`): every call carries a 30 s deadline (none expires) and gets a
 fresh 10 KB result, and 256 callers keep a proxy with `batch_size=64` and one
-batch slot busy, so that its queue never empties; nothing is cancelled, fails or
+batch slot busy (each batch takes 1 to 2 ms), so that its queue never empties; nothing is cancelled, fails or
 is reconfigured. Served requests that stay in the queue then show as live
 requests and RSS growing with the calls (before the fix: 553 MB after 52,000). It
 also reports the smallest queue depth at a batch start, from the warm-up to the
