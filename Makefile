@@ -6,7 +6,7 @@ BIN     = $(VENV)/bin
 # takes the CPU build on this machine and never resolves a newer torch with CUDA packages
 TORCH   = torch==2.13.0
 
-.PHONY: demo demo-publish test lint typecheck unit package test-pythons docs docs-check bench bench-tensors bench-suite bench-scheduling bench-scaleout bench-autoscale bench-dedup bench-soak bench-soak-deadlines bench-generation bench-keys bench-fairness bench-sizes bench-scale bench-gpu bench-gpu-quick clean
+.PHONY: demo demo-publish test lint typecheck unit unit-uvloop package test-pythons docs docs-check bench bench-tensors bench-suite bench-scheduling bench-scaleout bench-autoscale bench-dedup bench-soak bench-soak-deadlines bench-generation bench-keys bench-fairness bench-sizes bench-scale bench-gpu bench-gpu-quick clean
 
 # the real model over HTTP, regular vs batched: the table, and demo.{json,png} in
 # benchmarks/results/runs/ (git-ignored: a run changes no tracked file)
@@ -17,7 +17,7 @@ demo: $(VENV)/.installed-demo
 demo-publish: $(VENV)/.installed-demo
 	$(BIN)/python examples/demo.py --publish
 
-test: lint typecheck unit docs package test-pythons
+test: lint typecheck unit unit-uvloop docs package test-pythons
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
@@ -30,6 +30,13 @@ typecheck: $(VENV)/.installed-dev
 # for anything but the machine (no CUDA): tests/_suites.py
 unit: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest --suite=full
+
+# the full suite again on uvloop, the loop uvicorn serves on with uvicorn[standard]: here,
+# where the servers and every extra are installed, since the servers are where it runs in
+# production; the virtual-clock tests skip (looptime's clock needs asyncio's own loop:
+# 371 of them, which run on the asyncio pass). The other Pythons stay on asyncio
+unit-uvloop: $(VENV)/.installed-dev
+	$(BIN)/python -m pytest --suite=full --loop=uvloop
 
 # the wheel and sdist: built, twine-checked, the wheel's file list checked (no tests/ or
 # examples/), the wheel alone in a fresh virtualenv where .ci/smoke.py must pass

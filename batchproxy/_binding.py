@@ -264,7 +264,7 @@ class Binder(Generic[In]):
                 if future is not None:
                     return await asyncio.wrap_future(future)
                 if binding.bridge.ending:  # the proxy leaves that loop in a moment
-                    await asyncio.wrap_future(binding.bridge.done)
+                    await binding.bridge.ended()
                     continue
             try:
                 if self.bind(loop) is not None:
@@ -289,7 +289,7 @@ class Binder(Generic[In]):
                 if future is not None:
                     return future, binding.bridge
                 if binding.bridge.ending:  # the proxy leaves that loop in a moment
-                    binding.bridge.done.result()
+                    binding.bridge.wait_ended()
                     continue
             if not self._lifecycle.open:  # refused as ever, without starting a loop to say so
                 refused: concurrent.futures.Future[T] = concurrent.futures.Future()

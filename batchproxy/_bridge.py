@@ -26,7 +26,10 @@ who settles it:
 - A loop closed without `shutdown_asyncgens()` runs no hook: the calls still
   open are settled when the proxy binds to its next loop (`close()`), and a
   thread blocked in `wait()` looks at the loop once a second and settles them
-  itself when it finds it closed. No thread is left blocked.
+  itself when it finds it closed. A hook cut short (the loop stopped and was
+  closed while it ran) never marks the bridge done: a caller waiting for that
+  (`wait_ended()`, `ended()`) looks at the loop the same way. No thread is left
+  blocked.
 """
 
 from __future__ import annotations
@@ -76,7 +79,8 @@ class LoopBridge:
         on_end: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.loop = loop
-        self.thread = threading.get_ident()
+        # the thread itself, not its id: a thread started after it ended may get its id
+        self.thread = threading.current_thread()
         self._on_end = on_end
         self._armed = True  # the loop-end hook still has work to do
         self._lock = threading.Lock()
@@ -88,7 +92,7 @@ class LoopBridge:
 
     @property
     def on_loop_thread(self) -> bool:
-        return threading.get_ident() == self.thread
+        return threading.current_thread() is self.thread
 
     @property
     def ending(self) -> bool:
@@ -137,6 +141,24 @@ class LoopBridge:
         except BaseException:  # KeyboardInterrupt and the like: withdraw the call
             future.cancel()
             raise
+
+    def wait_ended(self) -> None:
+        """Block (any thread but the loop's) until the loop's end is dealt with (`done`).
+        If the loop is closed with its end hook cut short (its shutdown stopped early),
+        the hook never finishes: settle its calls here and mark it done."""
+        while not self.done.done():
+            if self.loop.is_closed():
+                self.close()
+                return
+            concurrent.futures.wait([self.done], _LOOK_EVERY)
+
+    async def ended(self) -> None:
+        """`wait_ended()` for a task on another loop."""
+        done = asyncio.wrap_future(self.done)
+        while not done.done():
+            if self.loop.is_closed():
+                self.close()  # sets `done`: the wrapper follows it on this loop
+            await asyncio.wait([done], timeout=_LOOK_EVERY)
 
     def close(self) -> None:
         """The proxy leaves this loop (it ended, or the proxy moves to another): route

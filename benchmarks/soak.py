@@ -11,9 +11,10 @@ cancelled), until `requests` calls have been made. The proxy's model runs on the
 event loop; it usually answers after one loop turn, one batch in five after 0.2
 to 3 ms. At random:
 
-- callers are cancelled (5 %), 0.05 to 3 ms after calling: while queued, while
-  their batch runs, or after their answer was set but before they resumed (they
-  see the cancel, and `proxy.stats` counts them cancelled);
+- callers are cancelled (5 %), 0.05 to 3 ms after their call reached the proxy
+  (its first step): while queued, while their batch runs, or after their answer
+  was set but before they resumed (they see the cancel, and `proxy.stats` counts
+  them cancelled);
 - calls carry a deadline (10 %) of 0.2 to 20 ms, which many miss (some of those
   callers are cancelled too, before or after their deadline fails them);
 - a job fails alone: the model returns a `ValueError` in its slot (3 %);
@@ -42,8 +43,8 @@ Reported:
 `--deadlines` runs the load of issue 16 instead (`STEADY`, written to
 `soak-deadlines.*`): every call carries a 30 s deadline (none expires) and gets a
 fresh 10 KB result, and 256 callers keep a proxy with `batch_size=64` and one
-batch slot busy, so that its queue never empties; nothing is cancelled, fails or
-is reconfigured. Served requests that stay in the queue then show as live
+batch slot busy (each batch takes 1 to 2 ms), so that its queue never empties;
+nothing is cancelled, fails or is reconfigured. Served requests that stay in the queue then show as live
 requests and RSS growing with the calls (before the fix: 553 MB after 52,000). It
 also reports the smallest queue depth at a batch start, from the warm-up to the
 last call (the depth `Listener.request_queued` last told, less the batches
@@ -86,7 +87,8 @@ class Config:
     bad_rate: float = 0.03  # an Exception in the job's slot
     boom_rate: float = 0.0005  # the model raises for the job's batch
     short_rate: float = 0.0002  # the model returns one result too few
-    slow_batch_rate: float = 0.2  # batches that take 0.2 to 3 ms instead of a loop turn
+    slow_batch_rate: float = 0.2  # batches that take slow_batch_ms instead of a loop turn
+    slow_batch_ms: tuple[float, float] = (0.2, 3.0)
     priorities: int = 3  # 0 to 2
     reconfigure_every_ms: tuple[float, float] | None = (5.0, 50.0)  # None: never
     rejected_backoff_ms: tuple[float, float] = (5.0, 20.0)  # a caller refused waits this long
@@ -112,6 +114,11 @@ STEADY = Config(
     boom_rate=0.0,
     short_rate=0.0,
     priorities=1,  # as in issue 16 (the leak was slower with three: each level emptied at times)
+    # every batch takes 1 to 2 ms (at least a tick of uvloop's millisecond timers): a model
+    # answering in one loop turn keeps pace with its callers' way back to the queue, and
+    # then the queue empties or not as the loop orders its callbacks (on uvloop it did)
+    slow_batch_rate=1.0,
+    slow_batch_ms=(1.0, 2.0),
     reconfigure_every_ms=None,
     timeout=30.0,
     result_bytes=10_000,
@@ -154,7 +161,7 @@ class Chaotic(batchproxy.Proxy[Job, Answer]):
     @override
     async def _inference(self, items: list[Job]) -> list[Answer | Exception]:
         if self.random.random() < self.config.slow_batch_rate:
-            await asyncio.sleep(self.random.uniform(0.0002, 0.003))
+            await asyncio.sleep(self.random.uniform(*self.config.slow_batch_ms) / 1e3)
         else:
             await asyncio.sleep(0)
         kinds = {job.kind for job in items}
@@ -339,7 +346,13 @@ class Load(batchproxy.Listener):
             call = asyncio.create_task(
                 self.proxy.inference(job, timeout=timeout, priority=priority)
             )
-            canceller = None if cancel_after is None else loop.call_later(cancel_after, call.cancel)
+            canceller = None
+            if cancel_after is not None:
+                # armed once the call has taken its first step (reached the proxy): a due
+                # timer may run before a new task's first step (uvloop runs timers first),
+                # and a call cancelled before it starts never reaches the proxy to count
+                await asyncio.sleep(0)
+                canceller = loop.call_later(cancel_after, call.cancel)
             try:
                 outcome = await self.ended(call, job)
             finally:

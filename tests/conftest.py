@@ -16,6 +16,13 @@ looptime 0.7, the newest there); the library itself supports 3.10."""
 
 LOOPTIME_STALLS = "looptime's virtual clock stalls on Python 3.10"
 
+NO_VIRTUAL_CLOCK_ON_UVLOOP = "looptime's virtual clock runs on asyncio's own loop only"
+"""With `--loop=uvloop`: looptime makes time virtual by replacing the selector of
+asyncio's `BaseEventLoop`, which uvloop's loop (libuv in C) does not have; those tests
+run on the asyncio pass, where their clock is exact."""
+
+LOOPS = ("asyncio", "uvloop")
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
@@ -25,19 +32,50 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="check the run as `make test` does (tests/_suites.py): core (no torch, Ray, "
         "transformers or servers installed) or full (every extra installed)",
     )
+    parser.addoption(
+        "--loop",
+        choices=LOOPS,
+        default="asyncio",
+        help="the event loop every test runs on: asyncio's own (the default) or uvloop "
+        "(set as the event loop policy: pytest-asyncio's loops, asyncio.run and "
+        "BackgroundLoop's thread all get one); virtual-clock tests are skipped on uvloop",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    loop = config.getoption("loop")
+    if loop == "uvloop":
+        try:
+            import uvloop
+        except ImportError as error:
+            raise pytest.UsageError(f"--loop=uvloop: {error} (pip install uvloop)") from error
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     suite = config.getoption("suite")
     if suite is not None:
-        allowed = () if VIRTUAL_CLOCK_WORKS else (LOOPTIME_STALLS,)
-        config.pluginmanager.register(SuiteCheck(suite, allowed), "batchproxy-suite-check")
+        skip = _virtual_clock_skip(config)
+        allowed = () if skip is None else (skip,)
+        config.pluginmanager.register(SuiteCheck(suite, allowed, loop), "batchproxy-suite-check")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    if VIRTUAL_CLOCK_WORKS:
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if config.getoption("loop") == "uvloop":
+        asyncio.set_event_loop_policy(None)
+
+
+def _virtual_clock_skip(config: pytest.Config) -> str | None:
+    """Why this run skips the virtual-clock tests, if it does."""
+    if not VIRTUAL_CLOCK_WORKS:
+        return LOOPTIME_STALLS
+    if config.getoption("loop") == "uvloop":
+        return NO_VIRTUAL_CLOCK_ON_UVLOOP
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reason = _virtual_clock_skip(config)
+    if reason is None:
         return
-    skip = pytest.mark.skip(reason=LOOPTIME_STALLS)
+    skip = pytest.mark.skip(reason=reason)
     for item in items:
         if item.get_closest_marker("looptime") or item.get_closest_marker("virtual_clock"):
             item.add_marker(skip)

@@ -31,7 +31,7 @@ import looptime
 import numpy as np
 import pytest
 from _support import Recorder, ThreadRecorder, assert_settled
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from typing_extensions import override
@@ -235,10 +235,21 @@ def check_refusal(
     raise AssertionError(f"{error!r} names none of the bad arguments {candidates!r}")
 
 
+TIMER_TICK = 0.001
+"""uvloop's timers count whole milliseconds: a deadline closer than that is due at the
+next loop turn, whose timers run before the callback that dispatches the call."""
+
+
 async def serves(proxy: batchproxy.Proxy[Any, Any]) -> None:
-    """A normal call on `proxy` succeeds (then it is closed)."""
+    """A normal call on `proxy` succeeds (then it is closed); with a default deadline
+    under a timer's tick it may miss it instead (on uvloop it does)."""
     async with proxy:
-        assert await asyncio.wait_for(proxy.inference(7), 10) == own(7)
+        try:
+            assert await asyncio.wait_for(proxy.inference(7), 10) == own(7)
+        except batchproxy.DeadlineExceeded:
+            timeout = proxy.options.timeout
+            if timeout is None or timeout >= TIMER_TICK:
+                raise
 
 
 async def double(items: list[Any]) -> list[Any]:
@@ -250,6 +261,7 @@ async def double(items: list[Any]) -> list[Any]:
 
 @fuzz
 @given(option=st.sampled_from(sorted(OPTION_RULES)), value=odd_values)
+@example(option="timeout", value=1e-9)  # valid: a call may miss it (uvloop's timers)
 def test_a_bad_option_is_refused_by_name_by_proxy_and_decorator(option: str, value: object):
     options = {option: value}
     expected = OPTION_RULES[option](value)

@@ -11,13 +11,16 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import CodeType
 from typing import Any
 
 import pytest
 from _support import LoopThread, Recorder, ThreadRecorder, assert_settled, tag_with_thread
+from typing_extensions import override
 
 import batchproxy
 from batchproxy import BackgroundLoop, DeadlineExceeded, ProxyClosed
+from batchproxy._bridge import LoopBridge
 
 DEFAULT_THREAD = "batchproxy-loop"
 
@@ -43,12 +46,6 @@ def run_threads(target: Callable[[int], object], count: int) -> None:
     for thread in threads:
         thread.join(30)
     assert not any(thread.is_alive() for thread in threads)
-
-
-def blocked_in_a_wait(thread: int) -> bool:
-    """Whether `thread` is blocked in `threading`'s waits (a lock, an event, a future)."""
-    frame = sys._current_frames().get(thread)
-    return frame is not None and frame.f_code.co_filename == threading.__file__
 
 
 def wait_for(condition: Callable[[], bool], seconds: float = 10.0) -> None:
@@ -115,17 +112,40 @@ def test_timeout_raises_deadline_exceeded_and_leaves_nothing_queued(
     assert proxy.batches == [[0]]
 
 
+def blocked_in(thread: int, code: CodeType) -> bool:
+    """Whether `thread` is blocked in threading's waits called (at any depth) from `code`."""
+    frame = sys._current_frames().get(thread)
+    if frame is None or frame.f_code.co_filename != threading.__file__:
+        return False
+    while frame is not None and frame.f_code is not code:
+        frame = frame.f_back
+    return frame is not None
+
+
 def test_an_interrupted_wait_withdraws_the_call(background: BackgroundLoop) -> None:
     """Ctrl-C in a thread blocked in inference_sync takes its request out of the queue."""
     assert threading.current_thread() is threading.main_thread()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, (
+        "SIGINT's handler is not Python's default: a test before this one left its own"
+    )
     gate = threading.Event()
     proxy = ThreadRecorder(gate=gate, batch_size=1)
     busy = proxy.submit(0)
+    failed: list[BaseException] = []
 
     def interrupt_once_queued() -> None:
+        # the signal goes once the main thread waits in the bridge for its queued call:
+        # not in any other wait of `threading` (starting this thread is one)
         main = threading.main_thread().ident or 0
-        wait_for(lambda: proxy.stats.queue_depth == 1 and blocked_in_a_wait(main))
-        signal.pthread_kill(main, signal.SIGINT)
+        try:
+            wait_for(
+                lambda: proxy.stats.queue_depth == 1 and blocked_in(main, LoopBridge.wait.__code__)
+            )
+        except BaseException as exc:
+            failed.append(exc)
+            gate.set()  # the main thread's call then ends at once: the test fails, not hangs
+        else:
+            signal.pthread_kill(main, signal.SIGINT)
 
     interrupter = threading.Thread(target=interrupt_once_queued)
     try:
@@ -138,6 +158,7 @@ def test_an_interrupted_wait_withdraws_the_call(background: BackgroundLoop) -> N
     finally:
         gate.set()
         interrupter.join(10)
+        assert failed == []
     assert busy.result(10) == ("out", 0)
     assert proxy.batches == [[0]]
 
@@ -479,3 +500,77 @@ def test_a_sync_caller_is_released_when_its_loop_is_closed_without_shutting_down
         gate.set()
     assert proxy.inference_sync(2, timeout=10) == ("out", 2)  # it moves on
     BackgroundLoop.default().close()
+
+
+class StopsItsLoopWhenCancelled(Recorder):
+    """A model that stops its loop when its batch is cancelled: the loop-end hook, which
+    cancels the batches still running, is then cut short (as by a stray `loop.stop()`)."""
+
+    @override
+    async def _inference(self, items: list[Any]) -> list[Any]:
+        try:
+            return await super()._inference(items)
+        except asyncio.CancelledError:
+            asyncio.get_running_loop().stop()
+            raise
+
+
+def test_a_sync_caller_is_released_when_the_loops_end_hook_is_cut_short() -> None:
+    """The loop-end hook began (the bridge routes nothing more: callers wait for it to
+    finish) but the loop was closed before it finished: its shutdown stopped early
+    (`run_until_complete` raised "Event loop stopped before Future completed"). A
+    thread that calls then must not wait for that hook for ever: it finds the loop
+    closed, and the call moves on (as after any loop closed unannounced)."""
+    proxy = StopsItsLoopWhenCancelled(batch_size=1, delay=3600, name="cut-short")
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="cut-short-loop")
+    thread.start()
+    asyncio.run_coroutine_threadsafe(proxy.start(), loop).result(10)
+    stuck = proxy.submit(0)  # its batch runs: the hook cancels it, and the loop stops
+    wait_for(lambda: proxy.stats.in_flight == 1)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    with pytest.raises(RuntimeError, match="stopped before Future completed"):
+        loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()
+    assert isinstance(stuck.exception(0), batchproxy.InferenceError)  # the hook settled it
+    proxy.delay = 0  # the next loop's batches answer at once
+    outcome: list[object] = []
+
+    def call() -> None:
+        try:
+            outcome.append(proxy.inference_sync(1, timeout=30))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    caller = threading.Thread(target=call, daemon=True)
+    try:
+        caller.start()
+        caller.join(10)
+        assert not caller.is_alive(), "the caller waits for a hook that will never finish"
+        assert outcome == [("out", 1)]  # it moved on to the default loop
+    finally:
+        BackgroundLoop.default().close()
+
+
+# -- the event loop the suite runs on (`--loop`, tests/conftest.py) ------------------------------
+
+
+def loop_kind(loop: asyncio.AbstractEventLoop) -> str:
+    return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
+
+
+async def test_async_tests_run_on_the_loop_asked_for(request: pytest.FixtureRequest) -> None:
+    assert loop_kind(asyncio.get_running_loop()) == request.config.getoption("loop")
+
+
+def test_asyncio_run_and_background_loops_run_on_the_loop_asked_for(
+    request: pytest.FixtureRequest,
+) -> None:
+    async def running() -> asyncio.AbstractEventLoop:
+        return asyncio.get_running_loop()
+
+    wanted = request.config.getoption("loop")
+    assert loop_kind(asyncio.run(running())) == wanted
+    with BackgroundLoop("which-loop") as background:
+        assert loop_kind(background.run(running(), timeout=10)) == wanted
