@@ -45,10 +45,10 @@ Reported:
 fresh 10 KB result, and 256 callers keep a proxy with `batch_size=64` and one
 batch slot busy (each batch takes 1 to 2 ms), so that its queue never empties;
 nothing is cancelled, fails or is reconfigured. Served requests that stay in the
-queue then show as live requests and RSS growing with the calls (before the fix: 553 MB after 52,000). It
-also reports the smallest queue depth at a batch start, from the warm-up to the
-last call (the depth `Listener.request_queued` last told, less the batches
-started since).
+queue then show as live requests and RSS growing with the calls (before the fix:
+553 MB after 52,000). It also reports the smallest queue depth at a batch start,
+from the warm-up to the last call (the depth `Listener.request_queued` last told,
+less the batches started since).
 """
 
 from __future__ import annotations
