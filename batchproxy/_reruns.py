@@ -45,6 +45,8 @@ class _Runner(Protocol):
 
     def result_sequence(self, results: object) -> list[Any] | tuple[Any, ...]: ...
 
+    def reruns(self, error: BaseException) -> bool: ...
+
 
 async def call_with_reruns(
     runner: _Runner, items: list[Any], *, top: bool = True
@@ -55,9 +57,9 @@ async def call_with_reruns(
     try:
         results = await runner.executor.run(runner.model, items)
     except Exception as exc:
-        oom = options.is_oom is not None and options.is_oom(exc)
-        if not (oom or options.isolate_errors):
+        if not runner.reruns(exc):
             raise
+        oom = options.is_oom is not None and options.is_oom(exc)
         # the traceback holds the failed call's finished frames, and through their locals
         # what it had allocated (a forward pass's activations, on a GPU): let go of them
         # now, not after the re-runs below, which would otherwise run short of memory too

@@ -139,6 +139,7 @@ class Runner(Generic[In]):
                 name=name,
                 filler=options.pad_item,
                 model_pads=model_pads,
+                reruns=self.reruns,
             )
         self.executor = executor
         self.kind = kind
@@ -242,6 +243,14 @@ class Runner(Generic[In]):
         return requests, task
 
     # -- calling the model ---------------------------------------------------------------
+
+    def reruns(self, error: BaseException) -> bool:
+        """Whether a model call that raised `error` is re-run in pieces (`_reruns`):
+        `isolate_errors`, or `oom_backoff` and `error` is out of memory."""
+        options = self.options
+        return isinstance(error, Exception) and (
+            options.isolate_errors or (options.is_oom is not None and options.is_oom(error))
+        )
 
     async def call_model(self, items: list[In]) -> tuple[Any, bool]:
         """Run the model on `items`: (its results, whether one call on all of them made

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ._callers import narrowed
@@ -188,9 +188,11 @@ class SizedExecutor(Executor):
         name: str,
         filler: object = NO_ITEM,
         model_pads: bool = False,
+        reruns: Callable[[BaseException], bool] = lambda error: False,
     ) -> None:
         self.name = name
         self.inner = inner
+        self._reruns = reruns  # errors the proxy re-runs the whole batch for, in pieces
         self.sizes = sizes
         self._stats = stats
         self._filler = filler
@@ -205,11 +207,21 @@ class SizedExecutor(Executor):
         sizes, n = self.sizes, len(items)
         if n in sizes.sizes:
             return await self.inner.run(fn, items)  # (the common case: a full batch)
+        pieces = sizes.pieces(n)
+        if len(pieces) == 1:  # one call (padded): what it raises, the batch's callers get
+            return await self._run_piece(fn, items, 0, pieces[0][1])
         results: list[Any] = []
         start = 0
-        for count, size in sizes.pieces(n):
-            piece = items if count == n else items[start : start + count]
-            results.extend(await self._run_piece(fn, piece, start, size))
+        for count, size in pieces:
+            try:
+                rows = await self._run_piece(fn, items[start : start + count], start, size)
+            except Exception as error:
+                if self._reruns(error):  # oom_backoff, isolate_errors: the proxy re-runs
+                    raise  # the batch in pieces of its own
+                # each piece is a model call of its own: the one that raised fails its own
+                # callers (guarantee 4), and the pieces after it still run
+                rows = [error] * count
+            results.extend(rows)
             start += count
         return results
 

@@ -514,33 +514,13 @@ async def one_call(
 # -- the oracle ---------------------------------------------------------------------------
 
 
-KNOWN = frozenset(
-    n for n in os.environ.get("BATCHPROXY_COMBINATIONS_KNOWN", "1,2,3,cut-error").split(",") if n
-)
-"""Failures still open: items of issue 27 by number, and those this test found since
-(by name). The walk does not fail on what they explain; the regression tests, marked
-xfail, show each. Remove one once its fix has merged; `BATCHPROXY_COMBINATIONS_KNOWN=`
-(empty) checks everything.
-
-- "cut-error": with `batch_sizes` in cut mode, a batch that runs as several model
-  calls fails all its callers when one of those calls raises, also the callers whose
-  model call answered."""
-
-
-def dedup_key(item: Hashable, key: Hashable) -> Hashable:
-    """How today's dedup keys a call: the pair (key, item) for a call with a batch key,
-    the item alone without (so `("k", "x")` meets `"x"` with key `"k"`: issue 27 item 1)."""
-    return item if key is None else (key, item)
-
-
-def check(result: Run, known: frozenset[str] = KNOWN) -> None:
-    """Every promise, for one run (see the test module's docstring); what a failure of
-    `known` explains is left out."""
+def check(result: Run) -> None:
+    """Every promise, for one run (see the test module's docstring)."""
     counts = {"rejected": 0, "refused": 0, "cancelled": 0}
     problems = [
-        *model_calls_problems(result, known),
-        *callers_problems(result, known, counts),
-        *stats_problems(result, known, counts),
+        *model_calls_problems(result),
+        *callers_problems(result, counts),
+        *stats_problems(result, counts),
     ]
     if problems:
         problems.append("model calls (items, key, tag, contexts, raised):")
@@ -550,11 +530,10 @@ def check(result: Run, known: frozenset[str] = KNOWN) -> None:
     assert not problems, "\n".join(problems)
 
 
-def model_calls_problems(result: Run, known: frozenset[str]) -> Iterator[str]:
+def model_calls_problems(result: Run) -> Iterator[str]:
     """Every model call has an allowed size, and sees its own items' contexts, in order."""
     config = result.config
     sizes = config.options.get("batch_sizes")
-    lenient = sizes is not None and "2" in known
     calls_by_id = {call.id: call for call in result.program.calls}
     for number, model_call in enumerate(result.log.calls):
         size = len(model_call.items)
@@ -562,7 +541,7 @@ def model_calls_problems(result: Run, known: frozenset[str]) -> Iterator[str]:
             yield f"model call {number} has {size} items: {model_call.items}"
         if sizes is not None and config.model != "streaming" and size not in sizes:
             yield f"model call {number} of {size} items: not in {sizes}"
-        if model_call.contexts is None or lenient:
+        if model_call.contexts is None:
             continue
         if len(model_call.contexts) != size:
             yield (
@@ -583,7 +562,7 @@ def model_calls_problems(result: Run, known: frozenset[str]) -> Iterator[str]:
                 )
 
 
-def callers_problems(result: Run, known: frozenset[str], counts: dict[str, int]) -> Iterator[str]:
+def callers_problems(result: Run, counts: dict[str, int]) -> Iterator[str]:
     """Every call ended once, with its own result or an error its story explains."""
     ran: dict[Identity, list[ModelCall]] = {}
     for model_call in result.log.calls:
@@ -596,17 +575,15 @@ def callers_problems(result: Run, known: frozenset[str], counts: dict[str, int])
             if len(outcomes) != 1:
                 yield f"{where} ended {len(outcomes)} times: {outcomes}"
                 continue
-            problem = explain(result, call, item, outcomes[0], ran, counts, known)
+            problem = explain(result, call, item, outcomes[0], ran, counts)
             if problem:
                 yield f"{where}: {problem}"
-    for refused in result.joinable_refused:
-        if not ("3" in known and "(many)" in refused):
-            yield refused
+    yield from result.joinable_refused
 
 
-def stats_problems(result: Run, known: frozenset[str], counts: dict[str, int]) -> Iterator[str]:
+def stats_problems(result: Run, counts: dict[str, int]) -> Iterator[str]:
     """The stats add up, to each other and to what the callers and the model saw."""
-    options, log = result.config.options, result.log
+    log = result.log
     stats = result.proxy.stats
     ended = stats.succeeded + stats.errors + stats.timed_out + stats.cancelled
     if stats.requests != ended:
@@ -616,12 +593,7 @@ def stats_problems(result: Run, known: frozenset[str], counts: dict[str, int]) -
     if stats.rejected != counts["rejected"]:
         yield f"stats: rejected {stats.rejected}, callers saw {counts['rejected']}"
     items = sum(1 for c in log.calls for i in c.items if i != PAD)
-    cut = options.get("batch_sizes") is not None and "pad_item" not in options
-    if (
-        result.config.model in ("plain", "tagged")
-        and stats.items > items
-        and not (cut and "cut-error" in known)
-    ):
+    if result.config.model in ("plain", "tagged") and stats.items > items:
         yield f"stats: {stats.items} items, the model saw {items}"
     total = sum(len(call.items) for call in result.program.calls)
     accepted = total - counts["refused"] - counts["rejected"]
@@ -640,7 +612,6 @@ def explain(
     outcome: Any,
     ran: dict[Identity, list[ModelCall]],
     counts: dict[str, int],
-    known: frozenset[str],
 ) -> str | None:
     """Why `outcome` is wrong for this item of `call`, or None when it is right."""
     config = result.config
@@ -656,8 +627,6 @@ def explain(
             want = (("c0", item, key, tag), expected)
             return None if outcome == want else f"got chunks {outcome}, want {want}"
         if outcome != expected:
-            if "1" in known and item_1(config, outcome[1:3], (item, key)):
-                return None
             return f"cross-talk: got {outcome}, want {expected}"
         if item in ("bad", "boom"):
             return f"{item!r} succeeded: {outcome}"
@@ -675,8 +644,6 @@ def explain(
         return None if call.cancel_after is not None else f"cancelled: {outcome!r}"
     if isinstance(outcome, ValueError) and outcome.args[:1] == ("bad",):
         if outcome.args != ("bad", item, key, tag):
-            if "1" in known and item_1(config, outcome.args[1:3], (item, key)):
-                return None
             return f"cross-talk: got {outcome!r} for {identity}"
         return None
     if config.model == "process":  # a worker process's model calls are not seen from here
@@ -686,25 +653,14 @@ def explain(
         if isinstance(outcome, MemoryError):
             return None if not reruns else f"{outcome!r} with isolate_errors or oom_backoff"
     runs = ran.get(identity, [])
-    if "1" in known and options.get("dedup"):  # and those it was taken for
-        runs = [
-            c
-            for (i, k, t), calls in ran.items()
-            if t == tag and dedup_key(i, k) == dedup_key(item, key)
-            for c in calls
-        ]
     if isinstance(outcome, RuntimeError) and str(outcome) == "boom":
         if not any(c.raised == "boom" for c in runs):
-            if "cut-error" in known and options.get("batch_sizes") and "pad_item" not in options:
-                return None
             return f"{outcome!r}, but no model call with it raised"
         if options.get("isolate_errors") and item != "boom":
             return f"{outcome!r} with isolate_errors"
         return None
     if isinstance(outcome, MemoryError):
         if not any(c.raised == "oom" for c in runs):
-            if "cut-error" in known and options.get("batch_sizes") and "pad_item" not in options:
-                return None
             return f"{outcome!r}, but no model call with it ran out of memory"
         if any(len(c.items) > 1 for c in runs if c.raised == "oom") and (
             options.get("isolate_errors") or options.get("oom_backoff")
@@ -712,9 +668,3 @@ def explain(
             return f"{outcome!r} with isolate_errors or oom_backoff"
         return None
     return f"unexpected outcome {outcome!r}"
-
-
-def item_1(config: Config, got: tuple[Hashable, ...], want: tuple[Hashable, Hashable]) -> bool:
-    """Whether a result computed from `got` (item, key) instead of `want` is issue 27
-    item 1: dedup took them for the same call."""
-    return bool(config.options.get("dedup")) and dedup_key(*got) == dedup_key(*want)

@@ -19,8 +19,7 @@ load and `aclose()` mid-flight), runs it, and checks (tests/_combinations.py):
 The loop's examples run on looptime's virtual clock; those with threads in real time.
 In CI the file takes one to two minutes: 2,000 examples on the virtual clock, 200
 with threads, 5 on worker processes. `BATCHPROXY_COMBINATIONS=20000` runs ten times as
-many of each. `BATCHPROXY_COMBINATIONS_KNOWN` names the failures still open that the walk
-lets pass (see `KNOWN` in tests/_combinations.py; empty: check everything).
+many of each. What it found (`FOUND`) stays as regression tests.
 """
 
 from __future__ import annotations
@@ -192,23 +191,14 @@ FOUND: dict[str, tuple[str, Config, Program]] = {
         Program([call(0, "x"), call(1, "boom"), call(2, "x", key="k")]),
     ),
 }
-"""Failures found by the walk, each minimal, all checks on. Each is marked xfail
-(strict): when its fix merges, it passes, the xfail fails, and the marker goes (and
-its item leaves `KNOWN` in tests/_combinations.py)."""
+"""Failures found by the walk on the code of 2026-11-26, each minimal: regression
+tests now that they are fixed (why: the issue item each one found)."""
 
 
 @pytest.mark.virtual_clock
 @pytest.mark.parametrize(
     ("config", "program"),
-    [
-        pytest.param(
-            config,
-            program,
-            id=name,
-            marks=pytest.mark.xfail(strict=True, reason=why, raises=AssertionError),
-        )
-        for name, (why, config, program) in FOUND.items()
-    ],
+    [pytest.param(config, program, id=name) for name, (why, config, program) in FOUND.items()],
 )
 def test_what_the_walk_found(config: Config, program: Program) -> None:
     loop = looptime.new_event_loop(start=0.0)
@@ -216,4 +206,4 @@ def test_what_the_walk_found(config: Config, program: Program) -> None:
         result = loop.run_until_complete(asyncio.wait_for(run(config, program), timeout=3600))
     finally:
         loop.close()
-    check(result, known=frozenset())
+    check(result)
