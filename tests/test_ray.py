@@ -15,6 +15,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 import types
 from collections.abc import Iterator
@@ -101,6 +102,17 @@ def cancellable() -> Any:
             touch(cancelled)
             raise
         return [os.getpid()]
+
+    return model
+
+
+def lock_for_marker() -> Any:
+    """Each item back as it came, except "lock", which comes back as a lock (that Ray
+    cannot serialize)."""
+    import threading
+
+    def model(items: list[Any]) -> list[Any]:
+        return [threading.Lock() if item == "lock" else ("ok", item) for item in items]
 
     return model
 
@@ -646,3 +658,38 @@ async def test_prometheus_exports_a_real_pool() -> None:
         text = render(metrics.registry).decode()
         for state, value in (("target", 2), ("ready", 2), ("pending", 0)):
             assert f'batchproxy_pool_replicas{{pool="embed",state="{state}"}} {value}.0' in text
+
+
+# -- items and results that cannot travel (issue 27, item 11) --------------------------------
+
+
+async def test_an_item_ray_cannot_serialize_fails_only_its_caller() -> None:
+    """It failed the whole batch with Ray's "Could not serialize the argument"."""
+    async with (
+        RayActors(lock_for_marker, 1, num_cpus=CPU) as actors,
+        Proxy[Any, Any](offload=actors, batch_size=4, max_delay_ms=500) as proxy,
+    ):
+        items: list[Any] = ["a", threading.Lock(), "c", lambda: None]
+        results = await asyncio.gather(*map(proxy.inference, items), return_exceptions=True)
+        assert proxy.stats.batches == 1
+        assert results[0] == ("ok", "a")
+        assert results[2] == ("ok", "c")
+        assert results[3][0] == "ok"  # a lambda travels
+        assert isinstance(results[1], TypeError)
+        assert "_thread.lock" in str(results[1])
+        assert await proxy.inference("d") == ("ok", "d")
+
+
+async def test_a_result_ray_cannot_send_back_fails_only_its_caller() -> None:
+    """It failed the whole batch with the actor's "cannot pickle '_thread.lock'"."""
+    async with (
+        RayActors(lock_for_marker, 1, num_cpus=CPU) as actors,
+        Proxy[Any, Any](offload=actors, batch_size=4, max_delay_ms=500) as proxy,
+    ):
+        items = ["a", "lock", "c", "d"]
+        results = await asyncio.gather(*map(proxy.inference, items), return_exceptions=True)
+        assert proxy.stats.batches == 1
+        assert [results[0], results[2], results[3]] == [("ok", "a"), ("ok", "c"), ("ok", "d")]
+        assert isinstance(results[1], TypeError)
+        assert "_thread.lock" in str(results[1])
+        assert "return from its Ray actor" in str(results[1])
