@@ -33,6 +33,8 @@ class ReplicaActor:
 
     def __init__(self, factory: ModelFactory) -> None:
         self._error: Exception | None = None
+        # The results of each batch until Ray has serialized them (see `_Sent`).
+        self._unsent: dict[int, Any] = {}
         try:
             self._model: ModelFn | None = factory()
         except Exception as exc:  # kept, so the caller gets the factory's own error type
@@ -45,14 +47,91 @@ class ReplicaActor:
             raise self._error
         return str(ray.get_runtime_context().get_node_id())
 
-    async def run(self, items: list[Any]) -> Any:
+    async def run(self, items: list[Any], token: int) -> list[Any]:
+        """`[results, None]`. The results stay held until Ray has serialized them:
+        if that fails, `salvage(token)` sends back those that can travel."""
         if self._model is None:
             assert self._error is not None
             raise self._error
         result = self._model(items)
         if inspect.isawaitable(result):
             result = await result
-        return result
+        self._unsent[token] = result
+        return [result, _Sent(self._unsent, token)]
+
+    async def salvage(self, token: int) -> list[Any] | None:
+        """The results of batch `token` that Ray could not send back, each one that
+        cannot travel replaced by a TypeError; None if its results were sent (the
+        batch failed for another reason)."""
+        if token not in self._unsent:
+            return None
+        results = self._unsent.pop(token)
+        if isinstance(results, (str, bytes)) or not hasattr(results, "__len__"):
+            return None
+        portable = list(results)
+        for index, result in enumerate(portable):
+            error = refusal(result, "the result", "to return from its Ray actor")
+            if error is not None:
+                portable[index] = error
+        return portable
+
+
+class _Sent:
+    """The last value of `run`'s reply. Ray's serializer reaches it only after the
+    results have been serialized: it then drops them from the actor (a signal that
+    costs one tiny object per batch, and no second serialization of the results)."""
+
+    __slots__ = ("held", "token")
+
+    def __init__(self, held: dict[int, Any], token: int) -> None:
+        self.held, self.token = held, token
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        self.held.pop(self.token, None)
+        return type(None), ()
+
+
+def refusal(value: object, what: str, where: str) -> TypeError | None:
+    """None if Ray can serialize `value`, else the TypeError for its caller."""
+    try:
+        _serialize(value)
+    except Exception as exc:
+        error = TypeError(
+            f"{what} (a {type(value).__module__}.{type(value).__qualname__}) could not be "
+            f"serialized by Ray {where}: {exc!r}"
+        )
+        error.__cause__ = exc
+        return error
+    return None
+
+
+def restore(results: Any, refused: dict[int, TypeError], size: int) -> Any:
+    """The model's results for the items sent, with each refused item's error put
+    back in its place, for a batch of `size`. Results that are not one per item
+    sent are left as they are: the proxy reports them."""
+    if not refused:
+        return results
+    try:
+        restored = list(results)
+    except TypeError:
+        return results
+    if len(restored) != size - len(refused):
+        return results
+    for index in sorted(refused):
+        restored.insert(index, refused[index])
+    return restored
+
+
+def _serialize(value: object) -> None:
+    """Serialize `value` as Ray does for an argument or a result (its serialization
+    context: no copy into the object store), and drop it."""
+    try:
+        worker = ray._private.worker.global_worker
+        context = worker.get_serialization_context()  # type: ignore[no-untyped-call]
+    except AttributeError:  # a Ray without this private path: the public one
+        ray.put(value)
+        return
+    context.serialize(value)
 
 
 class Replica:

@@ -44,6 +44,12 @@ takes only its share of the pool.
 - The model raising: the batch fails with the model's own exception, unwrapped
   from Ray's `RayTaskError` (which becomes its `__cause__`, remote traceback
   included). Exceptions returned in the result list are plain values.
+- An item Ray cannot serialize (a lock, a socket): its own caller fails with
+  `TypeError` naming its type, and the rest of the batch runs without it (each
+  item is probed alone only once the whole batch has failed to serialize). A
+  result the actor cannot send back: its own caller fails with `TypeError`, the
+  others get theirs (the actor holds a batch's results until Ray has serialized
+  them, and sends back on request those that can travel).
 - `factory()` raising: `start()`/`scale()` raise its exception, and so do the
   batches waiting when no other replica can start; the replica is dropped and a
   new one is tried at the next batch.
@@ -84,6 +90,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections import Counter
 from collections.abc import Mapping
@@ -100,7 +107,7 @@ from .._executor import ModelFactory, ModelFn, PoolExecutor
 from .._stats import Health
 from .._validate import count, finite, flag
 from ._ray_pool import Replicas
-from ._ray_replica import actor_options, short, unwrap
+from ._ray_replica import actor_options, refusal, restore, short, unwrap
 
 __all__ = ["PoolStats", "RayActors"]
 
@@ -185,6 +192,7 @@ class RayActors(PoolExecutor):
         )
         self._autoscaler = autoscaler_for(self, autoscaling, self._target)
         self._retried = 0
+        self._tokens = itertools.count()  # names each batch's results in its actor
         self._batches = 0  # in run(): waiting for a replica, running, or retried
         self._held = HeldItems()  # the items of those batches
         self._idle: asyncio.Event | None = None  # set by the last batch to end, once closing
@@ -338,11 +346,25 @@ class RayActors(PoolExecutor):
         replicas = self._replicas
         replica = await replicas.acquire()
         ref = None
+        token = next(self._tokens)
+        refused: dict[int, TypeError] = {}
         try:
-            ref = replica.handle.run.remote(items)
-            return await ref
-        except RayTaskError as exc:  # the model raised in the actor
-            raise unwrap(exc) from exc
+            try:
+                ref = replica.handle.run.remote(items, token)
+            except Exception as exc:  # an item Ray cannot serialize
+                refused = self._refused(items, exc)
+                if len(refused) == len(items):
+                    return [refused[i] for i in range(len(items))]
+                sent = [item for index, item in enumerate(items) if index not in refused]
+                ref = replica.handle.run.remote(sent, token)
+            try:
+                results = (await ref)[0]
+            except RayTaskError as exc:  # the model raised, or its results cannot travel
+                salvaged = await replica.handle.salvage.remote(token)
+                if salvaged is None:
+                    raise unwrap(exc) from exc
+                results = salvaged
+            return restore(results, refused, len(items))
         except RayActorError as exc:
             if isinstance(exc, ActorUnavailableError):  # may come back: a probe decides
                 replicas.unavailable(replica, exc)
@@ -358,6 +380,18 @@ class RayActors(PoolExecutor):
             raise
         finally:
             replicas.release(replica)
+
+    def _refused(self, items: list[Any], exc: Exception) -> dict[int, TypeError]:
+        """A TypeError by index for each item Ray cannot serialize (probed one by one,
+        only once the batch has failed to); raise `exc` as a TypeError if they all can."""
+        refused = {}
+        for index, item in enumerate(items):
+            error = refusal(item, f"{self.name}: the item", "to reach a Ray actor")
+            if error is not None:
+                refused[index] = error
+        if not refused:
+            raise TypeError(f"{self.name}: the batch could not be serialized: {exc!r}") from exc
+        return refused
 
     # -- the replica count -------------------------------------------------------------
 
