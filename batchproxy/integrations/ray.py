@@ -360,7 +360,9 @@ class RayActors(PoolExecutor):
             try:
                 results = (await ref)[0]
             except RayTaskError as exc:  # the model raised, or its results cannot travel
-                salvaged = await replica.handle.salvage.remote(token)
+                salvaged = None
+                with contextlib.suppress(Exception):  # the actor gone: the batch's error stands
+                    salvaged = await replica.handle.salvage.remote(token)
                 if salvaged is None:
                     raise unwrap(exc) from exc
                 results = salvaged
