@@ -26,7 +26,9 @@ deadline" in O(log n) in the keys waiting, asking only the sub-queues that
 changed. Their entries are checked when they reach the top (a key's recorded
 value is never above its true one, so a checked top is the true minimum), and
 the heaps are rebuilt once stale entries outnumber the keys. A change of the
-batch limit or token budget rebuilds the heap of full keys (O(n)).
+batch limit or token budget rebuilds the heap of full keys (O(n)). When the last
+key leaves, the heaps are emptied and a rotation that held 1,024 keys or more
+frees the table it grew to: a drained queue keeps no key and no peak-sized table.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ T = TypeVar("T")
 
 _NOBODY: Hashable = object()  # no key: every queued request turned out to be dead
 _COMPACT_MIN_STALE = 64
+_SHRINK_MIN_PEAK = 1024  # an emptied rotation that held this many keys frees its table
 
 _Entry = tuple[float, int, Hashable]  # (value, unique, key): a heap entry
 
@@ -75,6 +78,7 @@ class KeyedQueue(Composite[T]):
         "_full",
         "_limits",
         "_new",
+        "_peak",
         "_subs",
         "_unique",
         "_window",
@@ -101,6 +105,7 @@ class KeyedQueue(Composite[T]):
         self._limits: tuple[int, int | None] | None = None  # what `_full` is full for
         self._arrivals: list[_Entry] = []  # (oldest arrival, unique, key)
         self._deadlines: list[_Entry] = []  # (earliest deadline, unique, key)
+        self._peak = 0  # the most keys waiting at once since the rotation last emptied
         self.fair = False  # its sub-queues are `FairQueue`s (`_placement`)
         self.live = 0
         self.live_cost = 0
@@ -131,7 +136,9 @@ class KeyedQueue(Composite[T]):
         key = request.key
         record = self._subs.get(key)
         if record is None:  # its waiting begins: it joins the back of the rotation
-            record = self._subs[key] = _Key(self._new(self._aging), next(self._unique))
+            subs = self._subs
+            record = subs[key] = _Key(self._new(self._aging), next(self._unique))
+            self._peak = max(self._peak, len(subs))
         record.sub.push(request)
         self.live += 1
         self.live_cost += request.cost
@@ -251,9 +258,8 @@ class KeyedQueue(Composite[T]):
             actual = self._oldest(key, record)
             if actual == arrival:
                 return arrival
-            if actual is None:  # every caller of that key left: it was dropped
-                heapq.heappop(heap)
-                continue
+            if actual is None:  # every caller of that key left: it was dropped, and its
+                continue  # entry is stale (or gone: dropping it may have rebuilt the heap)
             record.arrival = actual  # its oldest left: the entry follows
             heapq.heapreplace(heap, (actual, next(self._unique), key))
         return None
@@ -261,6 +267,7 @@ class KeyedQueue(Composite[T]):
     def drain(self) -> list[Request[T]]:
         drained = [request for record in self._subs.values() for request in record.sub.drain()]
         self._subs = OrderedDict()
+        self._peak = 0
         self._full.clear()
         self._arrivals.clear()
         self._deadlines.clear()
@@ -364,11 +371,26 @@ class KeyedQueue(Composite[T]):
         self.live += sub.live - live
         self.live_cost += sub.live_cost - cost
         if not sub.live:
-            if self._subs.get(key) is record:
-                del self._subs[key]
-            self._compact()
+            subs = self._subs
+            if subs.get(key) is record:
+                del subs[key]
+            if subs:
+                self._compact()
+            else:
+                self._emptied()
         else:
             self._check_full(key, record)
+
+    def _emptied(self) -> None:
+        """No key waits: every heap entry is stale (each holds its key), and a rotation
+        that held many keys keeps the table it grew to (a dict does not shrink when its
+        keys are deleted): both go. Cleared in place: callers hold the heaps."""
+        self._full.clear()
+        self._arrivals.clear()
+        self._deadlines.clear()
+        if self._peak >= _SHRINK_MIN_PEAK:
+            self._subs.clear()  # an empty dict's clear() frees its table
+        self._peak = 0
 
     def _compact(self) -> None:
         """Rebuild the heaps from the keys waiting once stale entries outnumber them."""

@@ -5,6 +5,7 @@ its batch's key with `batch_key()`. On the virtual clock."""
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -402,3 +403,39 @@ def test_a_batch_costs_o_log_n_per_place_at_100000_keys() -> None:
         assert queue.earliest_deadline() == float("inf")
     finally:
         loop.close()
+
+
+async def test_a_drained_queue_keeps_no_key_and_not_its_peak_table() -> None:
+    """The scale benchmark's keys row: after 100,000 distinct keys drain, the memory
+    left is asyncio's set of all tasks, not this queue's. The queue drops each emptied
+    key; once it is empty it also drops the stale heap entries (each holds a key) and
+    the table its rotation grew to for the peak number of keys."""
+    queue: KeyedQueue[Any] = KeyedQueue(lambda: 0.0, lambda: 0.0)
+    empty_table = sys.getsizeof(queue._subs)
+    keys = 5_000
+    for key in range(keys):
+        queue.push(new_request(key, key))
+    served = 0
+    while queue.live:
+        assert queue.oldest_enqueued_at() is not None  # what the scheduler asks
+        served += len(queue.pop_batch(64))
+    assert served == keys
+    assert queue.waiting_per_key() == {}
+    assert (queue._full, queue._arrivals, queue._deadlines) == ([], [], [])
+    assert sys.getsizeof(queue._subs) == empty_table  # not the table of 5,000 keys
+
+
+async def test_the_oldest_arrival_survives_the_last_key_leaving_during_a_compaction() -> None:
+    """A key whose callers all left is found by `oldest_enqueued_at`, and dropping it
+    rebuilt the heap it was reading (stale entries outnumbered the keys): the entry it
+    then popped was another's, or none (IndexError)."""
+    queue: KeyedQueue[Any] = KeyedQueue(lambda: 0.0, lambda: 0.0)
+    last = new_request("last")
+    queue.push(last)
+    for key in range(65):  # keys that come and go: 65 stale entries, just below a rebuild
+        other = new_request(key)
+        queue.push(other)
+        queue.take([other])
+    last.future.cancel()
+    assert queue.oldest_enqueued_at() is None
+    assert queue.live == 0
