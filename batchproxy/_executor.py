@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from typing_extensions import Self
@@ -35,7 +35,14 @@ from typing_extensions import Self
 if TYPE_CHECKING:
     from ._stats import Health
 
-__all__ = ["Executor", "LoopExecutor", "ModelFactory", "ModelFn", "PoolExecutor"]
+__all__ = [
+    "Executor",
+    "LoopExecutor",
+    "ModelFactory",
+    "ModelFn",
+    "PoolExecutor",
+    "put_back_refused",
+]
 
 ModelFn = Callable[[list[Any]], Any]
 ModelFactory = Callable[[], ModelFn]
@@ -155,3 +162,21 @@ class LoopExecutor(Executor):
 
     async def run(self, fn: ModelFn, items: list[Any]) -> Any:
         return await fn(items)
+
+
+def put_back_refused(results: Any, refused: Mapping[int, BaseException], size: int) -> Any:
+    """For an executor that sends a batch elsewhere without the items that could not
+    travel (`refused`, by index: each one's error): the results of the items sent,
+    each refused item's error put back in its place, for a batch of `size`. Results
+    that are not one per item sent are left as they are: the proxy reports them."""
+    if not refused:
+        return results
+    try:
+        restored = list(results)
+    except TypeError:
+        return results
+    if len(restored) != size - len(refused):
+        return results
+    for index in sorted(refused):
+        restored.insert(index, refused[index])
+    return restored

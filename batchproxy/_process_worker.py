@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from . import _ipc
 from ._errors import WorkerDied
-from ._executor import ModelFactory
+from ._executor import ModelFactory, put_back_refused
 from ._worker_process import serve
 from ._worker_thread import _answer, _Raised
 
@@ -307,7 +307,7 @@ class Worker:
             job.fail(TypeError(f"{self.owner.name}: the results could not be unpickled: {exc!r}"))
             return True
         if reply[0] == "ok":
-            job.reply(_restore(reply[1], refused, len(job.items)))
+            job.reply(put_back_refused(reply[1], refused, len(job.items)))
         else:
             job.fail(_remote(reply[1], reply[2]))
         return True
@@ -419,23 +419,6 @@ class Worker:
                 process.kill()
                 process.join()
             process.close()
-
-
-def _restore(results: Any, refused: dict[int, BaseException], size: int) -> Any:
-    """The model's results for the items sent, with each refused item's error put
-    back in its place, for a batch of `size`. Results that are not one per item
-    sent are left as they are: the proxy reports them."""
-    if not refused:
-        return results
-    try:
-        restored = list(results)
-    except TypeError:
-        return results
-    if len(restored) != size - len(refused):
-        return results
-    for index in sorted(refused):
-        restored.insert(index, refused[index])
-    return restored
 
 
 def _remote(exc: BaseException, text: str) -> BaseException:

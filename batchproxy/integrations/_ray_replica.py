@@ -105,23 +105,6 @@ def refusal(value: object, what: str, where: str) -> TypeError | None:
     return None
 
 
-def restore(results: Any, refused: dict[int, TypeError], size: int) -> Any:
-    """The model's results for the items sent, with each refused item's error put
-    back in its place, for a batch of `size`. Results that are not one per item
-    sent are left as they are: the proxy reports them."""
-    if not refused:
-        return results
-    try:
-        restored = list(results)
-    except TypeError:
-        return results
-    if len(restored) != size - len(refused):
-        return results
-    for index in sorted(refused):
-        restored.insert(index, refused[index])
-    return restored
-
-
 def _serialize(value: object) -> None:
     """Serialize `value` as Ray does for an argument or a result (its serialization
     context: no copy into the object store), and drop it."""

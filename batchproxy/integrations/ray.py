@@ -103,11 +103,11 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from .. import _validate
 from .._autoscaling import AutoscalerStats, Autoscaling, HeldItems, autoscaler_for
 from .._errors import WorkerDied
-from .._executor import ModelFactory, ModelFn, PoolExecutor
+from .._executor import ModelFactory, ModelFn, PoolExecutor, put_back_refused
 from .._stats import Health
 from .._validate import count, finite, flag
 from ._ray_pool import Replicas
-from ._ray_replica import actor_options, refusal, restore, short, unwrap
+from ._ray_replica import actor_options, refusal, short, unwrap
 
 __all__ = ["PoolStats", "RayActors"]
 
@@ -366,7 +366,7 @@ class RayActors(PoolExecutor):
                 if salvaged is None:
                     raise unwrap(exc) from exc
                 results = salvaged
-            return restore(results, refused, len(items))
+            return put_back_refused(results, refused, len(items))
         except RayActorError as exc:
             if isinstance(exc, ActorUnavailableError):  # may come back: a probe decides
                 replicas.unavailable(replica, exc)
