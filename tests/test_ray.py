@@ -576,7 +576,8 @@ async def test_an_unavailable_replica_takes_no_batch_until_a_probe_is_answered()
 
 
 def await_pid(replica: Any) -> int:
-    return int(ray.get(replica.handle.run.remote([0]))[0][0])
+    results, _sent = ray.get(replica.handle.run.remote([0], -1))  # (-1: a token of its own)
+    return int(results[0][0])
 
 
 async def test_a_replica_that_never_answers_probes_is_replaced() -> None:
