@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,7 +13,8 @@ import numpy as np
 
 def tagging() -> Callable[[list[Any]], list[Any]]:
     """Each item comes back as (worker pid, item); "bad" fails alone, "boom" fails the
-    batch; ("sleep", s) sleeps s seconds first."""
+    batch; ("sleep", s) sleeps s seconds first, ("sleep", s, path) after creating the
+    file `path` (the batch has reached the process)."""
     pid = os.getpid()
 
     def model(items: list[Any]) -> list[Any]:
@@ -20,6 +22,8 @@ def tagging() -> Callable[[list[Any]], list[Any]]:
             raise KeyError("boom in the batch")
         for item in items:
             if isinstance(item, tuple) and item[0] == "sleep":
+                if len(item) > 2:
+                    Path(item[2]).touch()
                 time.sleep(item[1])
         return [
             ValueError(f"bad item {item!r}") if item == "bad" else (pid, item) for item in items

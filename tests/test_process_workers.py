@@ -63,6 +63,20 @@ async def busy_worker_pid(workers: ProcessWorkers, other_than: int | None = None
     raise AssertionError("no worker took the batch")
 
 
+async def running_worker_pid(
+    workers: ProcessWorkers, marker: Path, other_than: int | None = None
+) -> int:
+    """The pid of the worker whose model has started the batch that creates `marker`
+    (not `other_than`'s); the marker is removed for the next one."""
+    for _ in range(1000):
+        if os.path.exists(marker):  # noqa: ASYNC240 - a stat, in a test's polling loop
+            pid = await busy_worker_pid(workers, other_than)
+            os.unlink(marker)
+            return pid
+        await asyncio.sleep(0.01)
+    raise AssertionError("the batch never reached a worker's model")
+
+
 async def test_every_caller_gets_its_own_result_from_both_workers(tagging) -> None:
     async with Proxy(offload=tagging, batch_size=8) as proxy:
         results = await asyncio.gather(*(proxy.inference(i) for i in range(200)))
@@ -121,13 +135,16 @@ async def test_an_async_model_runs_in_the_worker() -> None:
 # -- crashes -----------------------------------------------------------------------------
 
 
-async def test_a_killed_worker_fails_exactly_its_batch_and_is_replaced() -> None:
+async def test_a_killed_worker_fails_exactly_its_batch_and_is_replaced(tmp_path: Path) -> None:
+    running = tmp_path / "running"
     async with (
         ProcessWorkers(_workers.tagging, 2) as workers,
         Proxy(offload=workers, batch_size=4, max_delay_ms=20) as proxy,
     ):
-        doomed = [asyncio.create_task(proxy.inference(("sleep", 5))) for _ in range(3)]
-        pid = await busy_worker_pid(workers)
+        doomed = [
+            asyncio.create_task(proxy.inference(("sleep", 5, str(running)))) for _ in range(3)
+        ]
+        pid = await running_worker_pid(workers, running)  # (killed on its way: it died idle)
         others = [asyncio.create_task(proxy.inference(i)) for i in range(20)]
         os.kill(pid, signal.SIGKILL)
         for call in doomed:
@@ -263,16 +280,21 @@ async def test_with_retry_a_killed_workers_batch_is_rerun_on_another() -> None:
         assert proxy.stats.errors == 0
 
 
-async def test_with_retry_a_batch_that_kills_every_worker_fails_on_the_second_crash() -> None:
+async def test_with_retry_a_batch_that_kills_every_worker_fails_on_the_second_crash(
+    tmp_path: Path,
+) -> None:
+    running = tmp_path / "running"  # made by the model: the batch has reached the process
     async with (
         ProcessWorkers(_workers.tagging, 1, retry_on_crash=True) as workers,
         Proxy(offload=workers) as proxy,
     ):
-        call = asyncio.create_task(proxy.inference(("sleep", 5)))
-        first = await busy_worker_pid(workers)
+        call = asyncio.create_task(proxy.inference(("sleep", 5, str(running))))
+        # each kill waits for the batch to reach the process: a worker killed while the
+        # batch is still on its way dies idle, and the batch runs again uncounted (seen
+        # under load in CI); a fixed sleep found the dead one
+        first = await running_worker_pid(workers, running)
         os.kill(first, signal.SIGKILL)
-        # restarted, and rerunning it (a fixed sleep here found the dead one under load)
-        os.kill(await busy_worker_pid(workers, other_than=first), signal.SIGKILL)
+        os.kill(await running_worker_pid(workers, running, other_than=first), signal.SIGKILL)
         with pytest.raises(WorkerDied):
             await call
         assert (await proxy.inference("after"))[1] == "after"
