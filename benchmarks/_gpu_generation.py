@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -40,13 +38,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import generation as gen  # benchmarks/generation.py (it puts examples/ on the path)
 import torch
+from _gpu_common import DTYPES, no_cudnn_attention, pyplot, run_alone, worker_thread
 from generate import Prompt, build_model
 from transformers import GPT2LMHeadModel
 
-from batchproxy import Proxy, WorkerThread
+from batchproxy import Proxy
 
 TARGET = 4.0  # continuous tokens/s over no batching tokens/s
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -83,30 +81,6 @@ QUICK = Sizes(
 )
 
 
-def worker_thread(device: str) -> WorkerThread:
-    """The model's thread: on CUDA, bound to the GPU, with a stream of its own, and
-    overlapping."""
-    cuda = device == "cuda"  # overlapping there, as in the published run of 2026-11-26
-    return WorkerThread(name="gpu-generation", device="cuda:0" if cuda else None, overlap=cuda)
-
-
-@contextlib.contextmanager
-def no_cudnn_attention(device: str) -> Iterator[None]:
-    """Without cuDNN's attention while the section runs (restored after): torch may pick
-    it for float16/bfloat16 on Hopper, and it builds an execution plan per new shape, some
-    30 ms each, so every step whose key length is new (every decode step, every new
-    padded length) would pay for one."""
-    if device != "cuda":
-        yield
-        return
-    enabled = torch.backends.cuda.cudnn_sdp_enabled()  # type: ignore[no-untyped-call]
-    torch.backends.cuda.enable_cudnn_sdp(False)
-    try:
-        yield
-    finally:
-        torch.backends.cuda.enable_cudnn_sdp(enabled)
-
-
 def synchronize(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -122,7 +96,7 @@ async def measure(
     config = sizes.config
     dtype = DTYPES[args.dtype]
     runs: dict[str, list[gen.Run]] = {"no batching": [], "continuous": []}
-    async with worker_thread(args.device) as worker:
+    async with worker_thread("gpu-generation", args.device) as worker:
 
         def prepare(_: object) -> tuple[GPT2LMHeadModel, dict[str, float], float]:
             start = time.perf_counter()
@@ -198,12 +172,8 @@ def divergences(runs: Sequence[gen.Run], reference: Sequence[list[int]]) -> list
 
 def plot(out: Path, summaries: Sequence[dict[str, Any]], title: str) -> str | None:
     """Tokens/s and TTFT p50/p99 per side, as a PNG in `out`; None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     out.mkdir(parents=True, exist_ok=True)
     path = out / "gpu_generation.png"
@@ -311,16 +281,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """For testing the section alone."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu"))
-    args = parser.parse_args(argv)
-    result = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_generation.json").write_text(json.dumps(result, indent=2) + "\n")
-    return 1 if result["error"] else 0
+    return run_alone(run, "gpu_generation", __doc__.splitlines()[0] if __doc__ else None, argv)
 
 
 if __name__ == "__main__":

@@ -36,26 +36,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
 import random
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from _gpu_common import DTYPES, no_cudnn_attention, pyplot, run_alone, worker_thread
 from transformers import BertConfig, BertModel
 from typing_extensions import override
 
 import batchproxy
-from batchproxy import TensorProxy, WorkerThread
+from batchproxy import TensorProxy
 from batchproxy.tensors import Collated
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 LENGTH = 128  # the longest item, and the fixed sequence length of the graphs
 CLIENTS = 150
@@ -245,30 +243,6 @@ class Encoder(TensorProxy[torch.Tensor, torch.Tensor]):
             return out.float()
 
 
-def worker_thread(device: str) -> WorkerThread:
-    """The model's thread: on CUDA, bound to the GPU, with a stream of its own, and
-    overlapping."""
-    cuda = device == "cuda"  # overlapping there, as in the published run of 2026-11-26
-    return WorkerThread(name="gpu-graphs", device="cuda:0" if cuda else None, overlap=cuda)
-
-
-@contextlib.contextmanager
-def no_cudnn_attention(device: str) -> Iterator[None]:
-    """Without cuDNN's attention while the section runs (restored after): torch may pick
-    it for float16/bfloat16 on Hopper, and it builds an execution plan per new shape, some
-    30 ms each, so every step whose key length is new (every decode step, every new
-    padded length) would pay for one."""
-    if device != "cuda":
-        yield
-        return
-    enabled = torch.backends.cuda.cudnn_sdp_enabled()  # type: ignore[no-untyped-call]
-    torch.backends.cuda.enable_cudnn_sdp(False)
-    try:
-        yield
-    finally:
-        torch.backends.cuda.enable_cudnn_sdp(enabled)
-
-
 def items(count: int, config: Config, seed: int = 0) -> list[torch.Tensor]:
     """Token-id tensors of random lengths from `config.min_length` to LENGTH."""
     rng = random.Random(seed)
@@ -314,7 +288,7 @@ async def measure(args: argparse.Namespace, config: Config) -> dict[str, Any]:
         side: {"lone": [], "items_per_s": []} for side in ("any size", "fixed sizes")
     }
     counts = {side: {"batches": 0, "items": 0, "padded_rows": 0} for side in samples}
-    async with worker_thread(args.device) as worker:
+    async with worker_thread("gpu-graphs", args.device) as worker:
 
         def prepare(_: object) -> tuple[BertModel, Graphs | None, str, list[str], float]:
             start = time.perf_counter()
@@ -408,12 +382,8 @@ def table(sides: Sequence[dict[str, Any]], graphs: bool) -> str:
 
 def plot(out: Path, sides: Sequence[dict[str, Any]], title: str) -> str | None:
     """Lone latency and throughput per side, as a PNG in `out`; None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     out.mkdir(parents=True, exist_ok=True)
     path = out / "gpu_graphs.png"
@@ -484,16 +454,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """For testing the section alone."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu"))
-    args = parser.parse_args(argv)
-    result = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_graphs.json").write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+    return run_alone(run, "gpu_graphs", __doc__.splitlines()[0] if __doc__ else None, argv)
 
 
 if __name__ == "__main__":
