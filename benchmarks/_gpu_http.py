@@ -35,20 +35,16 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -56,6 +52,9 @@ if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
 
 from sample_text import make_sentences  # noqa: E402  (light: no torch)
+
+if TYPE_CHECKING:
+    from demo import Service
 
 LEVELS = (1, 5, 100, 150)
 PATHS = {"regular": "/classify/regular", "batched": "/classify", "floor": "/constant"}
@@ -94,18 +93,12 @@ def pin(cpus: Sequence[int] | None) -> None:
 
 
 def serve(config: dict[str, Any]) -> None:
-    """The server child: pin, bind a free loopback port, print it, serve until stdin
-    closes (or SIGTERM)."""
+    """The server child: pin, then serve the app (`demo.serve_app`: a free loopback port,
+    printed; until stdin closes, or SIGTERM)."""
     pin(config.get("cpus"))
-    import uvicorn
     from bert_app import create_app
+    from demo import serve_app
 
-    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say they are TCP
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    print(f"PORT {sock.getsockname()[1]}", flush=True)
-    sys.stdout = sys.stderr  # the parent reads only that one line
     app = create_app(
         config["model"],
         config["device"],
@@ -114,86 +107,24 @@ def serve(config: dict[str, Any]) -> None:
         overlap=config["overlap"],
         timeout=REQUEST_TIMEOUT,
     )
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app, log_level="warning", access_log=False, timeout_keep_alive=300, backlog=4096
-        )
-    )
-
-    def stop_when_the_parent_goes() -> None:
-        sys.stdin.read()
-        server.should_exit = True
-
-    threading.Thread(target=stop_when_the_parent_goes, daemon=True).start()
-    asyncio.run(server.serve(sockets=[sock]))
+    serve_app(app, timeout_keep_alive=300, backlog=4096)
 
 
-class Server:
-    """The app in a child process; `start()` returns once the port is known, `ready()`
-    once the model is loaded (so two servers can load at the same time)."""
+def launch_server(config: dict[str, Any]) -> Service:
+    """The app in a child process (`demo.Service`), launched: the port is known; its
+    `ready()` returns once the model is loaded (so two servers can load at the same time)."""
+    from demo import Service
 
-    def __init__(self, config: dict[str, Any]) -> None:
-        self.config = config
-        self.process: subprocess.Popen[str] | None = None
-        self.url = ""
-        self.started = 0.0
-        self.startup_seconds = 0.0
+    command = [sys.executable, __file__, "--serve", json.dumps(config)]
+    return Service(command, STARTUP_TIMEOUT).launch()
 
-    def start(self) -> Server:
-        self.started = time.perf_counter()
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-        self.process = subprocess.Popen(
-            [sys.executable, __file__, "--serve", json.dumps(self.config)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        assert self.process.stdout is not None
-        line = self.process.stdout.readline()
-        match = re.fullmatch(r"PORT (\d+)\s*", line)
-        if match is None:
-            self.stop()
-            raise RuntimeError(f"the server did not start (first line: {line!r})")
-        self.url = f"http://127.0.0.1:{match.group(1)}"
-        return self
 
-    def ready(self) -> Server:
-        assert self.process is not None
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited with code {self.process.returncode}")
-            with (
-                contextlib.suppress(OSError),
-                urllib.request.urlopen(f"{self.url}/readyz", timeout=5) as response,
-            ):
-                if response.status == 200:
-                    break
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the server was not ready after {STARTUP_TIMEOUT:.0f} s")
-            time.sleep(0.1)
-        self.startup_seconds = time.perf_counter() - self.started
-        return self
+def batch_totals(service: Service) -> dict[str, tuple[float, float]]:
+    """The proxy's batch-size histogram in the server's `/metrics`: (items, batches)."""
+    from demo import batch_size_totals
 
-    def batch_totals(self) -> dict[str, tuple[float, float]]:
-        from demo import batch_size_totals
-
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as response:
-            return batch_size_totals(response.read().decode())
-
-    def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        if self.process.stdin is not None:
-            self.process.stdin.close()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+    with urllib.request.urlopen(f"{service.base_url}/metrics", timeout=30) as response:
+        return batch_size_totals(response.read().decode())
 
 
 # ------------------------------------------------------------------------- the clients
@@ -464,7 +395,7 @@ def percentile_ms(latencies: Sequence[float], which: str) -> float | None:
 
 
 def measure_level(
-    server: Server,
+    server: Service,
     clients: Clients,
     path_name: str,
     level: int,
@@ -484,10 +415,10 @@ def measure_level(
         walls.append(burst["wall"])
         errors += burst["errors"]
         error = error or burst["error"]
-    before = server.batch_totals()
+    before = batch_totals(server)
     with GpuSampler(sampler_device or "") as sampler:
         loop = clients.loop(path, level, plan["loop_seconds"], processes, texts)
-    after = server.batch_totals()
+    after = batch_totals(server)
     batch = mean_batch_size(before, after)
     if path_name == "regular":
         batch = 1.0  # one forward pass per request; not in the proxy's histogram
@@ -534,7 +465,7 @@ def one_client(clients: Clients, plan: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def warm_up(server: Server, clients: Clients, plan: dict[str, Any]) -> None:
+def warm_up(server: Service, clients: Clients, plan: dict[str, Any]) -> None:
     texts = make_sentences(400, seed=3)
     top = max(LEVELS)
     for path_name in ("batched", "floor"):  # every client process opens its connections
@@ -542,7 +473,7 @@ def warm_up(server: Server, clients: Clients, plan: dict[str, Any]) -> None:
     clients.burst(PATHS["regular"], texts[:16], 1)
 
 
-def check_answers(server: Server, clients: Clients, dtype: str) -> dict[str, Any]:
+def check_answers(server: Service, clients: Clients, dtype: str) -> dict[str, Any]:
     """The same texts batched (all at once) and the regular way: label 1's probability."""
     texts = make_sentences(CHECK_TEXTS, seed=5)
     batched = clients.burst(PATHS["batched"], texts, clients_count(clients))["answers"]
@@ -686,13 +617,13 @@ def run_model(
     started = time.perf_counter()
     base = {"model": name, "device": args.device, "dtype": args.dtype, "cpus": args.server_cpus}
     # both servers load at once; the one without overlap idles (no CPU, no GPU) until used
-    servers = {overlap: Server({**base, "overlap": overlap}).start() for overlap in (True, False)}
+    servers = {overlap: launch_server({**base, "overlap": overlap}) for overlap in (True, False)}
     try:
         for server in servers.values():
             server.ready()
         server = servers[HEADLINE_OVERLAP]
         log(f"{name}: servers ready in {server.startup_seconds:.1f} s; warm-up")
-        clients.open(server.url)
+        clients.open(server.base_url)
         warm_up(server, clients, plan)
         rows = []
         for index, level in enumerate(LEVELS):
@@ -721,7 +652,7 @@ def run_model(
         )
         server.stop()
         other = servers[not HEADLINE_OVERLAP]
-        clients.open(other.url)
+        clients.open(other.base_url)
         warm_up(other, clients, plan)
         compared = measure_level(
             other, clients, "batched", OVERLAP_CLIENTS, plan["processes"], plan, args.device

@@ -106,15 +106,24 @@ def versions(*packages: str) -> dict[str, str | None]:
 
 
 def serve(batch_size: int) -> None:
-    """The child process: bind a free loopback port, report it, serve until told to stop.
+    """The child process: the embedding service, served by `serve_app`."""
+    sys.path.insert(0, str(EXAMPLES))
+    from fastapi_app import create_app
+
+    # a generous deadline: a demo on a busy machine should report slow, not fail
+    app = create_app(batch_size=batch_size, timeout=60.0)
+    serve_app(app, timeout_keep_alive=120, backlog=2048)  # (connections idle between levels)
+
+
+def serve_app(app: Any, **options: Any) -> None:
+    """In a child process: bind a free loopback port, report it (`PORT n` on stdout, the
+    one line the parent reads), serve `app` under uvicorn (`options`: its `Config`'s)
+    until told to stop.
 
     Stops on SIGTERM or when its stdin closes: the parent holds the other end, so even a
     parent killed outright takes the server (and its loaded model) down with it.
     """
     import uvicorn
-
-    sys.path.insert(0, str(EXAMPLES))
-    from fastapi_app import create_app
 
     # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say they are
     # TCP, and without it every keep-alive response waits ~40 ms for a delayed ACK
@@ -123,14 +132,7 @@ def serve(batch_size: int) -> None:
     sock.bind(("127.0.0.1", 0))
     print(f"PORT {sock.getsockname()[1]}", flush=True)
     sys.stdout = sys.stderr  # the parent reads only that one line
-    config = uvicorn.Config(
-        # a generous deadline: a demo on a busy machine should report slow, not fail
-        create_app(batch_size=batch_size, timeout=60.0),
-        log_level="warning",
-        access_log=False,
-        timeout_keep_alive=120,  # the clients' connections idle between levels
-        backlog=2048,
-    )
+    config = uvicorn.Config(app, log_level="warning", access_log=False, **options)
     server = uvicorn.Server(config)
 
     def stop_when_the_parent_goes() -> None:
@@ -142,23 +144,27 @@ def serve(batch_size: int) -> None:
 
 
 class Service:
-    """The FastAPI service in a child process, on 127.0.0.1, started and stopped here."""
+    """A service in a child process (`command`, which runs `serve_app`), on 127.0.0.1,
+    started and stopped here. `start()` is `launch()` (returns once the port is known)
+    then `ready()` (once `/readyz` answers 200: the model loaded); apart, several
+    services can load at the same time."""
 
-    def __init__(self, batch_size: int) -> None:
-        self.batch_size = batch_size
+    def __init__(self, command: list[str], startup_timeout: float = STARTUP_TIMEOUT) -> None:
+        self.command = command
+        self.startup_timeout = startup_timeout
         self.process: subprocess.Popen[str] | None = None
         self.base_url = ""
+        self.launched = 0.0
         self.startup_seconds = 0.0
 
-    def start(self) -> None:
-        started = time.perf_counter()
+    def start(self) -> Service:
+        return self.launch().ready()
+
+    def launch(self) -> Service:
+        self.launched = time.perf_counter()
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         self.process = subprocess.Popen(
-            [sys.executable, __file__, "--serve", "--batch-size", str(self.batch_size)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
+            self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
         )
         assert self.process.stdout is not None
         line = self.process.stdout.readline()  # the child prints its port before the model loads
@@ -167,7 +173,11 @@ class Service:
             self.stop()
             raise RuntimeError(f"the service did not start (first line: {line!r})")
         self.base_url = f"http://127.0.0.1:{match.group(1)}"
-        deadline = time.monotonic() + STARTUP_TIMEOUT
+        return self
+
+    def ready(self) -> Service:
+        assert self.process is not None
+        deadline = time.monotonic() + self.startup_timeout
         while True:  # /readyz turns 200 once the model is loaded and the proxy started
             if self.process.poll() is not None:
                 raise RuntimeError(f"the service exited with code {self.process.returncode}")
@@ -178,9 +188,10 @@ class Service:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"the service was not ready after {STARTUP_TIMEOUT:.0f} s")
+                raise RuntimeError(f"the service was not ready after {self.startup_timeout:.0f} s")
             time.sleep(0.1)
-        self.startup_seconds = time.perf_counter() - started
+        self.startup_seconds = time.perf_counter() - self.launched
+        return self
 
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:
@@ -612,7 +623,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         + (" (--quick)" if args.quick else ""),
         flush=True,
     )
-    service = Service(args.batch_size)
+    service = Service([sys.executable, __file__, "--serve", "--batch-size", str(args.batch_size)])
     try:
         service.start()
         print(f"service ready at {service.base_url} in {service.startup_seconds:.1f} s", flush=True)
