@@ -293,18 +293,8 @@ def _wait_on_this_stream(event: torch.cuda.Event, batch: Collated) -> None:
 
 def _tensors(*nodes: Any) -> list[torch.Tensor]:
     """The torch tensors in nested dicts, tuples and lists."""
-    import torch
-
     found: list[torch.Tensor] = []
-    stack = list(nodes)
-    while stack:
-        node = stack.pop()
-        if isinstance(node, torch.Tensor):
-            found.append(node)
-        elif isinstance(node, Mapping):
-            stack.extend(node.values())
-        elif isinstance(node, (tuple, list)):
-            stack.extend(node)
+    _map_leaves(nodes, found.append)
     return found
 
 
