@@ -122,6 +122,8 @@ class Worker:
                     return
                 try:
                     self._take(job)
+                except Exception as exc:  # a bug here: its callers get it, not a hang
+                    self._lost(job, exc)
                 finally:
                     with self.owner._lock:
                         self.load -= 1
@@ -131,6 +133,15 @@ class Worker:
             finally:  # even if that raised: `start()` and `aclose()` wait for these
                 _set(self.ready)
                 _set(self.exited)
+
+    def _lost(self, job: Job, error: Exception) -> None:
+        """Serving `job` raised where nothing should: it fails with that error, and
+        the process, in a state nobody knows, is stopped (the next job starts a new one)."""
+        with self.owner._lock:
+            job.served_by = None
+        job.fail(error)
+        with contextlib.suppress(Exception):
+            self._stop_process(grace=0.0)
 
     @property
     def idle(self) -> bool:
@@ -418,7 +429,12 @@ class Worker:
             if process.exitcode is None:
                 process.kill()
                 process.join()
-            process.close()
+            # Still "running" after a kill and a wait only if another thread's waitpid
+            # took its exit status first: multiprocessing's `_cleanup`, run by any
+            # `Process.start()` (another worker's restart) or `active_children()`, races
+            # ours. It is gone, and `close()` would raise; its pipe fd goes with it.
+            if process.exitcode is not None:
+                process.close()
 
 
 def _remote(exc: BaseException, text: str) -> BaseException:

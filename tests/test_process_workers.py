@@ -800,3 +800,50 @@ async def test_a_batch_that_cannot_be_unpickled_in_the_worker_does_not_kill_it()
         assert "cannot be rebuilt here" in str(raised.value)
         assert await proxy.inference("next") == (pid, "next")
         assert workers.pids == [pid]
+
+
+async def test_a_worker_reaped_behind_the_pools_back_is_replaced() -> None:
+    """A dead worker process whose exit status another thread collected first (the
+    waitpid race of multiprocessing's own `_cleanup`, run by another worker's
+    `Process.start()`, or by a user's `active_children()`): `Process.close()` then
+    says it still runs. That once killed the worker's thread with the batch in hand,
+    and its callers hung; now the next batch is served by a new process, and a batch
+    of a worker whose thread meets an unexpected error fails with that error."""
+    async with ProcessWorkers(_workers.tagging, 1) as workers, Proxy(offload=workers) as proxy:
+        await proxy.inference("warm")
+        (dead,) = workers.pids
+        assert dead is not None
+        await kill_idle(dead)
+        # Reaped elsewhere (it is dead, so this does not block): the pool never learns how.
+        os.waitpid(dead, os.WNOHANG)  # noqa: ASYNC222
+        served_by, item = await asyncio.wait_for(proxy.inference("next"), 30)
+        assert item == "next"
+        assert served_by not in (dead, None)
+        assert workers.pids == [served_by]
+
+
+async def test_an_unexpected_error_in_a_workers_thread_fails_its_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whatever goes wrong in the thread that serves a worker process, the batch it
+    holds is settled (its callers get the error, never a hang), and the worker serves
+    the next batch."""
+    async with ProcessWorkers(_workers.tagging, 1) as workers, Proxy(offload=workers) as proxy:
+        await proxy.inference("warm")
+        worker = workers._workers[0]
+        original = worker._serve
+        calls = 0
+
+        def broken_once(job: Any) -> bool:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise RuntimeError("a bug in the pool")
+            return original(job)
+
+        monkeypatch.setattr(worker, "_serve", broken_once)
+        with pytest.raises(RuntimeError, match="a bug in the pool"):
+            await asyncio.wait_for(proxy.inference("lost?"), 30)
+        served_by, item = await asyncio.wait_for(proxy.inference("next"), 30)
+        assert item == "next"
+        assert served_by is not None
