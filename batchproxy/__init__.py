@@ -15,7 +15,6 @@ from ._autoscaling import Autoscaling
 from ._background_loop import BackgroundLoop
 from ._batch_args import BatchedArgs, batch_args
 from ._callers import caller_contexts
-from ._cost_model import CostEstimate
 from ._decorator import Batched, batch
 from ._errors import (
     BatchProxyError,
@@ -39,7 +38,7 @@ from ._options import Options
 from ._process_workers import ProcessWorkers, WorkersStats
 from ._proxy import Proxy
 from ._staged import StagedModel
-from ._stats import Health, Percentiles, ProxyStats
+from ._stats import CostEstimate, Health, Percentiles, ProxyStats
 from ._streaming import END, Last, StreamEnd
 from ._worker_thread import WorkerThread
 

@@ -17,29 +17,14 @@ in order, when someone reads it (`line`, `predict`, `estimate`), or once
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from ._stats import CostEstimate
 
-__all__ = ["CostEstimate", "CostModel"]
+__all__ = ["CostModel"]
 
 WARMUP = 3
 _FOLD_EVERY = 16  # batches noted before the fit takes them in unasked (a short pause)
 DECAY = 0.98  # each batch's weight relative to the one after it (half-life ~34 batches)
 CLIP = 4.0
-
-
-@dataclass(frozen=True)
-class CostEstimate:
-    """The fitted line: a batch of `units` takes about `fixed + per_unit * units` s."""
-
-    fixed: float
-    per_unit: float
-    unit: str
-    """"item", or "token" (padded tokens: batch size x longest item)."""
-    samples: int
-    """Batches the fit has seen after warm-up."""
-
-    def predict(self, units: float) -> float:
-        return self.fixed + self.per_unit * units
 
 
 class CostModel:

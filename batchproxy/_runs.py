@@ -73,7 +73,8 @@ from ._queue import Request
 from ._reruns import call_with_reruns
 from ._scheduler import Limits, Scheduler
 from ._settle import Settlement, caller_error
-from ._sizes import SizedExecutor, batch_sizes
+from ._sized_executor import SizedExecutor
+from ._sizes import batch_sizes
 from ._stats import Health, StatsRecorder
 from ._tasks import cancel_requested, current_batch, new_task, uncancel
 

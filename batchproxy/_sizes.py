@@ -14,31 +14,19 @@ certain batch sizes. Two modes, fixed at construction:
   scheduler's arrival gap) before its window closes and before its deadline
   rule sends it; the scheduler asks `BatchSizes.wait_until`.
 
-Whatever the scheduler forms, every model call goes through `SizedExecutor`, which
-wraps the proxy's executor: it pads a call (pad mode) or runs it as several calls
-of allowed sizes (cut mode) when it is not of an allowed size. So the re-runs of
-`isolate_errors` and `oom_backoff` (halves, chunks of the lowered cap), a token
-budget's short batch, and a batch whose cancelled callers left it short all reach
-the model at allowed sizes, on any executor (a thread, worker processes, Ray
-actors).
+The model calls of allowed sizes are made by `SizedExecutor` (`_sized_executor`).
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
-
-from ._callers import narrowed
-from ._errors import BatchSizeMismatch
-from ._executor import Executor, ModelFn
-from ._stats import StatsRecorder
 
 __all__ = [
     "NO_ITEM",
     "BatchSizes",
-    "SizedExecutor",
     "batch_sizes",
     "check_sizes",
     "refuse_streams",
@@ -172,89 +160,3 @@ class BatchSizes:
         if expected >= closes or (deadline_start is not None and expected > deadline_start):
             return None
         return expected
-
-
-class SizedExecutor(Executor):
-    """Wraps a proxy's executor so that every model call is of an allowed size (see the
-    module docstring). `filler` is the pad item; with `model_pads` the model pads its
-    batch axis itself (`TensorProxy`), so a short call passes through, only counted."""
-
-    def __init__(
-        self,
-        inner: Executor,
-        sizes: BatchSizes,
-        stats: StatsRecorder,
-        *,
-        name: str,
-        filler: object = NO_ITEM,
-        model_pads: bool = False,
-        reruns: Callable[[BaseException], bool] = lambda error: False,
-    ) -> None:
-        self.name = name
-        self.inner = inner
-        self._reruns = reruns  # errors the proxy re-runs the whole batch for, in pieces
-        self.sizes = sizes
-        self._stats = stats
-        self._filler = filler
-        self._model_pads = model_pads
-        self.hosts_model = inner.hosts_model
-
-    @property
-    def capacity(self) -> int:
-        return self.inner.capacity
-
-    async def run(self, fn: ModelFn, items: list[Any]) -> Any:
-        sizes, n = self.sizes, len(items)
-        if n in sizes.sizes:
-            return await self.inner.run(fn, items)  # (the common case: a full batch)
-        pieces = sizes.pieces(n)
-        if len(pieces) == 1:  # one call (padded): what it raises, the batch's callers get
-            return await self._run_piece(fn, items, 0, pieces[0][1])
-        results: list[Any] = []
-        start = 0
-        for count, size in pieces:
-            try:
-                rows = await self._run_piece(fn, items[start : start + count], start, size)
-            except Exception as error:
-                if self._reruns(error):  # oom_backoff, isolate_errors: the proxy re-runs
-                    raise  # the batch in pieces of its own
-                # each piece is a model call of its own: the one that raised fails its own
-                # callers (guarantee 4), and the pieces after it still run
-                rows = [error] * count
-            results.extend(rows)
-            start += count
-        return results
-
-    async def _run_piece(self, fn: ModelFn, items: list[Any], start: int, size: int) -> Any:
-        """One model call on `items` (from `start` in the call's items), padded to `size`
-        (pad mode), seeing its own items' caller contexts and a filler's for each filler
-        row; its results checked and the filler's dropped; `BatchSizeMismatch` for a
-        wrong count (no telling whose result is whose)."""
-        count = len(items)
-        extra = size - count
-        fillers = 0
-        if extra:
-            self._stats.padded_rows += extra
-            if not self._model_pads:  # (a model that pads itself narrows its own rows)
-                items = items + [self._filler] * extra
-                fillers = extra
-        with narrowed(range(start, start + count), fillers=fillers):
-            results = await self.inner.run(fn, items)
-        if self._model_pads:
-            size = count  # its filler rows never leave the model
-        rows = _rows(results)
-        if len(rows) != size:
-            raise BatchSizeMismatch(self.name, size, len(rows))
-        return rows[:count] if extra else rows
-
-
-def _rows(results: Any) -> list[Any] | tuple[Any, ...]:
-    """The model's results as a list or tuple (an array becomes its rows)."""
-    if type(results) is list or type(results) is tuple:
-        return results
-    if not hasattr(results, "__len__") or isinstance(results, (str, bytes, Mapping)):
-        raise TypeError(
-            f"_inference must return a sequence with one result per item (list, tuple "
-            f"or array), got {type(results).__name__}"
-        )
-    return list(results)

@@ -13,12 +13,25 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from ._cost_model import CostEstimate
-
-__all__ = ["Health", "Percentiles", "ProxyStats", "StatsRecorder"]
+__all__ = ["CostEstimate", "Health", "Percentiles", "ProxyStats", "StatsRecorder"]
 
 WINDOW = 4096
 """How many recent samples each latency window keeps."""
+
+
+@dataclass(frozen=True)
+class CostEstimate:
+    """The fitted line: a batch of `units` takes about `fixed + per_unit * units` s."""
+
+    fixed: float
+    per_unit: float
+    unit: str
+    """"item", or "token" (padded tokens: batch size x longest item)."""
+    samples: int
+    """Batches the fit has seen after warm-up."""
+
+    def predict(self, units: float) -> float:
+        return self.fixed + self.per_unit * units
 
 
 @dataclass(frozen=True)
