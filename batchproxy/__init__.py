@@ -11,7 +11,6 @@ NumPy (and torch) load with the tensor features only: `TensorProxy` and the
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
-from ._autoscaling import Autoscaling
 from ._background_loop import BackgroundLoop
 from ._batch_args import BatchedArgs, batch_args
 from ._callers import caller_contexts
@@ -30,17 +29,18 @@ from ._errors import (
     StreamBufferFull,
     WorkerDied,
 )
-from ._executor import Executor, ModelFactory
+from ._executors.autoscaling import Autoscaling
+from ._executors.base import Executor, ModelFactory
+from ._executors.process_workers import ProcessWorkers, WorkersStats
+from ._executors.staged import StagedModel
+from ._executors.worker_thread import WorkerThread
 from ._generation import GenerationProxy, Slot, Step
 from ._keys import batch_key
 from ._listeners import Listener
 from ._options import Options
-from ._process_workers import ProcessWorkers, WorkersStats
 from ._proxy import Proxy
-from ._staged import StagedModel
 from ._stats import CostEstimate, Health, Percentiles, ProxyStats
 from ._streaming import END, Last, StreamEnd
-from ._worker_thread import WorkerThread
 
 if _TYPE_CHECKING:
     from . import tensors as tensors

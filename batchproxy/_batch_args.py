@@ -19,7 +19,7 @@ from typing_extensions import Unpack
 
 from ._arguments import Arguments, call_with_arguments
 from ._decorator import Batched
-from ._executor import Executor
+from ._executors.base import Executor
 from ._options import ProxyOptions
 
 __all__ = ["BatchedArgs", "batch_args"]

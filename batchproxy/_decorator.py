@@ -22,7 +22,7 @@ from typing import Any, Generic, Literal, Protocol, TypeVar, overload
 
 from typing_extensions import Self, Unpack
 
-from ._executor import Executor
+from ._executors.base import Executor
 from ._options import ProxyOptions
 from ._proxy import Proxy
 from ._stats import Health, ProxyStats

@@ -26,7 +26,7 @@ from typing_extensions import Unpack
 from . import _validate
 from ._binding import Binding
 from ._errors import BatchSizeMismatch
-from ._executor import Executor
+from ._executors.base import Executor
 from ._options import ConfigurableOptions
 from ._proxy import Proxy
 from ._queue import Request

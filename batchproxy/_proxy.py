@@ -35,7 +35,8 @@ from ._arguments import call_with_arguments, model_arguments
 from ._binding import Binder
 from ._call_forms import CallForms
 from ._errors import BatchProxyError
-from ._executor import Executor, WeakWatcher
+from ._executors.base import Executor, WeakWatcher
+from ._executors.worker_thread import WorkerThread
 from ._fork import forget_threads_in_forked_children
 from ._intake import Intake
 from ._lifecycle import Lifecycle, State
@@ -48,7 +49,6 @@ from ._runs import ModelOutput, RunKind, Runner, current_batch
 from ._settle import Settlement
 from ._stats import Health, ProxyStats, StatsRecorder
 from ._streaming import _CLOSED, StreamRequest
-from ._worker_thread import WorkerThread
 
 __all__ = ["Proxy"]
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from ._callers import narrowed
-from ._executor import Executor
+from ._executors.base import Executor
 from ._listeners import Listeners
 from ._oom import BatchCap
 from ._options import Options

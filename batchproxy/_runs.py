@@ -63,7 +63,7 @@ from ._binding import Binding
 from ._callers import hand_over
 from ._cost_model import CostModel
 from ._errors import BatchProxyError, BatchSizeMismatch, BatchTimeout, InferenceError
-from ._executor import Executor, LoopExecutor
+from ._executors.base import Executor, LoopExecutor
 from ._keys import hand_key_over
 from ._lifecycle import Lifecycle
 from ._listeners import Listeners

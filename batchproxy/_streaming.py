@@ -32,7 +32,7 @@ from typing import Any, Generic, TypeVar
 
 from ._binding import Binding
 from ._errors import BatchProxyError, BatchSizeMismatch, ProxyClosed, StreamBufferFull
-from ._executor import Executor
+from ._executors.base import Executor
 from ._queue import Request
 from ._runs import RunKind, Runner
 from ._settle import caller_error

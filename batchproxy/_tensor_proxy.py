@@ -27,10 +27,10 @@ import numpy as np
 
 from . import _validate, tensors
 from ._callers import narrowed
-from ._devices import torch_device
+from ._executors.devices import torch_device
+from ._executors.staged import StagedModel
 from ._proxy import Proxy
 from ._sizes import BatchSizes
-from ._staged import StagedModel
 from ._tensor_items import _problems
 from ._tensor_rows import first_rows, pad_rows
 from .tensors import Collated, PaddingSide

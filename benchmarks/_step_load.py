@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from batchproxy import Autoscaling, Proxy, simulation
-from batchproxy._executor import ModelFn
+from batchproxy._executors.base import ModelFn
 
 MODEL_SECONDS = 0.05
 BATCH_SIZE = 8

@@ -84,7 +84,7 @@ from batchproxy import (
     WorkerThread,
     simulation,
 )
-from batchproxy._executor import LoopExecutor, ModelFn
+from batchproxy._executors.base import LoopExecutor, ModelFn
 
 if TYPE_CHECKING:
     from batchproxy.integrations.ray import RayActors

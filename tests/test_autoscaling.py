@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from batchproxy._autoscaling import (
+from batchproxy._executors.autoscaling import (
     Autoscaler,
     AutoscalerStats,
     Autoscaling,
@@ -545,7 +545,7 @@ def test_the_fake_is_a_scalable() -> None:
 
 
 def test_a_pools_load_is_counted_in_items_over_the_batch_size() -> None:
-    from batchproxy._autoscaling import load_in_batches
+    from batchproxy._executors.autoscaling import load_in_batches
 
     assert load_in_batches(6, (10, 8), 3) == 2.0  # 16 items, batches of 8
     assert load_in_batches(6, (0, 0), 3) == 2.0  # no proxy: the largest batch seen

@@ -24,7 +24,8 @@ import pytest
 from _support import peak_in_flight, wait_until
 
 import batchproxy
-from batchproxy import ProcessWorkers, Proxy, WorkerDied, _ipc
+from batchproxy import ProcessWorkers, Proxy, WorkerDied
+from batchproxy._executors import ipc as _ipc
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,7 +15,7 @@ from _support import Recorder, modules_after
 
 import batchproxy
 from batchproxy import BatchTimeout, DeadlineExceeded, QueueFull
-from batchproxy._autoscaling import Autoscaler, AutoscalerStats, Autoscaling
+from batchproxy._executors.autoscaling import Autoscaler, AutoscalerStats, Autoscaling
 
 prometheus_client = pytest.importorskip("prometheus_client")
 

@@ -11,7 +11,7 @@ import pytest
 from _support import Recorder
 
 from batchproxy import Health, PoolUnavailable, Proxy, WorkerThread
-from batchproxy._executor import LoopExecutor
+from batchproxy._executors.base import LoopExecutor
 from batchproxy.integrations._serving import NotReady, Serving, State, answer_for
 
 

@@ -28,7 +28,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from .._errors import PoolUnavailable
-from .._executor import ModelFactory
+from .._executors.base import ModelFactory
 from ._ray_replica import Replica, ReplicaActor, demand, room_for, short, unwrap
 
 logger = logging.getLogger("batchproxy")

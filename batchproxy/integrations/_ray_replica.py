@@ -12,7 +12,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayTaskError
 
-from .._executor import ModelFactory, ModelFn
+from .._executors.base import ModelFactory, ModelFn
 from .._validate import finite
 
 # Options the pool sets itself, or that would break it: named or detached actors

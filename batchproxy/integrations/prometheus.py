@@ -75,8 +75,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from typing_extensions import override
 
-from .._autoscaling import AutoscalerStats
 from .._decorator import Batched
+from .._executors.autoscaling import AutoscalerStats
 from .._listeners import Listener
 from .._proxy import Proxy
 

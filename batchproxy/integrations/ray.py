@@ -101,9 +101,9 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from .. import _validate
-from .._autoscaling import AutoscalerStats, Autoscaling, HeldItems, autoscaler_for
 from .._errors import WorkerDied
-from .._executor import ModelFactory, ModelFn, PoolExecutor, put_back_refused
+from .._executors.autoscaling import AutoscalerStats, Autoscaling, HeldItems, autoscaler_for
+from .._executors.base import ModelFactory, ModelFn, PoolExecutor, put_back_refused
 from .._stats import Health
 from .._validate import count, finite, flag
 from ._ray_pool import Replicas

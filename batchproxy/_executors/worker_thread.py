@@ -41,10 +41,10 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import Self
 
-from ._devices import torch_device
-from ._executor import Executor, ModelFactory, ModelFn
-from ._fork import forget_threads_in_forked_children
-from ._staged import StagedModel
+from .._fork import forget_threads_in_forked_children
+from .base import Executor, ModelFactory, ModelFn
+from .devices import torch_device
+from .staged import StagedModel
 
 if TYPE_CHECKING:
     import torch

@@ -24,8 +24,8 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from . import _ipc
-from ._executor import ModelFactory
+from . import ipc as _ipc
+from .base import ModelFactory
 
 __all__ = ["serve"]
 

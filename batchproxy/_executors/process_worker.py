@@ -22,11 +22,11 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
 
-from . import _ipc
-from ._errors import WorkerDied
-from ._executor import ModelFactory, put_back_refused
-from ._worker_process import serve
-from ._worker_thread import _answer, _Raised
+from .._errors import WorkerDied
+from . import ipc as _ipc
+from .base import ModelFactory, put_back_refused
+from .worker_process import serve
+from .worker_thread import _answer, _Raised
 
 __all__ = ["STOP", "Job", "Worker"]
 

@@ -62,11 +62,11 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from . import _validate
-from ._autoscaling import AutoscalerStats, Autoscaling, HeldItems, autoscaler_for
-from ._executor import ModelFactory, ModelFn, PoolExecutor
-from ._process_worker import STOP, Job, Worker
-from ._worker_thread import _Raised
+from .. import _validate
+from .autoscaling import AutoscalerStats, Autoscaling, HeldItems, autoscaler_for
+from .base import ModelFactory, ModelFn, PoolExecutor
+from .process_worker import STOP, Job, Worker
+from .worker_thread import _Raised
 
 __all__ = ["ProcessWorkers", "WorkersStats"]
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from typing_extensions import Self
 
 if TYPE_CHECKING:
-    from ._stats import Health
+    from .._stats import Health
 
 __all__ = [
     "Executor",

@@ -28,8 +28,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from . import _validate
-from ._tasks import new_task
+from .. import _validate
+from .._tasks import new_task
 
 __all__ = [
     "Autoscaler",
