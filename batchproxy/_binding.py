@@ -38,8 +38,8 @@ from ._background_loop import BackgroundLoop, background_loop_of
 from ._bridge import LoopBridge
 from ._errors import BatchProxyError, BatchTimeout, InferenceError
 from ._lifecycle import Lifecycle
-from ._queue import Request
-from ._scheduler import Limits, Scheduler
+from ._scheduling.queue import Request
+from ._scheduling.scheduler import Limits, Scheduler
 from ._settle import Settlement
 
 __all__ = ["Binder", "Binding", "StillBusy"]

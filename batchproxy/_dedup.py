@@ -40,7 +40,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
-from ._queue import Request
+from ._scheduling.queue import Request
 
 __all__ = ["MISSING", "Caller", "Deduplicator", "ResultCache", "SharedSlot"]
 

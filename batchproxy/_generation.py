@@ -29,8 +29,8 @@ from ._errors import BatchSizeMismatch
 from ._executors.base import Executor
 from ._options import ConfigurableOptions
 from ._proxy import Proxy
-from ._queue import Request
 from ._runs import RunKind, Runner
+from ._scheduling.queue import Request
 from ._streaming import hand_element, let_consumers_read
 
 __all__ = ["GenerationProxy", "Slot", "Step"]

@@ -28,9 +28,9 @@ from ._dedup import MISSING, Caller, Deduplicator, ResultCache, SharedSlot
 from ._errors import DeadlineExceeded, QueueFull
 from ._lifecycle import Lifecycle
 from ._options import Options
-from ._placement import place, queued_by
-from ._queue import Request
 from ._runs import current_batch
+from ._scheduling.placement import place, queued_by
+from ._scheduling.queue import Request
 from ._settle import Settlement
 from ._streaming import StreamRequest
 

@@ -15,7 +15,7 @@ from ._executors.base import Executor, LoopExecutor
 from ._executors.worker_thread import WorkerThread
 from ._options import Options
 from ._runs import BATCHES, RunKind
-from ._sizes import refuse_streams
+from ._scheduling.sizes import refuse_streams
 from ._streaming import STREAMS
 
 __all__ = ["choose_executor", "refuse_reruns", "run_kind_of"]

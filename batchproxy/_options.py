@@ -18,7 +18,7 @@ from typing import Any, Literal, TypedDict
 
 from . import _validate
 from ._oom import OomPredicate, is_out_of_memory
-from ._sizes import NO_ITEM, check_sizes
+from ._scheduling.sizes import NO_ITEM, check_sizes
 
 __all__ = ["CONFIGURABLE", "Options", "ProxyOptions"]
 

@@ -43,9 +43,9 @@ from ._lifecycle import Lifecycle, State
 from ._listeners import Listener, Listeners
 from ._model import choose_executor, refuse_reruns, run_kind_of
 from ._options import ConfigurableOptions, Options, ProxyOptions
-from ._placement import by_tenant
 from ._reachable import check_queue_bound
 from ._runs import ModelOutput, RunKind, Runner, current_batch
+from ._scheduling.placement import by_tenant
 from ._settle import Settlement
 from ._stats import Health, ProxyStats, StatsRecorder
 from ._streaming import _CLOSED, StreamRequest

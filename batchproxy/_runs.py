@@ -61,7 +61,6 @@ from typing import Any, Generic, TypeVar
 
 from ._binding import Binding
 from ._callers import hand_over
-from ._cost_model import CostModel
 from ._errors import BatchProxyError, BatchSizeMismatch, BatchTimeout, InferenceError
 from ._executors.base import Executor, LoopExecutor
 from ._keys import hand_key_over
@@ -69,12 +68,13 @@ from ._lifecycle import Lifecycle
 from ._listeners import Listeners
 from ._oom import BatchCap
 from ._options import Options
-from ._queue import Request
 from ._reruns import call_with_reruns
-from ._scheduler import Limits, Scheduler
+from ._scheduling.cost_model import CostModel
+from ._scheduling.queue import Request
+from ._scheduling.scheduler import Limits, Scheduler
+from ._scheduling.sizes import batch_sizes
 from ._settle import Settlement, caller_error
 from ._sized_executor import SizedExecutor
-from ._sizes import batch_sizes
 from ._stats import Health, StatsRecorder
 from ._tasks import cancel_requested, current_batch, new_task, uncancel
 

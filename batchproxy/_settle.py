@@ -32,7 +32,7 @@ from typing import Any
 from ._dedup import Deduplicator
 from ._errors import DeadlineExceeded, InferenceError
 from ._listeners import Listeners
-from ._queue import Request
+from ._scheduling.queue import Request
 from ._stats import StatsRecorder
 
 __all__ = ["Settlement", "caller_error"]

@@ -18,7 +18,7 @@ from typing import Any
 from ._callers import narrowed
 from ._errors import BatchSizeMismatch
 from ._executors.base import Executor, ModelFn
-from ._sizes import NO_ITEM, BatchSizes
+from ._scheduling.sizes import NO_ITEM, BatchSizes
 from ._stats import StatsRecorder
 
 __all__ = ["SizedExecutor"]

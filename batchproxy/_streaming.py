@@ -33,8 +33,8 @@ from typing import Any, Generic, TypeVar
 from ._binding import Binding
 from ._errors import BatchProxyError, BatchSizeMismatch, ProxyClosed, StreamBufferFull
 from ._executors.base import Executor
-from ._queue import Request
 from ._runs import RunKind, Runner
+from ._scheduling.queue import Request
 from ._settle import caller_error
 
 __all__ = ["END", "STREAMS", "Last", "StreamEnd", "StreamRequest", "hand_element", "run_stream"]

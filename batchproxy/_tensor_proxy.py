@@ -30,7 +30,7 @@ from ._callers import narrowed
 from ._executors.devices import torch_device
 from ._executors.staged import StagedModel
 from ._proxy import Proxy
-from ._sizes import BatchSizes
+from ._scheduling.sizes import BatchSizes
 from ._tensor_items import _problems
 from ._tensor_rows import first_rows, pad_rows
 from .tensors import Collated, PaddingSide

@@ -233,7 +233,7 @@ def census(issued: int, started: float, queue_depth: int) -> Census:
         elif issubclass(kind, asyncio.Future):
             futures += 1
             pending += not thing.done()
-        elif kind.__module__ == "batchproxy._queue" and kind.__name__ == "Request":
+        elif kind.__module__ == "batchproxy._scheduling.queue" and kind.__name__ == "Request":
             requests += 1
     seconds = time.perf_counter() - started
     return Census(issued, seconds, rss_mb(), tasks, futures, pending, requests, queue_depth)

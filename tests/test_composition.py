@@ -10,9 +10,9 @@ import pytest
 from _support import Recorder, assert_settled, scheduler_of
 
 import batchproxy
-from batchproxy._fair_queue import FairQueue
-from batchproxy._keyed_queue import KeyedQueue
-from batchproxy._queue import RequestQueue
+from batchproxy._scheduling.fair_queue import FairQueue
+from batchproxy._scheduling.keyed_queue import KeyedQueue
+from batchproxy._scheduling.queue import RequestQueue
 
 pytestmark = pytest.mark.looptime
 

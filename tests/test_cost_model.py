@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from _support import Recorder
 
-from batchproxy._cost_model import WARMUP, CostModel
+from batchproxy._scheduling.cost_model import WARMUP, CostModel
 
 
 def test_warm_up_batches_are_ignored() -> None:

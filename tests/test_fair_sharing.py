@@ -19,9 +19,9 @@ from typing_extensions import override
 
 import batchproxy
 from batchproxy import END, GenerationProxy, Last, QueueFull, Step, simulation
-from batchproxy._fair_queue import FairQueue
-from batchproxy._placement import queued_by
-from batchproxy._queue import Request, RequestQueue
+from batchproxy._scheduling.fair_queue import FairQueue
+from batchproxy._scheduling.placement import queued_by
+from batchproxy._scheduling.queue import Request, RequestQueue
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import fairness

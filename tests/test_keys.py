@@ -15,8 +15,8 @@ from typing_extensions import override
 
 import batchproxy
 from batchproxy import GenerationProxy, Step, batch_key
-from batchproxy._keyed_queue import KeyedQueue
-from batchproxy._queue import Request, RequestQueue
+from batchproxy._scheduling.keyed_queue import KeyedQueue
+from batchproxy._scheduling.queue import Request, RequestQueue
 
 pytestmark = pytest.mark.looptime
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from batchproxy._queue import Request, RequestQueue
+from batchproxy._scheduling.queue import Request, RequestQueue
 
 
 def _request(loop: asyncio.AbstractEventLoop, item: int, priority: int, at: float) -> Request[int]:

@@ -111,11 +111,11 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Generic, TypeVar
 
-from ._cost_model import CostModel
-from ._queue import Queue, Request, RequestQueue
+from .cost_model import CostModel
+from .queue import Queue, Request, RequestQueue
 
 if TYPE_CHECKING:
-    from ._sizes import BatchSizes
+    from .sizes import BatchSizes
 
 __all__ = ["Limits", "Scheduler"]
 

@@ -40,7 +40,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from typing import Generic, TypeVar
 
-from ._queue import Composite, Queue, Request, RequestQueue
+from .queue import Composite, Queue, Request, RequestQueue
 
 __all__ = ["KeyedQueue"]
 

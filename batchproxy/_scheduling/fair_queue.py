@@ -42,7 +42,7 @@ import itertools
 from collections.abc import Callable, Hashable, Iterator
 from typing import Generic, TypeVar
 
-from ._queue import Composite, Queue, Request, RequestQueue, full_reason, pick_similar
+from .queue import Composite, Queue, Request, RequestQueue, full_reason, pick_similar
 
 __all__ = ["FairQueue", "Weight", "stride"]
 

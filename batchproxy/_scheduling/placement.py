@@ -22,10 +22,10 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
-from ._fair_queue import FairQueue, Weight
-from ._keyed_queue import KeyedQueue
-from ._queue import Queue, RequestQueue
-from ._scheduler import Scheduler
+from .fair_queue import FairQueue, Weight
+from .keyed_queue import KeyedQueue
+from .queue import Queue, RequestQueue
+from .scheduler import Scheduler
 
 __all__ = ["by_tenant", "place", "queued_by"]
 

@@ -17,7 +17,7 @@ in order, when someone reads it (`line`, `predict`, `estimate`), or once
 
 from __future__ import annotations
 
-from ._stats import CostEstimate
+from .._stats import CostEstimate
 
 __all__ = ["CostModel"]
 

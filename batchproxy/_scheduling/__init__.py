@@ -1,0 +1,7 @@
+"""When a batch leaves and who is in it: the `scheduler`'s window, the queues
+(`queue`, `fair_queue` by tenant, `keyed_queue` by batch key, and `placement`,
+which picks one), the `cost_model` of the model's time per batch, and the allowed
+batch `sizes`. It settles no future and calls no model: it decides, the runs act.
+
+May import: `_stats`.
+"""
