@@ -11,7 +11,6 @@ NumPy (and torch) load with the tensor features only: `TensorProxy` and the
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
-from ._background_loop import BackgroundLoop
 from ._batch_args import BatchedArgs, batch_args
 from ._callers import caller_contexts
 from ._decorator import Batched, batch
@@ -37,6 +36,7 @@ from ._executors.worker_thread import WorkerThread
 from ._generation import GenerationProxy, Slot, Step
 from ._keys import batch_key
 from ._listeners import Listener
+from ._loops.background_loop import BackgroundLoop
 from ._options import Options
 from ._proxy import Proxy
 from ._stats import CostEstimate, Health, Percentiles, ProxyStats

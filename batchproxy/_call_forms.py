@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, overload
 
 from . import _validate
 from ._arguments import Arguments, ArgumentsKey
-from ._bridge import LoopBridge
 from ._errors import DeadlineExceeded
+from ._loops.bridge import LoopBridge
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine
 
-    from ._binding import Binder
     from ._intake import Intake
+    from ._loops.binding import Binder
     from ._options import Options
 
 __all__ = ["CallForms", "WithArguments"]

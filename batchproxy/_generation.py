@@ -24,9 +24,9 @@ from typing import Any, Generic, TypeVar
 from typing_extensions import Unpack
 
 from . import _validate
-from ._binding import Binding
 from ._errors import BatchSizeMismatch
 from ._executors.base import Executor
+from ._loops.binding import Binding
 from ._options import ConfigurableOptions
 from ._proxy import Proxy
 from ._runs import RunKind, Runner

@@ -23,10 +23,10 @@ from typing import Any, Generic, TypeVar
 
 from . import _validate
 from ._arguments import Arguments, ArgumentsKey, refuse_key
-from ._binding import Binding
 from ._dedup import MISSING, Caller, Deduplicator, ResultCache, SharedSlot
 from ._errors import DeadlineExceeded, QueueFull
 from ._lifecycle import Lifecycle
+from ._loops.binding import Binding
 from ._options import Options
 from ._runs import current_batch
 from ._scheduling.placement import place, queued_by

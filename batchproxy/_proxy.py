@@ -32,7 +32,6 @@ from typing_extensions import Self, Unpack
 
 from . import _validate
 from ._arguments import call_with_arguments, model_arguments
-from ._binding import Binder
 from ._call_forms import CallForms
 from ._errors import BatchProxyError
 from ._executors.base import Executor, WeakWatcher
@@ -41,6 +40,7 @@ from ._fork import forget_threads_in_forked_children
 from ._intake import Intake
 from ._lifecycle import Lifecycle, State
 from ._listeners import Listener, Listeners
+from ._loops.binding import Binder
 from ._model import choose_executor, refuse_reruns, run_kind_of
 from ._options import ConfigurableOptions, Options, ProxyOptions
 from ._reachable import check_queue_bound

@@ -59,13 +59,13 @@ from collections.abc import (
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from ._binding import Binding
 from ._callers import hand_over
 from ._errors import BatchProxyError, BatchSizeMismatch, BatchTimeout, InferenceError
 from ._executors.base import Executor, LoopExecutor
 from ._keys import hand_key_over
 from ._lifecycle import Lifecycle
 from ._listeners import Listeners
+from ._loops.binding import Binding
 from ._oom import BatchCap
 from ._options import Options
 from ._reruns import call_with_reruns

@@ -30,9 +30,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from ._binding import Binding
 from ._errors import BatchProxyError, BatchSizeMismatch, ProxyClosed, StreamBufferFull
 from ._executors.base import Executor
+from ._loops.binding import Binding
 from ._runs import RunKind, Runner
 from ._scheduling.queue import Request
 from ._settle import caller_error

@@ -20,7 +20,7 @@ from typing_extensions import override
 
 import batchproxy
 from batchproxy import BackgroundLoop, DeadlineExceeded, ProxyClosed
-from batchproxy._bridge import LoopBridge
+from batchproxy._loops.bridge import LoopBridge
 
 DEFAULT_THREAD = "batchproxy-loop"
 

@@ -23,9 +23,9 @@ from typing import Any, ClassVar, Protocol, TypeVar
 
 from typing_extensions import Self
 
-from . import _validate
-from ._bridge import LoopBridge
-from ._fork import forget_threads_in_forked_children
+from .. import _validate
+from .._fork import forget_threads_in_forked_children
+from .bridge import LoopBridge
 
 __all__ = ["BackgroundLoop"]
 

@@ -34,13 +34,13 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Generic, TypeVar
 
-from ._background_loop import BackgroundLoop, background_loop_of
-from ._bridge import LoopBridge
-from ._errors import BatchProxyError, BatchTimeout, InferenceError
-from ._lifecycle import Lifecycle
-from ._scheduling.queue import Request
-from ._scheduling.scheduler import Limits, Scheduler
-from ._settle import Settlement
+from .._errors import BatchProxyError, BatchTimeout, InferenceError
+from .._lifecycle import Lifecycle
+from .._scheduling.queue import Request
+from .._scheduling.scheduler import Limits, Scheduler
+from .._settle import Settlement
+from .background_loop import BackgroundLoop, background_loop_of
+from .bridge import LoopBridge
 
 __all__ = ["Binder", "Binding", "StillBusy"]
 

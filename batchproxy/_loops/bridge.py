@@ -43,7 +43,7 @@ import weakref
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-from . import _validate
+from .. import _validate
 
 __all__ = ["LoopBridge"]
 
