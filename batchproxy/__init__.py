@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
 from ._batch_args import BatchedArgs, batch_args
-from ._callers import caller_contexts
 from ._decorator import Batched, batch
 from ._errors import (
     BatchProxyError,
@@ -34,13 +33,14 @@ from ._executors.process_workers import ProcessWorkers, WorkersStats
 from ._executors.staged import StagedModel
 from ._executors.worker_thread import WorkerThread
 from ._generation import GenerationProxy, Slot, Step
-from ._keys import batch_key
 from ._listeners import Listener
 from ._loops.background_loop import BackgroundLoop
 from ._options import Options
 from ._proxy import Proxy
+from ._runs.callers import caller_contexts
+from ._runs.keys import batch_key
+from ._runs.streams import END, Last, StreamEnd
 from ._stats import CostEstimate, Health, Percentiles, ProxyStats
-from ._streaming import END, Last, StreamEnd
 
 if _TYPE_CHECKING:
     from . import tensors as tensors

@@ -17,7 +17,7 @@ import inspect
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from ._keys import batch_key
+from ._runs.keys import batch_key
 
 __all__ = [
     "Arguments",

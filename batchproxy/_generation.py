@@ -29,9 +29,9 @@ from ._executors.base import Executor
 from ._loops.binding import Binding
 from ._options import ConfigurableOptions
 from ._proxy import Proxy
-from ._runs import RunKind, Runner
+from ._runs.batches import RunKind, Runner
+from ._runs.streams import hand_element, let_consumers_read
 from ._scheduling.queue import Request
-from ._streaming import hand_element, let_consumers_read
 
 __all__ = ["GenerationProxy", "Slot", "Step"]
 

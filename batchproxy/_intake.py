@@ -28,11 +28,11 @@ from ._errors import DeadlineExceeded, QueueFull
 from ._lifecycle import Lifecycle
 from ._loops.binding import Binding
 from ._options import Options
-from ._runs import current_batch
+from ._runs.batches import current_batch
+from ._runs.streams import StreamRequest
 from ._scheduling.placement import place, queued_by
 from ._scheduling.queue import Request
 from ._settle import Settlement
-from ._streaming import StreamRequest
 
 __all__ = ["Intake"]
 

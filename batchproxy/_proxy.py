@@ -41,14 +41,14 @@ from ._intake import Intake
 from ._lifecycle import Lifecycle, State
 from ._listeners import Listener, Listeners
 from ._loops.binding import Binder
-from ._model import choose_executor, refuse_reruns, run_kind_of
 from ._options import ConfigurableOptions, Options, ProxyOptions
 from ._reachable import check_queue_bound
-from ._runs import ModelOutput, RunKind, Runner, current_batch
+from ._runs.batches import ModelOutput, RunKind, Runner, current_batch
+from ._runs.model import choose_executor, refuse_reruns, run_kind_of
+from ._runs.streams import _CLOSED, StreamRequest
 from ._scheduling.placement import by_tenant
 from ._settle import Settlement
 from ._stats import Health, ProxyStats, StatsRecorder
-from ._streaming import _CLOSED, StreamRequest
 
 __all__ = ["Proxy"]
 

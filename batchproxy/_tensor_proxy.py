@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from . import _validate, tensors
-from ._callers import narrowed
 from ._executors.devices import torch_device
 from ._executors.staged import StagedModel
 from ._proxy import Proxy
+from ._runs.callers import narrowed
 from ._scheduling.sizes import BatchSizes
 from ._tensor_items import _problems
 from ._tensor_rows import first_rows, pad_rows

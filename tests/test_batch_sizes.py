@@ -17,8 +17,8 @@ from typing_extensions import override
 import batchproxy
 from batchproxy import Options, Proxy
 from batchproxy._executors.base import LoopExecutor
+from batchproxy._runs.sized import SizedExecutor
 from batchproxy._scheduling.sizes import NO_ITEM, BatchSizes
-from batchproxy._sized_executor import SizedExecutor
 from batchproxy._stats import StatsRecorder
 
 

@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from batchproxy import Proxy
 from batchproxy._intake import Intake
-from batchproxy._runs import Runner, run_batch
+from batchproxy._runs.batches import Runner, run_batch
 from batchproxy._scheduling.queue import Request, RequestQueue
 from batchproxy._scheduling.scheduler import Scheduler
 from batchproxy._settle import Settlement

@@ -59,24 +59,24 @@ from collections.abc import (
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from ._callers import hand_over
-from ._errors import BatchProxyError, BatchSizeMismatch, BatchTimeout, InferenceError
-from ._executors.base import Executor, LoopExecutor
-from ._keys import hand_key_over
-from ._lifecycle import Lifecycle
-from ._listeners import Listeners
-from ._loops.binding import Binding
-from ._oom import BatchCap
-from ._options import Options
-from ._reruns import call_with_reruns
-from ._scheduling.cost_model import CostModel
-from ._scheduling.queue import Request
-from ._scheduling.scheduler import Limits, Scheduler
-from ._scheduling.sizes import batch_sizes
-from ._settle import Settlement, caller_error
-from ._sized_executor import SizedExecutor
-from ._stats import Health, StatsRecorder
-from ._tasks import cancel_requested, current_batch, new_task, uncancel
+from .._errors import BatchProxyError, BatchSizeMismatch, BatchTimeout, InferenceError
+from .._executors.base import Executor, LoopExecutor
+from .._lifecycle import Lifecycle
+from .._listeners import Listeners
+from .._loops.binding import Binding
+from .._oom import BatchCap
+from .._options import Options
+from .._scheduling.cost_model import CostModel
+from .._scheduling.queue import Request
+from .._scheduling.scheduler import Limits, Scheduler
+from .._scheduling.sizes import batch_sizes
+from .._settle import Settlement, caller_error
+from .._stats import Health, StatsRecorder
+from .._tasks import cancel_requested, current_batch, new_task, uncancel
+from .callers import hand_over
+from .keys import hand_key_over
+from .reruns import call_with_reruns
+from .sized import SizedExecutor
 
 __all__ = ["HEALTHY", "ModelOutput", "RunKind", "Runner", "current_batch", "run_batch"]
 

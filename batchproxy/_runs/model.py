@@ -11,12 +11,12 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from ._executors.base import Executor, LoopExecutor
-from ._executors.worker_thread import WorkerThread
-from ._options import Options
-from ._runs import BATCHES, RunKind
-from ._scheduling.sizes import refuse_streams
-from ._streaming import STREAMS
+from .._executors.base import Executor, LoopExecutor
+from .._executors.worker_thread import WorkerThread
+from .._options import Options
+from .._scheduling.sizes import refuse_streams
+from .batches import BATCHES, RunKind
+from .streams import STREAMS
 
 __all__ = ["choose_executor", "refuse_reruns", "run_kind_of"]
 

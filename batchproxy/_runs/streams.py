@@ -30,12 +30,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from ._errors import BatchProxyError, BatchSizeMismatch, ProxyClosed, StreamBufferFull
-from ._executors.base import Executor
-from ._loops.binding import Binding
-from ._runs import RunKind, Runner
-from ._scheduling.queue import Request
-from ._settle import caller_error
+from .._errors import BatchProxyError, BatchSizeMismatch, ProxyClosed, StreamBufferFull
+from .._executors.base import Executor
+from .._loops.binding import Binding
+from .._scheduling.queue import Request
+from .._settle import caller_error
+from .batches import RunKind, Runner
 
 __all__ = ["END", "STREAMS", "Last", "StreamEnd", "StreamRequest", "hand_element", "run_stream"]
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ._callers import narrowed
-from ._errors import BatchSizeMismatch
-from ._executors.base import Executor, ModelFn
-from ._scheduling.sizes import NO_ITEM, BatchSizes
-from ._stats import StatsRecorder
+from .._errors import BatchSizeMismatch
+from .._executors.base import Executor, ModelFn
+from .._scheduling.sizes import NO_ITEM, BatchSizes
+from .._stats import StatsRecorder
+from .callers import narrowed
 
 __all__ = ["SizedExecutor"]
 

@@ -19,12 +19,12 @@ import traceback
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ._callers import narrowed
-from ._executors.base import Executor
-from ._listeners import Listeners
-from ._oom import BatchCap
-from ._options import Options
-from ._stats import StatsRecorder
+from .._executors.base import Executor
+from .._listeners import Listeners
+from .._oom import BatchCap
+from .._options import Options
+from .._stats import StatsRecorder
+from .callers import narrowed
 
 __all__ = ["call_with_reruns"]
 

@@ -13,7 +13,7 @@ import contextvars
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from ._tasks import current_batch
+from .._tasks import current_batch
 
 __all__ = ["batch_key", "hand_key_over"]
 
