@@ -23,6 +23,11 @@ The rules:
   fails the good ones. `collate` raises the first such error.
 - `length(item)` is the item's cost for length-aware batching: its size along
   axis 0, the largest over its leaves.
+
+The package also holds `TensorProxy` (`_proxy`, public as `batchproxy.TensorProxy`),
+with its checks of items (`_items`) and its filler rows (`_rows`).
+
+May import: `_executors`, `_proxy`, `_runs`, `_scheduling`, `_validate`.
 """
 
 from __future__ import annotations
@@ -35,8 +40,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from . import _validate
-from ._tensor_items import (
+from .. import _validate
+from ._items import (
     _check_items,
     _dtype_name,
     _is_leaf,

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from ._tensor_items import _is_tensor
-from .tensors import Collated
+from . import Collated
+from ._items import _is_tensor
 
 __all__ = ["first_rows", "pad_rows"]
 
