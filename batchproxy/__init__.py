@@ -44,7 +44,7 @@ from ._stats import CostEstimate, Health, Percentiles, ProxyStats
 
 if _TYPE_CHECKING:
     from . import tensors as tensors
-    from .tensors._proxy import TensorProxy
+    from ._tensor_proxy import TensorProxy
 
 __version__ = "0.2.0"
 
@@ -96,7 +96,7 @@ __all__ = [
 def __getattr__(name: str) -> _Any:
     """`TensorProxy` and `tensors`, imported (with NumPy) when first asked for."""
     if name == "TensorProxy":
-        from .tensors._proxy import TensorProxy
+        from ._tensor_proxy import TensorProxy
 
         return TensorProxy
     if name == "tensors":

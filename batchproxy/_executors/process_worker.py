@@ -23,7 +23,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
 
 from .._errors import WorkerDied
-from . import ipc as _ipc
+from . import ipc
 from .base import ModelFactory, put_back_refused
 from .worker_process import serve
 from .worker_thread import _answer, _Raised
@@ -260,7 +260,7 @@ class Worker:
                 ready = wait([conn, awake], left)
                 if conn in ready:
                     try:
-                        return tuple(_ipc.decode(_ipc.receive(conn)))
+                        return tuple(ipc.decode(ipc.receive(conn)))
                     except (EOFError, OSError):
                         return ("died", self._reap())
                 if not ready:
@@ -297,9 +297,9 @@ class Worker:
                 return True
             job.served_by = self
         try:
-            _ipc.send(conn, frames)
-            frames = _ipc.receive(conn)
-        except _ipc.Unsent:
+            ipc.send(conn, frames)
+            frames = ipc.receive(conn)
+        except ipc.Unsent:
             # It died after that check, before any of the batch was written: it never
             # held it. (A death after the first write may have come from reading it.)
             if self._finish_serving(job):
@@ -313,7 +313,7 @@ class Worker:
         if self._finish_serving(job):
             return True  # killed, or about to be, for nobody: the next batch gets a new process
         try:
-            reply = _ipc.decode(frames)
+            reply = ipc.decode(frames)
         except Exception as exc:
             job.fail(TypeError(f"{self.owner.name}: the results could not be unpickled: {exc!r}"))
             return True
@@ -323,19 +323,19 @@ class Worker:
             job.fail(_remote(reply[1], reply[2]))
         return True
 
-    def _encode(self, items: list[Any]) -> tuple[_ipc.Frames | None, dict[int, BaseException]]:
+    def _encode(self, items: list[Any]) -> tuple[ipc.Frames | None, dict[int, BaseException]]:
         """The frames of the batch, less the items that cannot be pickled (None if that
         is all of them), and a TypeError for each of those by its index: an item that
         cannot travel fails its own caller only. Raises if the items pickle one by one
         but not together."""
         try:
-            return _ipc.encode(items), {}
+            return ipc.encode(items), {}
         except Exception:
             pass
         refused: dict[int, BaseException] = {}
         for index, item in enumerate(items):
             try:
-                _ipc.encode(item)
+                ipc.encode(item)
             except Exception as exc:
                 refused[index] = error = TypeError(
                     f"{self.owner.name}: the item could not be pickled to reach a worker "
@@ -343,9 +343,9 @@ class Worker:
                 )
                 error.__cause__ = exc
         if not refused:
-            return _ipc.encode(items), refused  # raises again: the batch fails
+            return ipc.encode(items), refused  # raises again: the batch fails
         sent = [item for index, item in enumerate(items) if index not in refused]
-        return (_ipc.encode(sent) if sent else None), refused
+        return (ipc.encode(sent) if sent else None), refused
 
     def _finish_serving(self, job: Job) -> bool:
         """The process is done with `job`; True (its process stopped) if it was abandoned
@@ -416,7 +416,7 @@ class Worker:
         self.pid = None
         if conn is not None:
             with contextlib.suppress(OSError):
-                _ipc.send(conn, _ipc.encode(STOP))
+                ipc.send(conn, ipc.encode(STOP))
             conn.close()
         if process is None:
             return

@@ -24,7 +24,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from . import ipc as _ipc
+from . import ipc
 from .base import ModelFactory
 
 __all__ = ["serve"]
@@ -43,11 +43,11 @@ def serve(conn: Connection, factory: ModelFactory) -> None:
     try:
         while True:
             try:
-                frames = _ipc.receive(conn)
+                frames = ipc.receive(conn)
             except (EOFError, OSError):
                 return  # the proxy's process is gone
             try:
-                items = _ipc.decode(frames)
+                items = ipc.decode(frames)
             except Exception as exc:  # e.g. a class this process cannot import
                 error = TypeError(f"the batch could not be unpickled in the worker: {exc!r}")
                 error.__cause__ = exc
@@ -95,17 +95,17 @@ async def _awaited(awaitable: Any) -> Any:
 
 def _reply(conn: Connection, message: tuple[Any, ...]) -> None:
     try:
-        frames = _ipc.encode(message)
+        frames = ipc.encode(message)
     except Exception as exc:  # results (or an exception) that cannot be pickled
         try:
             if message[0] != "ok":
                 raise
-            frames = _ipc.encode(("ok", _each_portable(message[1])))
+            frames = ipc.encode(("ok", _each_portable(message[1])))
         except Exception:  # not a batch's results, or not one by one either
             error = TypeError(f"the worker's reply could not be pickled: {exc!r}")
-            frames = _ipc.encode(("raised", *_portable(error)))
+            frames = ipc.encode(("raised", *_portable(error)))
     with contextlib.suppress(OSError):  # the proxy's process is gone; nobody waits
-        _ipc.send(conn, frames)
+        ipc.send(conn, frames)
 
 
 def _each_portable(results: Any) -> list[Any]:
@@ -116,7 +116,7 @@ def _each_portable(results: Any) -> list[Any]:
     portable = list(results)
     for index, result in enumerate(portable):
         try:
-            _ipc.encode(result)
+            ipc.encode(result)
         except Exception as exc:
             portable[index] = TypeError(
                 f"the result could not be pickled to return from the worker process: {exc!r}"

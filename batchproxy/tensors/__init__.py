@@ -24,10 +24,10 @@ The rules:
 - `length(item)` is the item's cost for length-aware batching: its size along
   axis 0, the largest over its leaves.
 
-The package also holds `TensorProxy` (`_proxy`, public as `batchproxy.TensorProxy`),
-with its checks of items (`_items`) and its filler rows (`_rows`).
+The package's private modules check items (`_items`) and add or cut filler rows
+(`_rows`); `TensorProxy`, which uses these tools, sits above them (`_tensor_proxy`).
 
-May import: `_executors`, `_proxy`, `_runs`, `_scheduling`, `_validate`.
+May import: `_validate`.
 """
 
 from __future__ import annotations

@@ -25,15 +25,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from .. import _validate, tensors
-from .._executors.devices import torch_device
-from .._executors.staged import StagedModel
-from .._proxy import Proxy
-from .._runs.callers import narrowed
-from .._scheduling.sizes import BatchSizes
-from . import Collated, PaddingSide
-from ._items import _problems
-from ._rows import first_rows, pad_rows
+from . import _validate, tensors
+from ._executors.devices import torch_device
+from ._executors.staged import StagedModel
+from ._proxy import Proxy
+from ._runs.callers import narrowed
+from ._scheduling.sizes import BatchSizes
+from .tensors import Collated, PaddingSide
+from .tensors._items import _problems
+from .tensors._rows import first_rows, pad_rows
 
 if TYPE_CHECKING:
     import torch
