@@ -52,6 +52,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import torch
+from _load import drain
 from _report import environment, headline, quick_run_arguments, write_json
 from generate import Engine, Gpt2Generator, Prompt, StaticGenerator, build_model
 from transformers import GPT2LMHeadModel
@@ -145,24 +146,19 @@ class Run:
 
 async def run(proxy: Proxy[Prompt, int], prompts: Sequence[Prompt], concurrency: int) -> Run:
     """`concurrency` clients pull prompts from the shared list and stream each to the end."""
-    streams: list[list[int]] = [[] for _ in prompts]
     ttft = [0.0] * len(prompts)
-    latency = [0.0] * len(prompts)
-    queue = iter(range(len(prompts)))
 
-    async def client() -> None:
-        for index in queue:
-            asked = time.perf_counter()
-            async for token in proxy.stream(prompts[index]):
-                if not streams[index]:
-                    ttft[index] = time.perf_counter() - asked
-                streams[index].append(token)
-            latency[index] = time.perf_counter() - asked
+    async def stream(index: int) -> list[int]:
+        asked = time.perf_counter()
+        tokens: list[int] = []
+        async for token in proxy.stream(prompts[index]):
+            if not tokens:
+                ttft[index] = time.perf_counter() - asked
+            tokens.append(token)
+        return tokens
 
-    start = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(concurrency)))
-    seconds = time.perf_counter() - start
-    return Run(seconds, sum(map(len, streams)), ttft, latency, streams)
+    done = await drain(stream, range(len(prompts)), concurrency)
+    return Run(done.seconds, sum(map(len, done.results)), ttft, done.latencies, done.results)
 
 
 def make_proxy(

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import statistics
 import sys
 import time
@@ -43,6 +44,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import torch
+from _load import drain
 from _report import RESULTS, environment, write_json
 from minilm import MiniLMEmbedder, embed, load_minilm, reference_embedding
 from sample_text import MAX_WORDS, MIN_WORDS, make_sentences  # sets HF_HUB_OFFLINE
@@ -155,33 +157,21 @@ async def run_once(
         name=variant.label,
         **variant.options,
     )
-    results: list[torch.Tensor | None] = [None] * len(sentences)
-    latencies: list[float] = []
-    pending = iter(range(len(sentences)))  # shared: each caller takes the next sentence
-
-    async def caller() -> None:
-        for index in pending:
-            t0 = time.perf_counter()
-            results[index] = await embed(proxy, sentences[index])
-            latencies.append((time.perf_counter() - t0) * 1e3)
-
     async with proxy:
-        started = time.perf_counter()
-        await asyncio.gather(*(caller() for _ in range(min(concurrency, len(sentences)))))
-        seconds = time.perf_counter() - started
+        run = await drain(functools.partial(embed, proxy), sentences, concurrency)
         stats = proxy.stats
     if stats.succeeded != len(sentences) or sum(b.size for b in batches) != len(sentences):
         raise SystemExit(f"{variant.label}: {stats.succeeded} of {len(sentences)} answered")
     max_diff = 0.0
     if references is not None:
-        for index, (got, want) in enumerate(zip(results, references, strict=True)):
-            if got is None or got.shape != want.shape:
+        for index, (got, want) in enumerate(zip(run.results, references, strict=True)):
+            if got.shape != want.shape:
                 raise SystemExit(f"{variant.label}: sentence {index} got {got!r}")
             max_diff = max(max_diff, float((got - want).abs().max()))
     return Run(
-        seconds=seconds,
-        throughput=len(sentences) / seconds,
-        latencies_ms=latencies,
+        seconds=run.seconds,
+        throughput=len(sentences) / run.seconds,
+        latencies_ms=[seconds * 1e3 for seconds in run.latencies],
         batches=batches,
         max_abs_diff=max_diff,
         stats_padding_waste=getattr(stats, "padding_waste", None),

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from _load import drain
 from _report import RESULTS, environment, write_json
 
 import batchproxy
@@ -170,6 +171,7 @@ async def idle_latency(make: Callable[[BatchFn, int], Batcher], calls: int) -> d
 # -- 3. simulated accelerator -------------------------------------------------------
 
 A_S, B_S, SIM_BATCH = 0.010, 0.0002, 64
+CALLERS = 150  # closed-loop callers, here and on the real model
 
 
 async def accelerator(items: list[Any]) -> list[Any]:
@@ -177,27 +179,17 @@ async def accelerator(items: list[Any]) -> list[Any]:
     return items
 
 
-async def closed_loop(call: Callable[[Any], Awaitable[Any]], callers: int, each: int) -> float:
-    """Requests per second with `callers` callers each making `each` calls in turn."""
-
-    async def caller() -> None:
-        for i in range(each):
-            await call(i)
-
-    start = time.perf_counter()
-    await asyncio.gather(*(caller() for _ in range(callers)))
-    return callers * each / (time.perf_counter() - start)
-
-
 async def accelerator_share(make: Callable[[BatchFn, int], Batcher], each: int) -> float:
+    """Throughput as a share of the ideal with CALLERS closed-loop callers making `each`
+    calls apiece (in all: each takes the next call as soon as answered)."""
     batcher = make(accelerator, SIM_BATCH)
     try:
-        await closed_loop(batcher.call, 150, 2)
-        rate = await closed_loop(batcher.call, 150, each)
+        await drain(batcher.call, range(CALLERS * 2), CALLERS)  # warm-up
+        run = await drain(batcher.call, range(CALLERS * each), CALLERS)
     finally:
         await batcher.close()
     ideal = SIM_BATCH / (A_S + B_S * SIM_BATCH)
-    return rate / ideal
+    return CALLERS * each / run.seconds / ideal
 
 
 # -- 4. real model --------------------------------------------------------------------
@@ -229,29 +221,18 @@ async def real_model(sentences: list[str], makes: list[Any]) -> dict[str, dict[s
     reference = {s: forward([s])[0] for s in sentences[:20]}
 
     async def drive(name: str, call: Callable[[str], Awaitable[Any]]) -> dict[str, float]:
-        queue = list(sentences)
-        latencies: list[float] = []
-        worst = 0.0
-
-        async def caller() -> None:
-            nonlocal worst
-            while queue:
-                text = queue.pop()
-                start = time.perf_counter()
-                vector = np.asarray(await call(text))
-                latencies.append(time.perf_counter() - start)
-                if text in reference:
-                    worst = max(worst, float(np.abs(vector - reference[text]).max()))
-
         await asyncio.gather(*(call(s) for s in sentences[:32]))  # warm-up
-        start = time.perf_counter()
-        await asyncio.gather(*(caller() for _ in range(150)))
-        wall = time.perf_counter() - start
-        latencies.sort()
-        print(f"  real model, {name}: {wall:.2f} s", file=sys.stderr)
+        run = await drain(call, sentences, CALLERS)
+        worst = max(
+            float(np.abs(np.asarray(vector) - reference[text]).max())
+            for text, vector in zip(sentences, run.results, strict=True)
+            if text in reference
+        )
+        latencies = sorted(run.latencies)
+        print(f"  real model, {name}: {run.seconds:.2f} s", file=sys.stderr)
         return {
-            "wall_s": wall,
-            "throughput": len(sentences) / wall,
+            "wall_s": run.seconds,
+            "throughput": len(sentences) / run.seconds,
             "p50_ms": latencies[len(latencies) // 2] * 1e3,
             "p99_ms": latencies[int(len(latencies) * 0.99) - 1] * 1e3,
             "max_abs_diff": worst,
