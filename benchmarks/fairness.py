@@ -40,8 +40,7 @@ from typing import Any
 
 from _report import environment, headline, quick_run_arguments, write_json
 
-from batchproxy import QueueFull, batch, simulation
-from batchproxy._stats import nearest_rank
+from batchproxy import Percentiles, QueueFull, batch, simulation
 
 TENANTS = 4
 RATE = 150.0  # requests/s of each tenant, unloaded
@@ -120,13 +119,13 @@ async def scenario(
     await asyncio.gather(*tasks)
     gc.enable()
     await proxy.aclose()
-    others = sorted(x for tenant in range(1, TENANTS) for x in latencies[tenant])
-    flooder = sorted(latencies[0])
+    others = Percentiles.of([x for tenant in range(1, TENANTS) for x in latencies[tenant]])
+    flooder = Percentiles.of(latencies[0])  # all zeros when none answered
     return Outcome(
-        others_p50_ms=nearest_rank(others, 0.50) * 1e3,
-        others_p99_ms=nearest_rank(others, 0.99) * 1e3,
+        others_p50_ms=others.p50 * 1e3,
+        others_p99_ms=others.p99 * 1e3,
         others_refused=sum(refused[1:]) / max(1, sum(sent[1:])),
-        flooder_p99_ms=nearest_rank(flooder, 0.99) * 1e3 if flooder else 0.0,
+        flooder_p99_ms=flooder.p99 * 1e3,
         flooder_refused=refused[0] / max(1, sent[0]),
     )
 
