@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import torch
 from _load import drain
-from _report import environment, headline, quick_run_arguments, write_json
+from _report import arguments, environment, headline, write_report
 from minilm import MiniLMEmbedder, embed, load_minilm
 from sample_text import make_sentences  # sets HF_HUB_OFFLINE
 
@@ -171,15 +171,28 @@ def table(rows: list[Row]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    quick, output = quick_run_arguments("dedup", __doc__, argv)
-    config = QUICK if quick else FULL
-    env = environment(repeat_share=REPEAT_SHARE, batch_size=BATCH_SIZE, **asdict(config))
-    print(headline("dedup", env, quick=quick))
+    cli = arguments("dedup", __doc__, argv)
+    config = QUICK if cli.quick else FULL
+    env = environment()
+    print(headline("dedup", env, quick=cli.quick))
     rows = asyncio.run(measure(config))
     print(table(rows))
     worst = max(row.max_difference for row in rows)
     print(f"\nresults identical to the batched variant's within {TOLERANCE}: {worst <= TOLERANCE}")
-    write_json(output, {"environment": env, "rows": [asdict(row) for row in rows]})
+    write_report(
+        cli.output,
+        env,
+        quick=cli.quick,
+        config={
+            "repeat_share": REPEAT_SHARE,
+            "recent": RECENT,
+            "batch_size": BATCH_SIZE,
+            "cache_size": CACHE_SIZE,
+            **asdict(config),
+        },
+        targets={"max_difference": TOLERANCE},
+        results={"rows": [asdict(row) for row in rows]},
+    )
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import torch
 from _load import drain
-from _report import environment, headline, quick_run_arguments, write_json
+from _report import arguments, environment, headline, write_report
 from generate import Engine, Gpt2Generator, Prompt, StaticGenerator, build_model
 from transformers import GPT2LMHeadModel
 
@@ -271,8 +271,8 @@ def table(summaries: Sequence[dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    quick, output = quick_run_arguments("generation", __doc__, argv)
-    config = QUICK if quick else FULL
+    cli = arguments("generation", __doc__, argv)
+    config = QUICK if cli.quick else FULL
     import transformers
 
     env = environment(
@@ -280,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch_threads=torch.get_num_threads(),
         transformers=transformers.__version__,
     )
-    print(headline("generation: no batching, static and continuous batching", env, quick=quick))
+    print(headline("generation: no batching, static and continuous batching", env, quick=cli.quick))
     print()
     prompts = workload(config)
     runs, (single, full) = asyncio.run(measure(config, prompts))
@@ -303,12 +303,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "target: lower)"
     )
     tokens = [p.max_new_tokens for p in prompts]
-    write_json(
-        output,
-        {
-            "environment": env,
-            "quick": quick,
-            "config": asdict(config),
+    write_report(
+        cli.output,
+        env,
+        quick=cli.quick,
+        config=asdict(config),
+        targets={"continuous_over_static_tokens_per_s": TARGET_RATIO},
+        results={
             "workload": {
                 "new_tokens": sum(tokens),
                 "new_tokens_median": statistics.median(tokens),
@@ -316,7 +317,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "prompt_tokens": sum(len(p.ids) for p in prompts),
             },
             "decode_step_ms": {"1": single * 1e3, str(config.batch_size): full * 1e3},
-            "targets": {"continuous_over_static_tokens_per_s": TARGET_RATIO},
             "continuous_over_static_tokens_per_s": ratio,
             "continuous_over_no_batching_tokens_per_s": versus_none,
             "static_over_continuous_ttft_p99": ttft_ratio,

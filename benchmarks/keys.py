@@ -29,7 +29,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from _report import environment, headline, quick_run_arguments, write_json
+from _report import arguments, environment, headline, no_targets, write_report
 
 import batchproxy
 from batchproxy import simulation
@@ -124,10 +124,10 @@ SIDES = ("key=", "key=, 2 slots", "a proxy per adapter", "one call per request")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    quick, output = quick_run_arguments("keys", __doc__, argv)
-    seconds, repetitions = (1.0, 1) if quick else (3.0, 5)
-    env = environment(seconds=seconds, repetitions=repetitions)
-    print(headline("Batches by key", env, quick=quick))
+    cli = arguments("keys", __doc__, argv)
+    seconds, repetitions = (1.0, 1) if cli.quick else (3.0, 5)
+    env = environment()
+    print(headline("Batches by key", env, quick=cli.quick))
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SIDES}
     for _ in range(repetitions):  # interleaved: the machine's drift hits every side
         for name in SIDES:
@@ -148,7 +148,21 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{row['requests_per_s'] / base:.2f}x | {row['p50_ms']:.1f} ms | "
             f"{row['p99_ms']:.1f} ms | {row['mean_batch']:.1f} |"
         )
-    write_json(output, {"environment": env, "rows": rows, "runs": runs})
+    write_report(
+        cli.output,
+        env,
+        quick=cli.quick,
+        config={
+            "seconds": seconds,
+            "repetitions": repetitions,
+            "callers_per_adapter": CALLERS,
+            "adapters": list(ADAPTERS),
+            "model_seconds": [FIXED, PER_ITEM],
+            "batch_size": 64,
+        },
+        targets=no_targets("a comparison of ways to keep adapters apart: ratios, no pass mark"),
+        results={"rows": rows, "runs": runs},
+    )
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import torch
 from _load import drain
-from _report import RESULTS, environment, write_json
+from _report import arguments, environment, headline, write_report
 from minilm import MiniLMEmbedder, embed, load_minilm, reference_embedding
 from sample_text import MAX_WORDS, MIN_WORDS, make_sentences  # sets HF_HUB_OFFLINE
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -268,35 +268,26 @@ def table(summaries: Sequence[dict[str, Any]], config: Config) -> tuple[str, flo
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="a fast smoke run (noisy numbers)")
-    parser.add_argument(
-        "--max-batch-tokens",
-        type=int,
-        default=None,
-        help="also run length-aware batching with this token budget (batch x longest)",
-    )
-    parser.add_argument(
-        "--output",
-        type=Path,
-        default=None,
-        help="where to write the JSON results (default: benchmarks/results/length_aware.json, "
-        "or length_aware-quick.json with --quick)",
-    )
-    args = parser.parse_args(argv)
-    config = QUICK if args.quick else FULL
-    output: Path = args.output or RESULTS / (
-        "length_aware-quick.json" if args.quick else "length_aware.json"
-    )
+    def max_batch_tokens(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--max-batch-tokens",
+            type=int,
+            default=None,
+            help="also run length-aware batching with this token budget (batch x longest)",
+        )
+
+    cli = arguments("length_aware", (__doc__ or "").splitlines()[0], argv, extra=max_batch_tokens)
+    budget: int | None = cli.args.max_batch_tokens
+    config = QUICK if cli.quick else FULL
     variants = [
         Variant("FIFO", {"length_aware": False}),
         Variant("length-aware", {"length_aware": True}),
     ]
-    if args.max_batch_tokens is not None:
+    if budget is not None:
         variants.append(
             Variant(
-                f"length-aware, max_batch_tokens={args.max_batch_tokens}",
-                {"length_aware": True, "max_batch_tokens": args.max_batch_tokens},
+                f"length-aware, max_batch_tokens={budget}",
+                {"length_aware": True, "max_batch_tokens": budget},
             )
         )
 
@@ -307,28 +298,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch_threads=torch.get_num_threads(),
         transformers=transformers.__version__,
     )
-    print(
-        f"batchproxy {env['batchproxy']} length-aware batching, all-MiniLM-L6-v2, {env['date']}, "
-        f"Python {env['python']}, torch {env['torch']} ({env['torch_threads']} threads), "
-        f"{env['cpus']} CPUs, {env['platform']}"
-        + (" (--quick: smoke run, numbers are noisy)" if args.quick else "")
-    )
+    print(headline("length-aware batching, all-MiniLM-L6-v2", env, quick=cli.quick))
+    print(f"torch {env['torch']} ({env['torch_threads']} threads)")
     print()
     sides, reference_seconds = asyncio.run(measure(config, variants))
     summaries = [summary(side) for side in sides]
     text, ratio = table(summaries, config)
     print(text)
 
-    document = {
-        "environment": env,
-        "quick": args.quick,
-        "config": {**asdict(config), "batch_size": BATCH_SIZE, "offload": True},
-        "targets": {"throughput_ratio": TARGET_RATIO, "max_abs_diff": TOLERANCE},
-        "throughput_ratio": ratio,
-        "reference_seconds": reference_seconds,
-        "sides": summaries,
-    }
-    write_json(output, document)
+    write_report(
+        cli.output,
+        env,
+        quick=cli.quick,
+        config={
+            **asdict(config),
+            "batch_size": BATCH_SIZE,
+            "offload": True,
+            "max_batch_tokens": budget,
+        },
+        targets={"throughput_ratio": TARGET_RATIO, "max_abs_diff": TOLERANCE},
+        results={
+            "throughput_ratio": ratio,
+            "reference_seconds": reference_seconds,
+            "sides": summaries,
+        },
+    )
     return 0
 
 

@@ -34,20 +34,19 @@ shared and noisy, the ratios are what carries over.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import concurrent.futures
 import importlib.util
 import statistics
 import sys
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from _load import drain
-from _report import RESULTS, environment, write_json
+from _report import arguments, environment, headline, no_targets, write_report
 
 import batchproxy
 
@@ -258,18 +257,35 @@ async def real_model(sentences: list[str], makes: list[Any]) -> dict[str, dict[s
 # -- the run --------------------------------------------------------------------------
 
 
-async def run(quick: bool) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Config:
+    overhead_rounds: int
+    overhead_repetitions: int
+    idle_calls: int
+    accelerator_calls_per_caller: int
+    sentences: int
+
+
+FULL = Config(10, 7, 500, 20, 300)
+QUICK = Config(3, 3, 100, 4, 90)
+
+
+async def run(config: Config) -> dict[str, Any]:
     makes = peers()
     results: dict[str, Any] = {"overhead_us": {}, "idle": {}, "accelerator_share": {}}
     for make in makes:
         name = make(identity, 1).name
         print(f"{name}: overhead, idle latency, simulated accelerator", file=sys.stderr)
-        results["overhead_us"][name] = await overhead(make, 3 if quick else 10, 3 if quick else 7)
-        results["idle"][name] = await idle_latency(make, 100 if quick else 500)
-        results["accelerator_share"][name] = await accelerator_share(make, 4 if quick else 20)
+        results["overhead_us"][name] = await overhead(
+            make, config.overhead_rounds, config.overhead_repetitions
+        )
+        results["idle"][name] = await idle_latency(make, config.idle_calls)
+        results["accelerator_share"][name] = await accelerator_share(
+            make, config.accelerator_calls_per_caller
+        )
     from sample_text import make_sentences
 
-    results["real_model"] = await real_model(make_sentences(90 if quick else 300), makes)
+    results["real_model"] = await real_model(make_sentences(config.sentences), makes)
     return results
 
 
@@ -340,22 +356,30 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="a fast smoke run (noisy numbers)")
-    parser.add_argument("--output-dir", type=Path, default=RESULTS)
-    args = parser.parse_args()
-    results = asyncio.run(run(args.quick))
+def main(argv: Sequence[str] | None = None) -> int:
+    cli = arguments("suite", (__doc__ or "").splitlines()[0], argv)
+    config = QUICK if cli.quick else FULL
+    results = asyncio.run(run(config))
     env = environment(peers=[make(identity, 1).name for make in peers()])
     text = markdown(results)
-    print(f"batchproxy suite, {env['date']}, Python {env['python']}, {env['cpus']} CPUs\n")
+    print(headline("suite", env, quick=cli.quick) + "\n")
     print(text)
-    stem = "suite-quick" if args.quick else "suite"
-    (args.output_dir).mkdir(parents=True, exist_ok=True)
-    (args.output_dir / f"{stem}.md").write_text(text + "\n")
-    plot(results, args.output_dir / f"{stem}.png")
-    write_json(
-        args.output_dir / f"{stem}.json", {"environment": env, "quick": args.quick, **results}
+    cli.output.parent.mkdir(parents=True, exist_ok=True)
+    cli.output.with_suffix(".md").write_text(text + "\n")
+    plot(results, cli.output.with_suffix(".png"))
+    write_report(
+        cli.output,
+        env,
+        quick=cli.quick,
+        config={
+            **asdict(config),
+            "delay_ms": DELAY_MS,
+            "callers": CALLERS,
+            "accelerator_batch_size": SIM_BATCH,
+            "accelerator_seconds": [A_S, B_S],
+        },
+        targets=no_targets("a side-by-side comparison with the peers: ratios, no pass mark"),
+        results=results,
     )
     return 0
 
