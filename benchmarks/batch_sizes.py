@@ -27,7 +27,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from _report import environment, headline, quick_run_arguments, write_json
+from _report import arguments, environment, headline, no_targets, write_report
 
 from batchproxy import batch, simulation
 
@@ -94,10 +94,10 @@ def measure(mode: str, load: float, slots: int, seconds: float) -> dict[str, Any
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    quick, output = quick_run_arguments("batch_sizes", (__doc__ or "").splitlines()[0], argv)
+    cli = arguments("batch_sizes", (__doc__ or "").splitlines()[0], argv)
     env = environment()
-    seconds = 3.0 if quick else 20.0
-    print(headline("batch sizes", env, quick=quick))
+    seconds = 3.0 if cli.quick else 20.0
+    print(headline("batch sizes", env, quick=cli.quick))
     print(f"\nstatic engine: cost(s) = 5 ms + 0.5 ms x s, sizes {SIZES}, batch_size={BATCH}")
     columns = "slots | load | mode | throughput / offered | p50 ms | p99 ms | items/call | filler"
     print(f"\n| {columns} |")
@@ -113,7 +113,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{row['p50_ms']:.1f} | {row['p99_ms']:.1f} | "
                     f"{row['items_per_call']:.1f} | {row['filler_share']:.1%} |"
                 )
-    write_json(output, {"environment": env, "seconds": seconds, "rows": rows})
+    write_report(
+        cli.output,
+        env,
+        quick=cli.quick,
+        config={
+            "seconds": seconds,
+            "sizes": list(SIZES),
+            "batch_size": BATCH,
+            "loads": list(LOADS),
+            "slots": [1, 2],
+            "model_seconds": [cost(0), cost(1) - cost(0)],
+        },
+        targets=no_targets("a comparison of padding, cutting and any size: no pass mark"),
+        results={"rows": rows},
+    )
     return 0
 
 

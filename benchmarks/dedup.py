@@ -26,10 +26,10 @@ and the batched variant's result for the same sentence (must stay within 1e-4).
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import statistics
 import sys
-import time
 from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,7 +38,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import torch
-from _report import environment, headline, quick_run_arguments, write_json
+from _load import drain
+from _report import arguments, environment, headline, write_report
 from minilm import MiniLMEmbedder, embed, load_minilm
 from sample_text import make_sentences  # sets HF_HUB_OFFLINE
 
@@ -98,26 +99,6 @@ def request_stream(count: int, seed: int) -> list[str]:
     return stream
 
 
-async def run_round(
-    proxy: MiniLMEmbedder, stream: Sequence[str], concurrency: int
-) -> tuple[float, list[float], dict[str, torch.Tensor]]:
-    """(seconds, per-request latencies, an embedding per sentence)."""
-    cursor = iter(range(len(stream)))
-    latencies: list[float] = []
-    results: dict[str, torch.Tensor] = {}
-
-    async def caller() -> None:
-        for index in cursor:
-            text = stream[index]
-            started = time.perf_counter()
-            results[text] = await embed(proxy, text)
-            latencies.append(time.perf_counter() - started)
-
-    began = time.perf_counter()
-    await asyncio.gather(*(caller() for _ in range(concurrency)))
-    return time.perf_counter() - began, latencies, results
-
-
 def make_proxy(tokenizer: Any, model: Any, label: str) -> MiniLMEmbedder:
     options = dict(VARIANTS[label])
     if options.pop("dedup", None) == "tokens":
@@ -142,10 +123,10 @@ async def measure(config: Config) -> list[Row]:
         order = labels if round_number % 2 == 0 else labels[::-1]
         for label in order:
             proxy = proxies[label]  # (each round's stream is new: its own seed)
-            seconds, waits, results = await run_round(proxy, stream, config.concurrency)
-            rates[label].append(len(stream) / seconds)
-            latencies[label].extend(waits)
-            outputs[label].update(results)
+            run = await drain(functools.partial(embed, proxy), stream, config.concurrency)
+            rates[label].append(len(stream) / run.seconds)
+            latencies[label].extend(run.latencies)
+            outputs[label].update(zip(stream, run.results, strict=True))
     rows = []
     for label, proxy in proxies.items():
         stats, before = proxy.stats, base[label]
@@ -190,15 +171,28 @@ def table(rows: list[Row]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    quick, output = quick_run_arguments("dedup", __doc__, argv)
-    config = QUICK if quick else FULL
-    env = environment(repeat_share=REPEAT_SHARE, batch_size=BATCH_SIZE, **asdict(config))
-    print(headline("dedup", env, quick=quick))
+    cli = arguments("dedup", __doc__, argv)
+    config = QUICK if cli.quick else FULL
+    env = environment()
+    print(headline("dedup", env, quick=cli.quick))
     rows = asyncio.run(measure(config))
     print(table(rows))
     worst = max(row.max_difference for row in rows)
     print(f"\nresults identical to the batched variant's within {TOLERANCE}: {worst <= TOLERANCE}")
-    write_json(output, {"environment": env, "rows": [asdict(row) for row in rows]})
+    write_report(
+        cli.output,
+        env,
+        quick=cli.quick,
+        config={
+            "repeat_share": REPEAT_SHARE,
+            "recent": RECENT,
+            "batch_size": BATCH_SIZE,
+            "cache_size": CACHE_SIZE,
+            **asdict(config),
+        },
+        targets={"max_difference": TOLERANCE},
+        results={"rows": [asdict(row) for row in rows]},
+    )
 
 
 if __name__ == "__main__":

@@ -38,10 +38,9 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from _report import environment, headline, quick_run_arguments, write_json
+from _report import arguments, environment, headline, write_report
 
-from batchproxy import QueueFull, batch, simulation
-from batchproxy._stats import nearest_rank
+from batchproxy import Percentiles, QueueFull, batch, simulation
 
 TENANTS = 4
 RATE = 150.0  # requests/s of each tenant, unloaded
@@ -120,13 +119,13 @@ async def scenario(
     await asyncio.gather(*tasks)
     gc.enable()
     await proxy.aclose()
-    others = sorted(x for tenant in range(1, TENANTS) for x in latencies[tenant])
-    flooder = sorted(latencies[0])
+    others = Percentiles.of([x for tenant in range(1, TENANTS) for x in latencies[tenant]])
+    flooder = Percentiles.of(latencies[0])  # all zeros when none answered
     return Outcome(
-        others_p50_ms=nearest_rank(others, 0.50) * 1e3,
-        others_p99_ms=nearest_rank(others, 0.99) * 1e3,
+        others_p50_ms=others.p50 * 1e3,
+        others_p99_ms=others.p99 * 1e3,
         others_refused=sum(refused[1:]) / max(1, sum(sent[1:])),
-        flooder_p99_ms=nearest_rank(flooder, 0.99) * 1e3 if flooder else 0.0,
+        flooder_p99_ms=flooder.p99 * 1e3,
         flooder_refused=refused[0] / max(1, sent[0]),
     )
 
@@ -188,10 +187,10 @@ def floor_note() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    quick, output = quick_run_arguments("fairness", __doc__, argv)
-    virtual_s, real_s = (2.0, 1.0) if quick else (20.0, 5.0)
-    env = environment(virtual_seconds=virtual_s, real_seconds=real_s)
-    print(headline("fairness: a 10x flood from one tenant, FIFO vs fair", env, quick=quick))
+    cli = arguments("fairness", __doc__, argv)
+    virtual_s, real_s = (2.0, 1.0) if cli.quick else (20.0, 5.0)
+    env = environment()
+    print(headline("fairness: a 10x flood from one tenant, FIFO vs fair", env, quick=cli.quick))
     results = {}
     for clock, runner, duration, names in (
         ("virtual clock", simulation.run, virtual_s, SIDES),
@@ -206,10 +205,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"- {clock}, {line}")
     print()
     print(floor_note())
-    write_json(
-        output,
-        {
-            "environment": env,
+    write_report(
+        cli.output,
+        env,
+        quick=cli.quick,
+        config={
+            "virtual_seconds": virtual_s,
+            "real_seconds": real_s,
+            "tenants": TENANTS,
+            "rate": RATE,
+            "flood": FLOOD,
+            "batch_size": BATCH,
+            "per_tenant": PER_TENANT,
+            "costs": {name: list(cost) for name, cost in COSTS.items()},
+        },
+        targets={"fair_others_p99_vs_unloaded": TARGET},
+        results={
             "results": {
                 clock: {name: {side: asdict(o) for side, o in s.items()} for name, s in r.items()}
                 for clock, r in results.items()

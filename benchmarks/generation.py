@@ -52,7 +52,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import torch
-from _report import environment, headline, quick_run_arguments, write_json
+from _load import drain
+from _report import arguments, environment, headline, write_report
 from generate import Engine, Gpt2Generator, Prompt, StaticGenerator, build_model
 from transformers import GPT2LMHeadModel
 
@@ -145,24 +146,19 @@ class Run:
 
 async def run(proxy: Proxy[Prompt, int], prompts: Sequence[Prompt], concurrency: int) -> Run:
     """`concurrency` clients pull prompts from the shared list and stream each to the end."""
-    streams: list[list[int]] = [[] for _ in prompts]
     ttft = [0.0] * len(prompts)
-    latency = [0.0] * len(prompts)
-    queue = iter(range(len(prompts)))
 
-    async def client() -> None:
-        for index in queue:
-            asked = time.perf_counter()
-            async for token in proxy.stream(prompts[index]):
-                if not streams[index]:
-                    ttft[index] = time.perf_counter() - asked
-                streams[index].append(token)
-            latency[index] = time.perf_counter() - asked
+    async def stream(index: int) -> list[int]:
+        asked = time.perf_counter()
+        tokens: list[int] = []
+        async for token in proxy.stream(prompts[index]):
+            if not tokens:
+                ttft[index] = time.perf_counter() - asked
+            tokens.append(token)
+        return tokens
 
-    start = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(concurrency)))
-    seconds = time.perf_counter() - start
-    return Run(seconds, sum(map(len, streams)), ttft, latency, streams)
+    done = await drain(stream, range(len(prompts)), concurrency)
+    return Run(done.seconds, sum(map(len, done.results)), ttft, done.latencies, done.results)
 
 
 def make_proxy(
@@ -275,8 +271,8 @@ def table(summaries: Sequence[dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    quick, output = quick_run_arguments("generation", __doc__, argv)
-    config = QUICK if quick else FULL
+    cli = arguments("generation", __doc__, argv)
+    config = QUICK if cli.quick else FULL
     import transformers
 
     env = environment(
@@ -284,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch_threads=torch.get_num_threads(),
         transformers=transformers.__version__,
     )
-    print(headline("generation: no batching, static and continuous batching", env, quick=quick))
+    print(headline("generation: no batching, static and continuous batching", env, quick=cli.quick))
     print()
     prompts = workload(config)
     runs, (single, full) = asyncio.run(measure(config, prompts))
@@ -307,12 +303,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "target: lower)"
     )
     tokens = [p.max_new_tokens for p in prompts]
-    write_json(
-        output,
-        {
-            "environment": env,
-            "quick": quick,
-            "config": asdict(config),
+    write_report(
+        cli.output,
+        env,
+        quick=cli.quick,
+        config=asdict(config),
+        targets={"continuous_over_static_tokens_per_s": TARGET_RATIO},
+        results={
             "workload": {
                 "new_tokens": sum(tokens),
                 "new_tokens_median": statistics.median(tokens),
@@ -320,7 +317,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "prompt_tokens": sum(len(p.ids) for p in prompts),
             },
             "decode_step_ms": {"1": single * 1e3, str(config.batch_size): full * 1e3},
-            "targets": {"continuous_over_static_tokens_per_s": TARGET_RATIO},
             "continuous_over_static_tokens_per_s": ratio,
             "continuous_over_no_batching_tokens_per_s": versus_none,
             "static_over_continuous_ttft_p99": ttft_ratio,

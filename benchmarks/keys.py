@@ -29,9 +29,10 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from _report import environment, headline, quick_run_arguments, write_json
+from _report import arguments, environment, headline, no_targets, write_report
 
 import batchproxy
+from batchproxy import simulation
 
 CALLERS = 64  # per adapter
 ADAPTERS = ("lora-a", "lora-b")
@@ -60,22 +61,20 @@ class AdapterModel(batchproxy.Proxy[int, Any]):
 Call = Callable[[str, int], Awaitable[Any]]
 
 
-async def closed_loop(call: Call, seconds: float) -> tuple[float, list[float]]:
-    """CALLERS callers per adapter, calling again when answered: (requests/s, latencies)."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + seconds
-    latencies: list[float] = []
+async def closed_loop(call: Call, seconds: float) -> simulation.Trace:
+    """CALLERS callers per adapter, their calls interleaved, each calling again as soon as
+    answered (`simulation.closed_loop` on the real clock); every answer checked."""
 
-    async def caller(adapter: str, i: int) -> None:
-        while loop.time() < end:
-            start = time.perf_counter()
-            answer = await call(adapter, i)
-            assert answer == (adapter, i)
-            latencies.append(time.perf_counter() - start)
+    async def checked(who: int) -> None:
+        adapter, i = ADAPTERS[who % len(ADAPTERS)], who // len(ADAPTERS)
+        answer = await call(adapter, i)
+        if answer != (adapter, i):
+            raise AssertionError(f"{adapter} caller {i} got {answer!r}")
 
-    started = loop.time()
-    await asyncio.gather(*(caller(a, i) for i in range(CALLERS) for a in ADAPTERS))
-    return len(latencies) / (loop.time() - started), latencies
+    trace = await simulation.closed_loop(checked, CALLERS * len(ADAPTERS), seconds)
+    if trace.failed:
+        raise SystemExit(f"{trace.failed} of {trace.issued} calls failed or got a wrong answer")
+    return trace
 
 
 async def side(name: str, seconds: float) -> dict[str, Any]:
@@ -104,17 +103,17 @@ async def side(name: str, seconds: float) -> dict[str, Any]:
         def call(adapter: str, i: int) -> Awaitable[Any]:
             return single[adapter].inference(i)
 
-    rate, latencies = await closed_loop(call, seconds)
+    trace = await closed_loop(call, seconds)
     batches = sum(p.stats.batches for p in proxies)
     items = sum(p.stats.items for p in proxies)
     for proxy in proxies:
         await proxy.aclose()
     if not name.startswith("key="):
         thread.close()
-    cuts = statistics.quantiles(latencies, n=100)
+    cuts = statistics.quantiles(trace.latencies, n=100)
     return {
         "side": name,
-        "requests_per_s": rate,
+        "requests_per_s": trace.throughput,
         "p50_ms": cuts[49] * 1e3,
         "p99_ms": cuts[98] * 1e3,
         "mean_batch": items / batches,
@@ -125,10 +124,10 @@ SIDES = ("key=", "key=, 2 slots", "a proxy per adapter", "one call per request")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    quick, output = quick_run_arguments("keys", __doc__, argv)
-    seconds, repetitions = (1.0, 1) if quick else (3.0, 5)
-    env = environment(seconds=seconds, repetitions=repetitions)
-    print(headline("Batches by key", env, quick=quick))
+    cli = arguments("keys", __doc__, argv)
+    seconds, repetitions = (1.0, 1) if cli.quick else (3.0, 5)
+    env = environment()
+    print(headline("Batches by key", env, quick=cli.quick))
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SIDES}
     for _ in range(repetitions):  # interleaved: the machine's drift hits every side
         for name in SIDES:
@@ -149,7 +148,21 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{row['requests_per_s'] / base:.2f}x | {row['p50_ms']:.1f} ms | "
             f"{row['p99_ms']:.1f} ms | {row['mean_batch']:.1f} |"
         )
-    write_json(output, {"environment": env, "rows": rows, "runs": runs})
+    write_report(
+        cli.output,
+        env,
+        quick=cli.quick,
+        config={
+            "seconds": seconds,
+            "repetitions": repetitions,
+            "callers_per_adapter": CALLERS,
+            "adapters": list(ADAPTERS),
+            "model_seconds": [FIXED, PER_ITEM],
+            "batch_size": 64,
+        },
+        targets=no_targets("a comparison of ways to keep adapters apart: ratios, no pass mark"),
+        results={"rows": rows, "runs": runs},
+    )
 
 
 if __name__ == "__main__":

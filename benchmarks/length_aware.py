@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import statistics
 import sys
 import time
@@ -43,7 +44,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import torch
-from _report import RESULTS, environment, write_json
+from _load import drain
+from _report import arguments, environment, headline, write_report
 from minilm import MiniLMEmbedder, embed, load_minilm, reference_embedding
 from sample_text import MAX_WORDS, MIN_WORDS, make_sentences  # sets HF_HUB_OFFLINE
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -155,33 +157,21 @@ async def run_once(
         name=variant.label,
         **variant.options,
     )
-    results: list[torch.Tensor | None] = [None] * len(sentences)
-    latencies: list[float] = []
-    pending = iter(range(len(sentences)))  # shared: each caller takes the next sentence
-
-    async def caller() -> None:
-        for index in pending:
-            t0 = time.perf_counter()
-            results[index] = await embed(proxy, sentences[index])
-            latencies.append((time.perf_counter() - t0) * 1e3)
-
     async with proxy:
-        started = time.perf_counter()
-        await asyncio.gather(*(caller() for _ in range(min(concurrency, len(sentences)))))
-        seconds = time.perf_counter() - started
+        run = await drain(functools.partial(embed, proxy), sentences, concurrency)
         stats = proxy.stats
     if stats.succeeded != len(sentences) or sum(b.size for b in batches) != len(sentences):
         raise SystemExit(f"{variant.label}: {stats.succeeded} of {len(sentences)} answered")
     max_diff = 0.0
     if references is not None:
-        for index, (got, want) in enumerate(zip(results, references, strict=True)):
-            if got is None or got.shape != want.shape:
+        for index, (got, want) in enumerate(zip(run.results, references, strict=True)):
+            if got.shape != want.shape:
                 raise SystemExit(f"{variant.label}: sentence {index} got {got!r}")
             max_diff = max(max_diff, float((got - want).abs().max()))
     return Run(
-        seconds=seconds,
-        throughput=len(sentences) / seconds,
-        latencies_ms=latencies,
+        seconds=run.seconds,
+        throughput=len(sentences) / run.seconds,
+        latencies_ms=[seconds * 1e3 for seconds in run.latencies],
         batches=batches,
         max_abs_diff=max_diff,
         stats_padding_waste=getattr(stats, "padding_waste", None),
@@ -278,35 +268,26 @@ def table(summaries: Sequence[dict[str, Any]], config: Config) -> tuple[str, flo
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="a fast smoke run (noisy numbers)")
-    parser.add_argument(
-        "--max-batch-tokens",
-        type=int,
-        default=None,
-        help="also run length-aware batching with this token budget (batch x longest)",
-    )
-    parser.add_argument(
-        "--output",
-        type=Path,
-        default=None,
-        help="where to write the JSON results (default: benchmarks/results/length_aware.json, "
-        "or length_aware-quick.json with --quick)",
-    )
-    args = parser.parse_args(argv)
-    config = QUICK if args.quick else FULL
-    output: Path = args.output or RESULTS / (
-        "length_aware-quick.json" if args.quick else "length_aware.json"
-    )
+    def max_batch_tokens(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--max-batch-tokens",
+            type=int,
+            default=None,
+            help="also run length-aware batching with this token budget (batch x longest)",
+        )
+
+    cli = arguments("length_aware", (__doc__ or "").splitlines()[0], argv, extra=max_batch_tokens)
+    budget: int | None = cli.args.max_batch_tokens
+    config = QUICK if cli.quick else FULL
     variants = [
         Variant("FIFO", {"length_aware": False}),
         Variant("length-aware", {"length_aware": True}),
     ]
-    if args.max_batch_tokens is not None:
+    if budget is not None:
         variants.append(
             Variant(
-                f"length-aware, max_batch_tokens={args.max_batch_tokens}",
-                {"length_aware": True, "max_batch_tokens": args.max_batch_tokens},
+                f"length-aware, max_batch_tokens={budget}",
+                {"length_aware": True, "max_batch_tokens": budget},
             )
         )
 
@@ -317,28 +298,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch_threads=torch.get_num_threads(),
         transformers=transformers.__version__,
     )
-    print(
-        f"batchproxy {env['batchproxy']} length-aware batching, all-MiniLM-L6-v2, {env['date']}, "
-        f"Python {env['python']}, torch {env['torch']} ({env['torch_threads']} threads), "
-        f"{env['cpus']} CPUs, {env['platform']}"
-        + (" (--quick: smoke run, numbers are noisy)" if args.quick else "")
-    )
+    print(headline("length-aware batching, all-MiniLM-L6-v2", env, quick=cli.quick))
+    print(f"torch {env['torch']} ({env['torch_threads']} threads)")
     print()
     sides, reference_seconds = asyncio.run(measure(config, variants))
     summaries = [summary(side) for side in sides]
     text, ratio = table(summaries, config)
     print(text)
 
-    document = {
-        "environment": env,
-        "quick": args.quick,
-        "config": {**asdict(config), "batch_size": BATCH_SIZE, "offload": True},
-        "targets": {"throughput_ratio": TARGET_RATIO, "max_abs_diff": TOLERANCE},
-        "throughput_ratio": ratio,
-        "reference_seconds": reference_seconds,
-        "sides": summaries,
-    }
-    write_json(output, document)
+    write_report(
+        cli.output,
+        env,
+        quick=cli.quick,
+        config={
+            **asdict(config),
+            "batch_size": BATCH_SIZE,
+            "offload": True,
+            "max_batch_tokens": budget,
+        },
+        targets={"throughput_ratio": TARGET_RATIO, "max_abs_diff": TOLERANCE},
+        results={
+            "throughput_ratio": ratio,
+            "reference_seconds": reference_seconds,
+            "sides": summaries,
+        },
+    )
     return 0
 
 

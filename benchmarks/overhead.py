@@ -33,7 +33,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from _report import environment, headline, quick_run_arguments, write_json
+from _report import arguments, environment, headline, write_report
 from typing_extensions import override
 
 from batchproxy import Percentiles, Proxy
@@ -269,25 +269,24 @@ async def run(config: Config) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    quick, output = quick_run_arguments("overhead", (__doc__ or "").splitlines()[0], argv)
-    config = QUICK if quick else FULL
+    cli = arguments("overhead", (__doc__ or "").splitlines()[0], argv)
+    config = QUICK if cli.quick else FULL
     env = environment()
-    print(headline("overhead", env, quick=quick))
+    print(headline("overhead", env, quick=cli.quick))
     print()
     results = asyncio.run(run(config))
     print(table(results["cpu"], results["idle"], results["busy"]))
-
-    document = {
-        "environment": env,
-        "quick": quick,
-        "config": asdict(config),
-        "targets": {
+    write_report(
+        cli.output,
+        env,
+        quick=cli.quick,
+        config=asdict(config),
+        targets={
             "added_cpu_us_per_request": TARGET_ADDED_CPU_US,
             "idle_added_latency_p50_ms": TARGET_IDLE_P50_MS,
         },
-        **{name: asdict(result) for name, result in results.items()},
-    }
-    write_json(output, document)
+        results={name: asdict(result) for name, result in results.items()},
+    )
     return 0
 
 

@@ -1,7 +1,7 @@
 """Scale: 100,000 distinct tenants, batch keys and dedup keys in one burst.
 
 Run: `python benchmarks/scale.py` (or `make bench-scale`); `--quick` for 10,000.
-Prints a Markdown table.
+Prints a Markdown table and writes the numbers as JSON to `benchmarks/results/`.
 
 Each side queues `N` calls at once on a proxy whose model answers at once
 (`batch_size=64`, one batch slot), every call distinct in one dimension: its
@@ -20,15 +20,21 @@ Time is measured with tracemalloc on, which slows every side alike.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import sys
 import time
 import tracemalloc
+from collections.abc import Sequence
 from typing import Any
 
+from _report import arguments, environment, headline, no_targets, write_report
+
 import batchproxy
+
+BATCH_SIZE = 64
+MAX_DELAY_MS = 1.0
+SIDES = ("nothing (plain)", "tenants", "keys", "dedup keys")
 
 
 class Echo(batchproxy.Proxy[int, int]):
@@ -39,7 +45,7 @@ class Echo(batchproxy.Proxy[int, int]):
 async def side(name: str, n: int) -> tuple[float, int]:
     """(seconds per call, batches)."""
     options: dict[str, Any] = {"dedup": True} if name == "dedup keys" else {}
-    proxy = Echo(batch_size=64, max_delay_ms=1.0, **options)
+    proxy = Echo(batch_size=BATCH_SIZE, max_delay_ms=MAX_DELAY_MS, **options)
     start = time.perf_counter()
     async with proxy:
         if name == "tenants":
@@ -73,27 +79,50 @@ def burst(name: str, n: int) -> tuple[float, int, int]:
     return per_call, batches, tracemalloc.get_traced_memory()[0] - before
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="10,000 calls a side")
-    n = 10_000 if parser.parse_args().quick else 100_000
-    print(f"{n:,} calls queued at once, batch_size=64, a model that answers at once\n")
+def main(argv: Sequence[str] | None = None) -> int:
+    cli = arguments("scale", (__doc__ or "").splitlines()[0], argv)
+    n = 10_000 if cli.quick else 100_000
+    env = environment()
+    print(headline("scale", env, quick=cli.quick))
+    print(f"\n{n:,} calls queued at once, batch_size={BATCH_SIZE}, a model that answers at once\n")
     print("| distinct | per place | batches | memory after the drain | a second burst adds |")
     print("|---|---:|---:|---:|---:|")
     # a warm-up: asyncio's set of all tasks keeps the table it grew to for n tasks
     asyncio.run(side("nothing (plain)", n))
     tables = [("after the warm-up", task_table())]
-    for name in ("nothing (plain)", "tenants", "keys", "dedup keys"):
+    rows = []
+    for name in SIDES:
         tracemalloc.start()
         per_call, batches, left = burst(name, n)
         again = burst(name, n)[2]
         tracemalloc.stop()
         tables.append((f"after {name}", task_table()))
+        rows.append(
+            {
+                "distinct": name,
+                "per_call_us": per_call * 1e6,
+                "batches": batches,
+                "bytes_after_drain": left,
+                "bytes_second_burst": again,
+            }
+        )
         print(f"| {name} | {per_call * 1e6:.1f} µs | {batches:,} | {left:+,} B | {again:+,} B |")
     if tables[0][1] is not None:
         sizes = ", ".join(f"{size:,} B {when}" for when, size in tables)
         print(f"\nasyncio's set of all tasks, its table (empty each time): {sizes}")
+    write_report(
+        cli.output,
+        env,
+        quick=cli.quick,
+        config={"calls": n, "batch_size": BATCH_SIZE, "max_delay_ms": MAX_DELAY_MS},
+        targets=no_targets("time and memory per distinct place, read off the table: no pass mark"),
+        results={
+            "rows": rows,
+            "task_table_bytes": [{"when": when, "bytes": size} for when, size in tables],
+        },
+    )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

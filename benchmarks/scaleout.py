@@ -71,7 +71,7 @@ from typing import TYPE_CHECKING, Any
 import _gil_model
 import _step_load
 import numpy as np
-from _report import environment, headline, run_arguments, write_json
+from _report import arguments, environment, headline, no_targets, write_report
 from overhead import identity
 from typing_extensions import override
 
@@ -638,24 +638,31 @@ def autoscale(quick: bool, output: Path) -> int:
     print()
     results = _step_load.run(config, ray)
     print(_step_load.report(config, results))
-    write_json(output, {"environment": env, "quick": quick, **_step_load.document(config, results)})
+    write_report(
+        output,
+        env,
+        quick=quick,
+        config=asdict(config),
+        targets=no_targets("a trace of the autoscaler under a step load: no pass mark"),
+        results=_step_load.document(config, results),
+    )
     _step_load.plot(config, results, output.with_suffix(".png"))
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    quick, autoscaling, output = run_arguments(
+    cli = arguments(
         "scaleout",
         (__doc__ or "").splitlines()[0],
         argv,
-        ("autoscale", "section 3 alone: an autoscaled Ray pool under a step load"),
+        mode=("autoscale", "section 3 alone: an autoscaled Ray pool under a step load"),
     )
-    if autoscaling:
-        return autoscale(quick, output)
-    config = QUICK if quick else FULL
+    if cli.mode:
+        return autoscale(cli.quick, cli.output)
+    config = QUICK if cli.quick else FULL
     ray = import_ray()
     env = environment(numpy=np.__version__, ray=None if ray is None else ray.__version__)
-    print(headline("scaleout", env, quick=quick))
+    print(headline("scaleout", env, quick=cli.quick))
     print()
     machine = measure_machine(config)
     try:
@@ -664,25 +671,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ray is not None:
             ray.shutdown()
     print(report(machine, results, config))
-
-    document = {
-        "environment": env,
-        "quick": quick,
-        "config": asdict(config),
-        "workload": {
-            "callers": CALLERS,
-            "batch_size": BATCH_SIZE,
-            "workers": WORKERS,
-            "work_per_item": _gil_model.WORK,
-            "payload_mb_each_way": PAYLOAD_MB,
+    write_report(
+        cli.output,
+        env,
+        quick=cli.quick,
+        config=asdict(config),
+        targets={"processes_vs_one_thread": TARGET_PROCESSES_VS_THREAD},
+        results={
+            "workload": {
+                "callers": CALLERS,
+                "batch_size": BATCH_SIZE,
+                "workers": WORKERS,
+                "work_per_item": _gil_model.WORK,
+                "payload_mb_each_way": PAYLOAD_MB,
+            },
+            "ray_skipped": ray is None,
+            "machine": asdict(machine),
+            **{name: [asdict(r) for r in results[name]] for name in ("throughput", "dispatch")},
+            "payload": [asdict(r) for r in results["payload"]],
         },
-        "targets": {"processes_vs_one_thread": TARGET_PROCESSES_VS_THREAD},
-        "ray_skipped": ray is None,
-        "machine": asdict(machine),
-        **{name: [asdict(r) for r in results[name]] for name in ("throughput", "dispatch")},
-        "payload": [asdict(r) for r in results["payload"]],
-    }
-    write_json(output, document)
+    )
     return 0
 
 

@@ -55,7 +55,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from _report import environment, headline, quick_run_arguments, write_json
+from _report import arguments, environment, headline, write_report
 from overhead import CALLERS, Identity, cpu_per_request, direct, identity
 from typing_extensions import Self, override
 
@@ -697,35 +697,36 @@ def run(config: Config) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    quick, output = quick_run_arguments("scheduling", (__doc__ or "").splitlines()[0], argv)
-    config = QUICK if quick else FULL
+    cli = arguments("scheduling", (__doc__ or "").splitlines()[0], argv)
+    config = QUICK if cli.quick else FULL
     env = environment()
-    print(headline("scheduling", env, quick=quick))
+    print(headline("scheduling", env, quick=cli.quick))
     print()
     results = run(config)
     print(report(results, config))
-
-    document = {
-        "environment": env,
-        "quick": quick,
-        "config": asdict(config),
-        "targets": {
+    write_report(
+        cli.output,
+        env,
+        quick=cli.quick,
+        config=asdict(config),
+        targets={
             "adaptive_throughput_vs_best_fixed": TARGET_THROUGHPUT_VS_BEST,
             "adaptive_p99_vs_best_fixed": 1.0,
             "closed_loop_share_of_ideal": TARGET_CLOSED_SHARE,
             "defaults_cpu_vs_no_window_batcher": TARGET_MINIMAL_RATIO,
             "idle_added_p50_vs_no_window_batcher": TARGET_IDLE_FLOOR_RATIO,
         },
-        "sweep": {
-            setup.key: {
-                "capacity": setup.capacity,
-                "loads": [asdict(load) for load in results["sweep"][setup.key]],
-            }
-            for setup in SETUPS
+        results={
+            "sweep": {
+                setup.key: {
+                    "capacity": setup.capacity,
+                    "loads": [asdict(load) for load in results["sweep"][setup.key]],
+                }
+                for setup in SETUPS
+            },
+            **{name: [asdict(r) for r in results[name]] for name in ("closed", "cpu", "idle")},
         },
-        **{name: [asdict(r) for r in results[name]] for name in ("closed", "cpu", "idle")},
-    }
-    write_json(output, document)
+    )
     return 0
 
 

@@ -63,7 +63,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from _report import environment, headline, run_arguments, write_json
+from _report import arguments, environment, headline, write_report
 from typing_extensions import override
 
 import batchproxy
@@ -530,12 +530,12 @@ def census_row(label: str, result: Result, name: str, bound: int | None = None) 
 
 
 def to_json(result: Result) -> dict[str, Any]:
+    """The results as the JSON document has them (beside its `config`,
+    `asdict(result.config)`, and its `targets`, the RSS growth's)."""
     return {
-        "config": asdict(result.config),
         "seconds": result.seconds,
         "requests_per_second": result.config.requests / result.seconds,
         "rss_growth_mb": result.rss_growth_mb,
-        "target_rss_growth_mb": TARGET_RSS_GROWTH_MB,
         "tally": asdict(result.tally),
         "stats": result.stats,
         "agreement": result.agreement(),
@@ -552,24 +552,33 @@ def to_json(result: Result) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    quick, deadlines, output = run_arguments(
+    cli = arguments(
         "soak",
         (__doc__ or "").splitlines()[0],
         argv,
-        ("deadlines", "every call with a deadline, the queue never empty (issue 16)"),
+        mode=("deadlines", "every call with a deadline, the queue never empty (issue 16)"),
     )
-    full, short = (STEADY, STEADY_QUICK) if deadlines else (FULL, QUICK)
-    config = short if quick else full
-    name = "soak-deadlines" if deadlines else "soak"
+    full, short = (STEADY, STEADY_QUICK) if cli.mode else (FULL, QUICK)
+    config = short if cli.quick else full
+    name = "soak-deadlines" if cli.mode else "soak"
     env = environment()
-    print(headline(name, env, quick=quick))
+    print(headline(name, env, quick=cli.quick))
     print()
     result = asyncio.run(soak(config, progress=True))
     text = markdown(result)
     print(text)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.with_suffix(".md").write_text(headline(name, env, quick=quick) + "\n\n" + text + "\n")
-    write_json(output, {"environment": env, "quick": quick, **to_json(result)})
+    cli.output.parent.mkdir(parents=True, exist_ok=True)
+    cli.output.with_suffix(".md").write_text(
+        headline(name, env, quick=cli.quick) + "\n\n" + text + "\n"
+    )
+    write_report(
+        cli.output,
+        env,
+        quick=cli.quick,
+        config=asdict(result.config),
+        targets={"rss_growth_mb": TARGET_RSS_GROWTH_MB},
+        results=to_json(result),
+    )
     return 0
 
 

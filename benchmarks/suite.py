@@ -34,19 +34,19 @@ shared and noisy, the ratios are what carries over.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import concurrent.futures
 import importlib.util
 import statistics
 import sys
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from _report import RESULTS, environment, write_json
+from _load import drain
+from _report import arguments, environment, headline, no_targets, write_report
 
 import batchproxy
 
@@ -170,6 +170,7 @@ async def idle_latency(make: Callable[[BatchFn, int], Batcher], calls: int) -> d
 # -- 3. simulated accelerator -------------------------------------------------------
 
 A_S, B_S, SIM_BATCH = 0.010, 0.0002, 64
+CALLERS = 150  # closed-loop callers, here and on the real model
 
 
 async def accelerator(items: list[Any]) -> list[Any]:
@@ -177,27 +178,17 @@ async def accelerator(items: list[Any]) -> list[Any]:
     return items
 
 
-async def closed_loop(call: Callable[[Any], Awaitable[Any]], callers: int, each: int) -> float:
-    """Requests per second with `callers` callers each making `each` calls in turn."""
-
-    async def caller() -> None:
-        for i in range(each):
-            await call(i)
-
-    start = time.perf_counter()
-    await asyncio.gather(*(caller() for _ in range(callers)))
-    return callers * each / (time.perf_counter() - start)
-
-
 async def accelerator_share(make: Callable[[BatchFn, int], Batcher], each: int) -> float:
+    """Throughput as a share of the ideal with CALLERS closed-loop callers making `each`
+    calls apiece (in all: each takes the next call as soon as answered)."""
     batcher = make(accelerator, SIM_BATCH)
     try:
-        await closed_loop(batcher.call, 150, 2)
-        rate = await closed_loop(batcher.call, 150, each)
+        await drain(batcher.call, range(CALLERS * 2), CALLERS)  # warm-up
+        run = await drain(batcher.call, range(CALLERS * each), CALLERS)
     finally:
         await batcher.close()
     ideal = SIM_BATCH / (A_S + B_S * SIM_BATCH)
-    return rate / ideal
+    return CALLERS * each / run.seconds / ideal
 
 
 # -- 4. real model --------------------------------------------------------------------
@@ -229,29 +220,18 @@ async def real_model(sentences: list[str], makes: list[Any]) -> dict[str, dict[s
     reference = {s: forward([s])[0] for s in sentences[:20]}
 
     async def drive(name: str, call: Callable[[str], Awaitable[Any]]) -> dict[str, float]:
-        queue = list(sentences)
-        latencies: list[float] = []
-        worst = 0.0
-
-        async def caller() -> None:
-            nonlocal worst
-            while queue:
-                text = queue.pop()
-                start = time.perf_counter()
-                vector = np.asarray(await call(text))
-                latencies.append(time.perf_counter() - start)
-                if text in reference:
-                    worst = max(worst, float(np.abs(vector - reference[text]).max()))
-
         await asyncio.gather(*(call(s) for s in sentences[:32]))  # warm-up
-        start = time.perf_counter()
-        await asyncio.gather(*(caller() for _ in range(150)))
-        wall = time.perf_counter() - start
-        latencies.sort()
-        print(f"  real model, {name}: {wall:.2f} s", file=sys.stderr)
+        run = await drain(call, sentences, CALLERS)
+        worst = max(
+            float(np.abs(np.asarray(vector) - reference[text]).max())
+            for text, vector in zip(sentences, run.results, strict=True)
+            if text in reference
+        )
+        latencies = sorted(run.latencies)
+        print(f"  real model, {name}: {run.seconds:.2f} s", file=sys.stderr)
         return {
-            "wall_s": wall,
-            "throughput": len(sentences) / wall,
+            "wall_s": run.seconds,
+            "throughput": len(sentences) / run.seconds,
             "p50_ms": latencies[len(latencies) // 2] * 1e3,
             "p99_ms": latencies[int(len(latencies) * 0.99) - 1] * 1e3,
             "max_abs_diff": worst,
@@ -277,18 +257,35 @@ async def real_model(sentences: list[str], makes: list[Any]) -> dict[str, dict[s
 # -- the run --------------------------------------------------------------------------
 
 
-async def run(quick: bool) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Config:
+    overhead_rounds: int
+    overhead_repetitions: int
+    idle_calls: int
+    accelerator_calls_per_caller: int
+    sentences: int
+
+
+FULL = Config(10, 7, 500, 20, 300)
+QUICK = Config(3, 3, 100, 4, 90)
+
+
+async def run(config: Config) -> dict[str, Any]:
     makes = peers()
     results: dict[str, Any] = {"overhead_us": {}, "idle": {}, "accelerator_share": {}}
     for make in makes:
         name = make(identity, 1).name
         print(f"{name}: overhead, idle latency, simulated accelerator", file=sys.stderr)
-        results["overhead_us"][name] = await overhead(make, 3 if quick else 10, 3 if quick else 7)
-        results["idle"][name] = await idle_latency(make, 100 if quick else 500)
-        results["accelerator_share"][name] = await accelerator_share(make, 4 if quick else 20)
+        results["overhead_us"][name] = await overhead(
+            make, config.overhead_rounds, config.overhead_repetitions
+        )
+        results["idle"][name] = await idle_latency(make, config.idle_calls)
+        results["accelerator_share"][name] = await accelerator_share(
+            make, config.accelerator_calls_per_caller
+        )
     from sample_text import make_sentences
 
-    results["real_model"] = await real_model(make_sentences(90 if quick else 300), makes)
+    results["real_model"] = await real_model(make_sentences(config.sentences), makes)
     return results
 
 
@@ -359,22 +356,30 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="a fast smoke run (noisy numbers)")
-    parser.add_argument("--output-dir", type=Path, default=RESULTS)
-    args = parser.parse_args()
-    results = asyncio.run(run(args.quick))
+def main(argv: Sequence[str] | None = None) -> int:
+    cli = arguments("suite", (__doc__ or "").splitlines()[0], argv)
+    config = QUICK if cli.quick else FULL
+    results = asyncio.run(run(config))
     env = environment(peers=[make(identity, 1).name for make in peers()])
     text = markdown(results)
-    print(f"batchproxy suite, {env['date']}, Python {env['python']}, {env['cpus']} CPUs\n")
+    print(headline("suite", env, quick=cli.quick) + "\n")
     print(text)
-    stem = "suite-quick" if args.quick else "suite"
-    (args.output_dir).mkdir(parents=True, exist_ok=True)
-    (args.output_dir / f"{stem}.md").write_text(text + "\n")
-    plot(results, args.output_dir / f"{stem}.png")
-    write_json(
-        args.output_dir / f"{stem}.json", {"environment": env, "quick": args.quick, **results}
+    cli.output.parent.mkdir(parents=True, exist_ok=True)
+    cli.output.with_suffix(".md").write_text(text + "\n")
+    plot(results, cli.output.with_suffix(".png"))
+    write_report(
+        cli.output,
+        env,
+        quick=cli.quick,
+        config={
+            **asdict(config),
+            "delay_ms": DELAY_MS,
+            "callers": CALLERS,
+            "accelerator_batch_size": SIM_BATCH,
+            "accelerator_seconds": [A_S, B_S],
+        },
+        targets=no_targets("a side-by-side comparison with the peers: ratios, no pass mark"),
+        results=results,
     )
     return 0
 
