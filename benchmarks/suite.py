@@ -107,9 +107,19 @@ def peers() -> list[Callable[[BatchFn, int], Batcher]]:
     found = [with_batchproxy]
     if importlib.util.find_spec("batched"):
         found.append(with_batched)
-    if importlib.util.find_spec("ray") and importlib.util.find_spec("ray.serve"):
+    if importlib.util.find_spec("ray") and _importable("ray.serve.batching"):
         found.append(with_ray)
     return found
+
+
+def _importable(module: str) -> bool:
+    """Whether `module` imports: Ray without its `serve` extra has `ray.serve`, which
+    raises on import (it needs grpc)."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
 
 
 # -- 1. overhead -----------------------------------------------------------------
