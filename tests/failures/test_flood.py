@@ -293,7 +293,7 @@ async def test_aclose_mid_flood_drains_the_accepted_and_refuses_the_rest(
 
 # -- SIGTERM to a uvicorn-served app mid-flood -----------------------------------------------
 
-SERVER = Path(__file__).resolve().parent / "_flood_server.py"
+SERVER = Path(__file__).resolve().parents[1] / "_flood_server.py"
 BURST = 3_000  # concurrent requests fired at once
 TRICKLE_EVERY = 0.01  # seconds between the requests sent after the signal, until the exit
 HTTP_TIMEOUT = 20.0
