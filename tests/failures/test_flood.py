@@ -1,4 +1,5 @@
-"""A flood of callers against a bounded queue (DESIGN §2.7), and shutdown under it (§2.9).
+"""A flood of callers against a bounded queue, and shutdown under it: guarantees 7
+(`QueueFull` immediately) and 9 (`aclose()` runs every accepted call) of docs/failures.md.
 
 - 20,000 callers arrive at once at a proxy with `max_queue_size=256` whose model
   takes 10 ms (virtual) per batch: the rejected ones get `QueueFull` at virtual
