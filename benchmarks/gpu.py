@@ -3,9 +3,10 @@
 Sections, in this order (each writes its part of `gpu.json` as soon as it ends, so a
 run cut short still leaves what it measured):
 
-- `tests`: the CUDA tests (tests/test_cuda.py, with test_overlap.py and
-  test_tensor_proxy.py) under pytest: the device thread and its stream, round
-  trips, overlap, a real out-of-memory batch, captured graphs;
+- `tests`: the CUDA tests (tests/tensors/test_cuda.py, with
+  tests/executors/test_overlap.py and tests/tensors/test_tensor_proxy.py) under pytest:
+  the device thread and its stream, round trips, overlap, a real out-of-memory batch,
+  captured graphs;
 - `http` (`_gpu_http.py`): BERT-base and BERT-large classification over HTTP
   (the examples' FastAPI app, `examples/bert_app.py`), the regular way against
   the batched way at 1, 5, 100 and 150 clients, beside the HTTP floor and the
@@ -47,7 +48,11 @@ sys.path[:0] = [str(BENCHMARKS), str(ROOT / "examples"), str(ROOT)]
 
 SECTIONS = ("tests", "http", "generation", "graphs")
 MODULES = {"http": "_gpu_http", "generation": "_gpu_generation", "graphs": "_gpu_graphs"}
-CUDA_TESTS = ("tests/test_cuda.py", "tests/test_overlap.py", "tests/test_tensor_proxy.py")
+CUDA_TESTS = (
+    "tests/tensors/test_cuda.py",
+    "tests/executors/test_overlap.py",
+    "tests/tensors/test_tensor_proxy.py",
+)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -2,8 +2,8 @@
 
 Run: `python benchmarks/soak.py` (or `make bench-soak`); `--quick` for a smoke run
 of 20,000 requests. Prints a Markdown table and writes `benchmarks/results/soak.json`
-and `soak.md` (`soak-quick.*` with `--quick`). `tests/test_soak.py` runs the same
-code on 20,000 requests and asserts the accounting and the absence of leaks.
+and `soak.md` (`soak-quick.*` with `--quick`). `tests/failures/test_soak.py` runs the
+same code on 20,000 requests and asserts the accounting and the absence of leaks.
 
 The load: `concurrency` callers at once (1,000), each making one call after
 another, every call a task of its own (`proxy.inference(job)`, so that it can be

@@ -1,5 +1,6 @@
-"""The machinery of tests/test_combinations.py: a drawn configuration, a drawn program
-of calls, the models that answer with what they were given, one runner and one oracle.
+"""The machinery of tests/failures/test_combinations.py: a drawn configuration, a drawn
+program of calls, the models that answer with what they were given, one runner and one
+oracle.
 
 Every model result carries what it was computed from: `("out", item, key, tag)`, the
 item, the batch key the model saw (`batch_key()`) and the per-batch argument `tag`

@@ -29,28 +29,29 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 
 FULL_SUITE_ONLY = {
-    "test_bert_app.py": "torch, transformers, a server",
-    "test_causal_padding.py": "torch, transformers",
-    "test_cuda.py": "torch",
-    "test_demo.py": "the demo's model and server",
-    "test_docs.py": "the guides' examples: FastAPI, torch",
-    "test_examples_tensors.py": "torch, transformers",
-    "test_fuzz.py": "torch",
-    "test_generation_example.py": "torch, transformers, a server",
-    "test_gpu_sections.py": "torch, transformers",
-    "test_integration_aiohttp.py": "aiohttp",
-    "test_integration_fastapi.py": "a server",
-    "test_otel.py": "a server, the OpenTelemetry SDK",
-    "test_overlap.py": "torch",
-    "test_pipeline_examples.py": "torch, transformers",
-    "test_prometheus.py": "prometheus-client",
-    "test_ray.py": "Ray",
-    "test_ray_cluster.py": "Ray",
-    "test_readme_service.py": "a server",
-    "test_servers.py": "servers, torch",
-    "test_tensor_proxy.py": "torch",
+    "docs/test_bert_app.py": "torch, transformers, a server",
+    "docs/test_demo.py": "the demo's model and server",
+    "docs/test_docs.py": "the guides' examples: FastAPI, torch",
+    "docs/test_examples_pipeline.py": "torch, transformers",
+    "docs/test_examples_tensors.py": "torch, transformers",
+    "docs/test_readme_service.py": "a server",
+    "executors/test_overlap.py": "torch",
+    "executors/test_ray.py": "Ray",
+    "executors/test_ray_cluster.py": "Ray",
+    "failures/test_fuzz.py": "torch",
+    "integrations/test_aiohttp.py": "aiohttp",
+    "integrations/test_fastapi.py": "a server",
+    "integrations/test_otel.py": "a server, the OpenTelemetry SDK",
+    "integrations/test_prometheus.py": "prometheus-client",
+    "integrations/test_servers.py": "servers, torch",
+    "streaming/test_generation_example.py": "torch, transformers, a server",
+    "tensors/test_causal_padding.py": "torch, transformers",
+    "tensors/test_cuda.py": "torch",
+    "tensors/test_gpu_sections.py": "torch, transformers",
+    "tensors/test_tensor_proxy.py": "torch",
 }
-"""Test files that need an extra throughout: run in the full suite only."""
+"""Test files that need an extra throughout, by their path in tests/: run in the full
+suite only."""
 
 EXTRAS = frozenset(
     {
@@ -94,7 +95,7 @@ class SuiteCheck:
         self.problems: list[str] = []
 
     def pytest_ignore_collect(self, collection_path: Path) -> bool | None:
-        if self.suite == "core" and collection_path.name in FULL_SUITE_ONLY:
+        if self.suite == "core" and _in_tests(collection_path) in FULL_SUITE_ONLY:
             return True
         return None
 
@@ -158,6 +159,14 @@ class SuiteCheck:
             write(f"  not collected (full suite only): {', '.join(sorted(FULL_SUITE_ONLY))}")
         for problem in self.problems:
             write(f"SUITE CHECK FAILED: {problem}", red=True)
+
+
+def _in_tests(path: Path) -> str | None:
+    """`path` relative to tests/, as FULL_SUITE_ONLY names it (None: not under tests/)."""
+    try:
+        return path.resolve().relative_to(TESTS).as_posix()
+    except ValueError:
+        return None
 
 
 def _reason(report: pytest.TestReport | pytest.CollectReport) -> str:

@@ -150,7 +150,7 @@ def test_the_version_is_written_in_one_place() -> None:
     """`batchproxy.__version__`; pyproject.toml reads it from there (hatchling's dynamic
     version), and the wheel's metadata carries it (`.ci/smoke.py` compares the two)."""
     assert re.fullmatch(r"\d+\.\d+\.\d+", batchproxy.__version__)
-    pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     assert re.search(r"^version\s*=", pyproject, re.MULTILINE) is None
     assert re.search(r'^dynamic = \["version"\]', pyproject, re.MULTILINE)
     assert '[tool.hatch.version]\npath = "batchproxy/__init__.py"' in pyproject

@@ -1,4 +1,9 @@
-"""Result handling: own results, positional calls, sync models, errors (DESIGN §2.1, 2.2, 2.4)."""
+"""Result handling: own results, positional calls, sync models, errors.
+
+Guarantees 1, 2 and 4 of docs/failures.md: every accepted call ends exactly once;
+caller i of a batch gets result i; an `Exception` returned in slot i fails caller i
+only, one raised fails every caller of the batch.
+"""
 
 from __future__ import annotations
 

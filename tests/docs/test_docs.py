@@ -16,7 +16,7 @@ import pytest
 
 import batchproxy
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 RUN_MARK = "<!-- run -->"
 FENCE = re.compile(

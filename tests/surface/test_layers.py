@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "batchproxy"
+PACKAGE = Path(__file__).resolve().parents[2] / "batchproxy"
 FOLDERS = ["_executors", "_loops", "_runs", "_scheduling", "tensors"]
 LONGEST = 500  # lines in one module
 

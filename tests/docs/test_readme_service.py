@@ -19,7 +19,7 @@ for _module in ("fastapi", "uvicorn", "httpx"):
 
 import httpx  # noqa: E402
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 MARK = "<!-- service: app.py -->"
 BLOCK = re.compile(re.escape(MARK) + r"\n```python\n(.*?)\n```\n", re.DOTALL)
 STARTUP_SECONDS = 30.0

@@ -202,7 +202,7 @@ def test_mypy_checks_calls_against_the_per_item_signature(tmp_path: Path) -> Non
         ],
         capture_output=True,
         text=True,
-        env={**os.environ, "MYPYPATH": str(Path(__file__).resolve().parent.parent)},
+        env={**os.environ, "MYPYPATH": str(Path(__file__).resolve().parents[2])},
         check=False,
     )
     out, status = run.stdout, run.returncode

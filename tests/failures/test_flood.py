@@ -1,4 +1,5 @@
-"""A flood of callers against a bounded queue (DESIGN §2.7), and shutdown under it (§2.9).
+"""A flood of callers against a bounded queue, and shutdown under it: guarantees 7
+(`QueueFull` immediately) and 9 (`aclose()` runs every accepted call) of docs/failures.md.
 
 - 20,000 callers arrive at once at a proxy with `max_queue_size=256` whose model
   takes 10 ms (virtual) per batch: the rejected ones get `QueueFull` at virtual
@@ -293,7 +294,7 @@ async def test_aclose_mid_flood_drains_the_accepted_and_refuses_the_rest(
 
 # -- SIGTERM to a uvicorn-served app mid-flood -----------------------------------------------
 
-SERVER = Path(__file__).resolve().parent / "_flood_server.py"
+SERVER = Path(__file__).resolve().parents[1] / "_flood_server.py"
 BURST = 3_000  # concurrent requests fired at once
 TRICKLE_EVERY = 0.01  # seconds between the requests sent after the signal, until the exit
 HTTP_TIMEOUT = 20.0

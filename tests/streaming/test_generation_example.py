@@ -31,7 +31,7 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 generate = importlib.import_module("generate")
 Prompt = generate.Prompt
 

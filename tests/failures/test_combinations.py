@@ -1,4 +1,4 @@
-"""Every feature in combination, against one oracle (DESIGN §4; issue 27).
+"""Every feature in combination, against one oracle (issue 27; docs/contributing.md).
 
 Hypothesis draws a configuration (dedup and the cache, tenants, their weights and
 queue limits, batch keys as an option and per call, allowed batch sizes cut or
@@ -8,8 +8,9 @@ program of calls (`inference`, `inference_many`, `stream`, `submit` and
 `inference_sync` from threads, with deadlines, cancellations, `configure()` under
 load and `aclose()` mid-flight), runs it, and checks (tests/_combinations.py):
 
-- every accepted call ends exactly once;
-- its result was computed from its own item, key and arguments (results carry them);
+- every accepted call ends exactly once (guarantee 1 of docs/failures.md);
+- its result was computed from its own item, key and arguments (results carry them;
+  guarantee 2);
 - every context a model call sees belongs to that call's items, in order;
 - every model call has an allowed size;
 - the stats add up;

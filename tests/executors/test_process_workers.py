@@ -395,7 +395,7 @@ def test_workers_left_open_are_stopped_at_interpreter_exit(tmp_path: Path) -> No
         textwrap.dedent(
             f"""
             import asyncio, sys
-            sys.path.insert(0, {str(Path(__file__).parent)!r})
+            sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
             import _workers
             from batchproxy import ProcessWorkers, Proxy
 
@@ -725,7 +725,7 @@ def test_a_worker_in_its_factory_exits_when_its_parent_is_killed(tmp_path: Path)
         textwrap.dedent(
             f"""
             import asyncio, functools, sys, time
-            sys.path.insert(0, {str(Path(__file__).parent)!r})
+            sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
             import _workers
             from batchproxy import ProcessWorkers
 

@@ -424,8 +424,8 @@ async def test_the_decorator_takes_batch_sizes_and_pad_item() -> None:
 async def test_an_error_in_one_cut_fails_only_that_cuts_callers() -> None:
     """A batch run as several model calls of allowed sizes: the call that raised fails
     its own callers; the other calls run and answer theirs (found by
-    tests/test_combinations.py: a caller got another call's error, and the calls after
-    the one that raised never ran)."""
+    tests/failures/test_combinations.py: a caller got another call's error, and the calls
+    after the one that raised never ran)."""
     calls: list[list[Any]] = []
 
     async def model(items: list[str]) -> list[str]:

@@ -133,7 +133,8 @@ async def test_a_user_predicate_decides_what_is_out_of_memory() -> None:
 
 @pytest.mark.looptime
 async def test_back_off_is_off_by_default() -> None:
-    """DESIGN 2.4: without the opt-in, an exception fails every caller of the batch."""
+    """Without the opt-in, an exception fails every caller of the batch (guarantee 4 of
+    docs/failures.md)."""
     async with Recorder(fits(2), batch_size=8, max_delay_ms=1) as proxy:
         results = await asyncio.gather(
             *(proxy.inference(i) for i in range(8)), return_exceptions=True

@@ -1,4 +1,7 @@
-"""Cancellation (DESIGN §2.3): dropped before dispatch, discarded when already running."""
+"""Cancellation: dropped before dispatch, discarded when already running.
+
+Guarantee 3 of docs/failures.md: a cancelled caller is dropped before dispatch.
+"""
 
 from __future__ import annotations
 

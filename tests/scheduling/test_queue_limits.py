@@ -1,4 +1,8 @@
-"""`max_queue_size` (DESIGN §2.7) and priorities: higher first, FIFO within a level."""
+"""`max_queue_size` and priorities: higher first, FIFO within a level.
+
+`max_queue_size` is guarantee 7 of docs/failures.md: with it set, a call that would
+overflow the queue raises `QueueFull` immediately.
+"""
 
 from __future__ import annotations
 
