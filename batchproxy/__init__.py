@@ -35,6 +35,7 @@ from ._executors.worker_thread import WorkerThread
 from ._generation import GenerationProxy, Slot, Step
 from ._listeners import Listener
 from ._loops.background_loop import BackgroundLoop
+from ._option_values import BatchSizes, CallOptions, Dedup, Watchdog
 from ._options import Options
 from ._proxy import Proxy
 from ._runs.callers import caller_contexts
@@ -55,11 +56,14 @@ __all__ = [
     "BatchProxyError",
     "BatchSizeMismatch",
     "BatchSizeUnreachable",
+    "BatchSizes",
     "BatchTimeout",
     "Batched",
     "BatchedArgs",
+    "CallOptions",
     "CostEstimate",
     "DeadlineExceeded",
+    "Dedup",
     "Executor",
     "GenerationProxy",
     "Health",
@@ -82,6 +86,7 @@ __all__ = [
     "StreamBufferFull",
     "StreamEnd",
     "TensorProxy",
+    "Watchdog",
     "WorkerDied",
     "WorkerThread",
     "WorkersStats",

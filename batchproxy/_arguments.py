@@ -88,7 +88,9 @@ class Arguments:
             bound = self.rest.bind(*args, **kwargs)
         except TypeError as exc:
             extra = ", ".join(name for name in kwargs if name in PER_CALL)
-            hint = f" (per-call options go through .options({extra}=...))" if extra else ""
+            hint = (
+                f" (per-call keywords go through .with_call_options({extra}=...))" if extra else ""
+            )
             raise TypeError(f"{self.name}(): {exc}{hint}") from None
         bound.apply_defaults()
         for name, value in bound.arguments.items():

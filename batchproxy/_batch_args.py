@@ -5,22 +5,24 @@
 not batchable: calls are batched only with calls of the same values (the values
 are the batch key), and `f` gets them once per batch, as given. They are checked
 against `f`'s signature when the call is made, before it is queued. The per-call
-options (`timeout`, `priority`, `tenant`) go through `f.options(...)`, so they
-never clash with `f`'s own parameter names.
+options (`timeout`, `priority`, `tenant`) go through `f.with_call_options(...)`,
+so they never clash with `f`'s own parameter names.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, overload
 
 from typing_extensions import Unpack
 
 from ._arguments import Arguments, call_with_arguments
 from ._decorator import Batched
+from ._deprecated import warn_renamed
 from ._executors.base import Executor
-from ._options import ProxyOptions
+from ._option_values import UnkeyedCallOptions, check_call
+from ._options import ProxyOptions, check_keywords
 
 __all__ = ["BatchedArgs", "batch_args"]
 
@@ -31,7 +33,8 @@ U = TypeVar("U")
 
 class BatchedArgs(Batched[T, U], Generic[P, T, U]):
     """What `@batch_args` returns: `await f(item, *args, **kwargs)`, where `args` and
-    `kwargs` are `f`'s own arguments after its items; `f.options(timeout=...)`."""
+    `kwargs` are `f`'s own arguments after its items; the per-call keywords through
+    `f.with_call_options(timeout=...)`."""
 
     def __init__(
         self, fn: Callable[..., Any], options: dict[str, Any], instance: object = None
@@ -39,7 +42,7 @@ class BatchedArgs(Batched[T, U], Generic[P, T, U]):
         if options.get("key") is not None:
             raise TypeError("@batch_args takes no key= option: the arguments are the batch key")
         self._arguments = arguments = Arguments.of(fn, skip=instance is not None)
-        self._per_call: dict[str, Any] = {}
+        self._per_call: UnkeyedCallOptions = {}
 
         super().__init__(call_with_arguments(fn, arguments.count), options, instance)
         self._fn = fn  # bound per instance by `__get__`, as for `@batch`
@@ -51,7 +54,7 @@ class BatchedArgs(Batched[T, U], Generic[P, T, U]):
         key = self._arguments.key(rest, kwargs)
         return self.proxy.inference(item, key=key, **self._per_call)
 
-    async def many(  # type: ignore[override]
+    async def inference_many(  # type: ignore[override]
         self, items: Iterable[T], /, *args: P.args, **kwargs: P.kwargs
     ) -> list[U]:
         """`Proxy.inference_many`: every item with the same arguments."""
@@ -59,17 +62,27 @@ class BatchedArgs(Batched[T, U], Generic[P, T, U]):
         results: list[U] = await self.proxy.inference_many(items, key=key, **self._per_call)
         return results
 
-    def options(
-        self,
-        *,
-        timeout: float | None = None,
-        priority: int = 0,
-        tenant: Hashable | None = None,
-    ) -> BatchedArgs[P, T, U]:
-        """The same function, whose calls have these per-call options."""
+    async def many(  # type: ignore[override]
+        self, items: Iterable[T], /, *args: P.args, **kwargs: P.kwargs
+    ) -> list[U]:
+        """Deprecated: `f.inference_many(items, ...)`."""
+        warn_renamed("f.many()", "f.inference_many()")
+        key = self._arguments.key(args, kwargs)
+        results: list[U] = await self.proxy.inference_many(items, key=key, **self._per_call)
+        return results
+
+    def with_call_options(self, **call: Unpack[UnkeyedCallOptions]) -> BatchedArgs[P, T, U]:
+        """The same function, whose calls have these per-call keywords (`timeout`,
+        `priority`, `tenant`; its arguments are its batch key)."""
+        check_call("with_call_options()", call, keyed=False)
         configured = copy.copy(self)
-        configured._per_call = {"timeout": timeout, "priority": priority, "tenant": tenant}
+        configured._per_call = call
         return configured
+
+    def options(self, **call: Unpack[UnkeyedCallOptions]) -> BatchedArgs[P, T, U]:
+        """Deprecated: `f.with_call_options(...)` ("options" are the constructor's)."""
+        warn_renamed("f.options()", "f.with_call_options()")
+        return self.with_call_options(**call)
 
 
 A = TypeVar("A")
@@ -115,6 +128,7 @@ def batch_args(
     """
     if callable(batch_size):
         raise TypeError("use @batch_args() or @batch_args(batch_size=...), with parentheses")
+    check_keywords("@batch_args()", options)
     settings: dict[str, Any] = {"batch_size": batch_size, "offload": offload, **options}
     if name is not None:
         settings["name"] = name

@@ -1,7 +1,8 @@
 """The call methods built on `Proxy.inference`: `inference_many` (a list, each item
 batched like a call of its own), `submit` and `inference_sync` (calls from plain
 threads, routed to the proxy's loop), and `with_args` (per-batch arguments for an
-`_inference` that takes them)."""
+`_inference` that takes them). Each takes the per-call keywords as `**call`, typed
+by `CallOptions` and checked (`check_call`) before it is forwarded."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ import functools
 from collections.abc import Hashable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, overload
 
+from typing_extensions import Unpack
+
 from . import _validate
 from ._arguments import Arguments, ArgumentsKey
 from ._errors import DeadlineExceeded
 from ._loops.bridge import LoopBridge
+from ._option_values import CallOptions, UnkeyedCallOptions, check_call
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine
@@ -57,34 +61,21 @@ class CallForms(Generic[In, Out]):
         self,
         items: Iterable[In],
         *,
-        timeout: float | None = ...,
-        priority: int = ...,
-        tenant: Hashable | None = ...,
-        key: Hashable | None = ...,
         return_exceptions: Literal[False] = ...,
+        **call: Unpack[CallOptions],
     ) -> list[Out]: ...
 
     @overload
     async def inference_many(
-        self,
-        items: Iterable[In],
-        *,
-        timeout: float | None = ...,
-        priority: int = ...,
-        tenant: Hashable | None = ...,
-        key: Hashable | None = ...,
-        return_exceptions: bool,
+        self, items: Iterable[In], *, return_exceptions: bool, **call: Unpack[CallOptions]
     ) -> list[Out | Exception]: ...
 
     async def inference_many(
         self,
         items: Iterable[In],
         *,
-        timeout: float | None = None,
-        priority: int = 0,
-        tenant: Hashable | None = None,
-        key: Hashable | None = None,
         return_exceptions: bool = False,
+        **call: Unpack[CallOptions],
     ) -> list[Out] | list[Out | Exception]:
         """Queue each item as its own request; return their results in order.
 
@@ -93,15 +84,19 @@ class CallForms(Generic[In, Out]):
         failure is raised as soon as it happens and the remaining items are
         withdrawn; with `return_exceptions=True` failures take their item's place
         in the list. An empty input returns `[]` without touching the model.
-        `tenant` and `key` apply to every item (see `inference`). If the items
-        that add work to the queue do not fit (`max_queue_size`, the tenant's
-        limit), the whole list is refused with `QueueFull`.
+        `tenant` and `key` apply to every item (see `inference`; the keywords are
+        its `CallOptions`). If the items that add work to the queue do not fit
+        (`max_queue_size`, the tenant's limit), the whole list is refused with
+        `QueueFull`.
         """
         if isinstance(items, (str, bytes, bytearray, Mapping)):
             raise TypeError(
                 f"inference_many takes an iterable of items, got {type(items).__name__}; "
                 f"wrap a single item in a list or call inference()"
             )
+        check_call("inference_many()", call)
+        timeout = call.get("timeout")
+        priority = call.get("priority", 0)
         _validate.timeout("timeout", timeout)  # checked even for no items
         _validate.priority(priority)
         batch = list(items)
@@ -111,17 +106,16 @@ class CallForms(Generic[In, Out]):
         if binding is None or binding.loop is not asyncio.get_running_loop():
             self._require_init()
             return await self._binder.serve_elsewhere(
-                lambda: self.inference_many(
-                    batch,
-                    timeout=timeout,
-                    priority=priority,
-                    tenant=tenant,
-                    key=key,
-                    return_exceptions=return_exceptions,
-                )
+                lambda: self.inference_many(batch, return_exceptions=return_exceptions, **call)
             )
         return await self._intake.admit_many(
-            binding, batch, timeout, priority, tenant, key, return_exceptions=return_exceptions
+            binding,
+            batch,
+            timeout,
+            priority,
+            call.get("tenant"),
+            call.get("key"),
+            return_exceptions=return_exceptions,
         )
 
     def with_args(self, *args: Any, **kwargs: Any) -> WithArguments[In, Out]:
@@ -143,48 +137,35 @@ class CallForms(Generic[In, Out]):
             )
         return WithArguments(self, arguments.key(args, kwargs))
 
-    def submit(
-        self,
-        item: In,
-        *,
-        timeout: float | None = None,
-        priority: int = 0,
-        tenant: Hashable | None = None,
-        key: Hashable | None = None,
-    ) -> concurrent.futures.Future[Out]:
+    def submit(self, item: In, **call: Unpack[CallOptions]) -> concurrent.futures.Future[Out]:
         """Thread-safe entry: queue `item` from any thread; returns a concurrent future.
 
         The call goes through the proxy's event loop if that runs in another
         thread; a proxy running in no event loop is started on the default
         `BackgroundLoop`. Calling this from the proxy's own loop thread is
         refused: blocking on the future would deadlock. The keywords are
-        `inference`'s.
+        `inference`'s (`CallOptions`).
         """
-        future, _ = self._from_thread("submit", item, timeout, priority, tenant, key)
+        future, _ = self._from_thread("submit", item, call)
         return future
 
-    def inference_sync(
-        self,
-        item: In,
-        *,
-        timeout: float | None = None,
-        priority: int = 0,
-        tenant: Hashable | None = None,
-        key: Hashable | None = None,
-    ) -> Out:
+    def inference_sync(self, item: In, **call: Unpack[CallOptions]) -> Out:
         """Blocking `inference`, for plain threads (Flask, Django sync views, scripts).
 
         Goes through the proxy's loop like `submit()`. `timeout` bounds the whole
         call (`DeadlineExceeded`); a wait interrupted by `KeyboardInterrupt` or
         the like withdraws the call. If the proxy's loop ends first, the call gets
         `InferenceError` (`ProxyClosed` if the proxy was closed): it never blocks
-        for ever. Refused on the proxy's own loop thread.
+        for ever. Refused on the proxy's own loop thread. The keywords are
+        `inference`'s (`CallOptions`).
         """
         self._require_init()
+        check_call("inference_sync()", call)
+        timeout = call.get("timeout")
         seconds = (
             self._options.timeout if timeout is None else _validate.timeout("timeout", timeout)
         )
-        future, bridge = self._from_thread("inference_sync", item, timeout, priority, tenant, key)
+        future, bridge = self._from_thread("inference_sync", item, call)
         # the proxy's loop enforces the deadline; the extra wait here only guards
         # against a loop too busy to answer at all
         if bridge is not None and not bridge.wait(
@@ -195,24 +176,16 @@ class CallForms(Generic[In, Out]):
         return future.result()
 
     def _from_thread(
-        self,
-        method: str,
-        item: In,
-        timeout: float | None,
-        priority: int,
-        tenant: Hashable | None,
-        key: Hashable | None,
+        self, method: str, item: In, call: CallOptions
     ) -> tuple[concurrent.futures.Future[Out], LoopBridge | None]:
         """Route an `inference` call from a plain thread (`submit`, `inference_sync`)."""
         self._require_init()
+        check_call(f"{method}()", call)
         self._intake.refuse_own_model(self._binder.current, method)
         # here, in the caller's thread: a first call made just before the interpreter
         # exits would otherwise start the thread during the exit (refused on 3.12+)
         self._start_worker()
-        call = functools.partial(
-            self.inference, item, timeout=timeout, priority=priority, tenant=tenant, key=key
-        )
-        return self._binder.from_thread(method, call)
+        return self._binder.from_thread(method, functools.partial(self.inference, item, **call))
 
 
 class WithArguments(Generic[In, Out]):
@@ -225,59 +198,31 @@ class WithArguments(Generic[In, Out]):
         self._proxy = proxy
         self._key = key
 
-    def inference(
-        self,
-        item: In,
-        *,
-        timeout: float | None = None,
-        priority: int = 0,
-        tenant: Hashable | None = None,
-    ) -> Coroutine[Any, Any, Out]:
-        return self._proxy.inference(
-            item, timeout=timeout, priority=priority, tenant=tenant, key=self._key
-        )
+    def inference(self, item: In, **call: Unpack[UnkeyedCallOptions]) -> Coroutine[Any, Any, Out]:
+        check_call("with_args(...).inference()", call, keyed=False)
+        return self._proxy.inference(item, key=self._key, **call)
 
     async def inference_many(
         self,
         items: Iterable[In],
         *,
-        timeout: float | None = None,
-        priority: int = 0,
-        tenant: Hashable | None = None,
         return_exceptions: bool = False,
+        **call: Unpack[UnkeyedCallOptions],
     ) -> list[Any]:
+        check_call("with_args(...).inference_many()", call, keyed=False)
         return await self._proxy.inference_many(
-            items,
-            timeout=timeout,
-            priority=priority,
-            tenant=tenant,
-            key=self._key,
-            return_exceptions=return_exceptions,
+            items, key=self._key, return_exceptions=return_exceptions, **call
         )
 
     def submit(
-        self,
-        item: In,
-        *,
-        timeout: float | None = None,
-        priority: int = 0,
-        tenant: Hashable | None = None,
+        self, item: In, **call: Unpack[UnkeyedCallOptions]
     ) -> concurrent.futures.Future[Out]:
-        return self._proxy.submit(
-            item, timeout=timeout, priority=priority, tenant=tenant, key=self._key
-        )
+        check_call("with_args(...).submit()", call, keyed=False)
+        return self._proxy.submit(item, key=self._key, **call)
 
-    def inference_sync(
-        self,
-        item: In,
-        *,
-        timeout: float | None = None,
-        priority: int = 0,
-        tenant: Hashable | None = None,
-    ) -> Out:
-        return self._proxy.inference_sync(
-            item, timeout=timeout, priority=priority, tenant=tenant, key=self._key
-        )
+    def inference_sync(self, item: In, **call: Unpack[UnkeyedCallOptions]) -> Out:
+        check_call("with_args(...).inference_sync()", call, keyed=False)
+        return self._proxy.inference_sync(item, key=self._key, **call)
 
     def __repr__(self) -> str:
         arguments = ", ".join(f"{name}={value!r}" for name, value in self._key)

@@ -14,7 +14,6 @@ from collections.abc import (
     Awaitable,
     Callable,
     Coroutine,
-    Hashable,
     Iterable,
     Sequence,
 )
@@ -22,8 +21,10 @@ from typing import Any, Generic, Literal, Protocol, TypeVar, overload
 
 from typing_extensions import Self, Unpack
 
+from ._deprecated import warn_renamed
 from ._executors.base import Executor
-from ._options import ProxyOptions
+from ._option_values import CALL_KEYWORDS, CallOptions, unexpected_keyword
+from ._options import ConfigurableOptions, ProxyOptions, check_keywords
 from ._proxy import Proxy
 from ._stats import Health, ProxyStats
 
@@ -48,7 +49,8 @@ class _FunctionProxy(Proxy[T, U]):
 
 
 class Batched(Generic[T, U]):
-    """What `@batch` returns: `await f(x)`, `await f.many(xs)`, `f.sync(x)`, `f.stats`."""
+    """What `@batch` returns: `await f(x)`, `await f.inference_many(xs)`,
+    `f.inference_sync(x)`, `f.stats`: `Proxy`'s call methods, by the same names."""
 
     def __init__(
         self, fn: Callable[..., Any], options: dict[str, Any], instance: object = None
@@ -92,89 +94,66 @@ class Batched(Generic[T, U]):
             ) from None
         return bound
 
-    def __call__(
-        self,
-        item: T,
-        *,
-        timeout: float | None = None,
-        priority: int = 0,
-        tenant: Hashable | None = None,
-        key: Hashable | None = None,
-    ) -> Coroutine[Any, Any, U]:
-        """`await f(item)`: the proxy's own coroutine, no extra layer per call."""
-        return self.proxy.inference(
-            item, timeout=timeout, priority=priority, tenant=tenant, key=key
-        )
+    def __call__(self, item: T, **call: Unpack[CallOptions]) -> Coroutine[Any, Any, U]:
+        """`await f(item)`: the proxy's own coroutine, no extra layer per call. The
+        keywords are `Proxy.inference`'s (`CallOptions`)."""
+        try:
+            return self.proxy.inference(item, **call)
+        except TypeError:  # (only a keyword it does not take: the coroutine is not started)
+            for name in call:
+                if name not in CALL_KEYWORDS:
+                    where = f"{self._fn.__qualname__}()"
+                    raise unexpected_keyword(where, name, CALL_KEYWORDS) from None
+            raise
 
     @overload
-    async def many(
+    async def inference_many(
         self,
         items: Iterable[T],
         *,
-        timeout: float | None = ...,
-        priority: int = ...,
-        tenant: Hashable | None = ...,
-        key: Hashable | None = ...,
         return_exceptions: Literal[False] = ...,
+        **call: Unpack[CallOptions],
     ) -> list[U]: ...
 
     @overload
-    async def many(
-        self,
-        items: Iterable[T],
-        *,
-        timeout: float | None = ...,
-        priority: int = ...,
-        tenant: Hashable | None = ...,
-        key: Hashable | None = ...,
-        return_exceptions: bool,
+    async def inference_many(
+        self, items: Iterable[T], *, return_exceptions: bool, **call: Unpack[CallOptions]
     ) -> list[U | Exception]: ...
 
+    async def inference_many(
+        self,
+        items: Iterable[T],
+        *,
+        return_exceptions: bool = False,
+        **call: Unpack[CallOptions],
+    ) -> list[U] | list[U | Exception]:
+        """`Proxy.inference_many`: each item batched like a call of its own."""
+        return await self.proxy.inference_many(items, return_exceptions=return_exceptions, **call)
+
     async def many(
         self,
         items: Iterable[T],
         *,
-        timeout: float | None = None,
-        priority: int = 0,
-        tenant: Hashable | None = None,
-        key: Hashable | None = None,
         return_exceptions: bool = False,
-    ) -> list[U] | list[U | Exception]:
-        """`Proxy.inference_many`: each item batched like a call of its own."""
-        return await self.proxy.inference_many(
-            items,
-            timeout=timeout,
-            priority=priority,
-            tenant=tenant,
-            key=key,
-            return_exceptions=return_exceptions,
-        )
+        **call: Unpack[CallOptions],
+    ) -> list[Any]:
+        """Deprecated: `f.inference_many(items)`."""
+        warn_renamed("f.many()", "f.inference_many()")
+        return await self.proxy.inference_many(items, return_exceptions=return_exceptions, **call)
 
-    def stream(
-        self,
-        item: T,
-        *,
-        timeout: float | None = None,
-        priority: int = 0,
-        tenant: Hashable | None = None,
-        key: Hashable | None = None,
-    ) -> AsyncGenerator[U, None]:
+    def stream(self, item: T, **call: Unpack[CallOptions]) -> AsyncGenerator[U, None]:
         """`Proxy.stream`: `async for chunk in f.stream(item)`, for a generator `f`."""
-        return self.proxy.stream(item, timeout=timeout, priority=priority, tenant=tenant, key=key)
+        return self.proxy.stream(item, **call)
 
-    def sync(
-        self,
-        item: T,
-        *,
-        timeout: float | None = None,
-        priority: int = 0,
-        tenant: Hashable | None = None,
-        key: Hashable | None = None,
-    ) -> U:
-        """`Proxy.inference_sync`: `f.sync(item)` blocks a plain thread for the result."""
-        return self.proxy.inference_sync(
-            item, timeout=timeout, priority=priority, tenant=tenant, key=key
-        )
+    def inference_sync(self, item: T, **call: Unpack[CallOptions]) -> U:
+        """`Proxy.inference_sync`: `f.inference_sync(item)` blocks a plain thread for
+        the result."""
+        return self.proxy.inference_sync(item, **call)
+
+    def sync(self, item: T, **call: Unpack[CallOptions]) -> U:
+        """Deprecated: `f.inference_sync(item)`."""
+        warn_renamed("f.sync()", "f.inference_sync()")
+        return self.proxy.inference_sync(item, **call)
 
     @property
     def stats(self) -> ProxyStats:
@@ -185,9 +164,9 @@ class Batched(Generic[T, U]):
         """`Proxy.health`: whether the function answers within `batch_timeout`."""
         return self.proxy.health
 
-    def configure(self, **limits: Any) -> None:
+    def configure(self, **changes: Unpack[ConfigurableOptions]) -> None:
         """`Proxy.configure`: change limits while it runs."""
-        self.proxy.configure(**limits)
+        self.proxy.configure(**changes)
 
     async def start(self) -> None:
         await self.proxy.start()
@@ -230,6 +209,7 @@ def batch(
     """
     if callable(batch_size):
         raise TypeError("use @batch() or @batch(batch_size=...), with parentheses")
+    check_keywords("@batch()", options)
     settings: dict[str, Any] = {"batch_size": batch_size, "offload": offload, **options}
     if name is not None:
         settings["name"] = name

@@ -4,8 +4,8 @@ at every step, so a new request never waits for the whole batch to finish.
 One engine task per busy proxy runs steps while anything is active or queued:
 before each step, sequences whose stream ended or whose consumer left are let go,
 and queued requests join in the queue's order (priority, then deadline, then
-arrival) while there is room (`batch_size` active sequences, the `max_tokens`
-budget); the step runs; its elements go to their streams. With nothing active
+arrival) while there is room (`batch_size` active sequences, the
+`max_batch_tokens` budget); the step runs; its elements go to their streams. With nothing active
 and nothing queued the engine ends, and the next request starts a new one.
 
 Cancellation, written down: a consumer that leaves (`break`, cancelled, its
@@ -24,6 +24,7 @@ from typing import Any, Generic, TypeVar
 from typing_extensions import Unpack
 
 from . import _validate
+from ._deprecated import warn_renamed
 from ._errors import BatchSizeMismatch
 from ._executors.base import Executor
 from ._loops.binding import Binding
@@ -38,6 +39,7 @@ __all__ = ["GenerationProxy", "Slot", "Step"]
 
 In = TypeVar("In")
 Out = TypeVar("Out")
+T = TypeVar("T")
 
 
 class Slot(Generic[In]):
@@ -101,10 +103,11 @@ class GenerationProxy(Proxy[In, Out]):
     worker thread, an `async def` on the event loop.
 
     - `batch_size`: the most active sequences in a step.
-    - `max_tokens` with `tokens`: a budget for the sum of `tokens(item)` over the
-      active sequences (say prompt length + max new tokens: the most KV cache a
-      sequence can take). A request waits until its tokens fit; one whose tokens
-      alone exceed the budget is refused at once with `ValueError`.
+    - `max_batch_tokens` with `length`: a budget for the sum of `length(item)` over
+      the active sequences (say prompt length + max new tokens: the most KV cache
+      a sequence can take). A request waits until its tokens fit; one whose tokens
+      alone exceed the budget is refused at once with `ValueError`. (`max_tokens`
+      and `tokens` are their deprecated names.)
     - `max_queue_size`, `timeout` (for the whole stream), `offload`, `name`,
       `stream_buffer`: as for `Proxy`.
     """
@@ -115,19 +118,23 @@ class GenerationProxy(Proxy[In, Out]):
         self,
         batch_size: int = 64,
         *,
-        max_tokens: int | None = None,
-        tokens: Callable[[In], int] | None = None,
+        max_batch_tokens: int | None = None,
+        length: Callable[[In], int] | None = None,
         max_queue_size: int | None = None,
         timeout: float | None = None,
         offload: bool | Executor = False,
         name: str | None = None,
         stream_buffer: int | None = 1024,
+        max_tokens: int | None = None,
+        tokens: Callable[[In], int] | None = None,
     ) -> None:
         if type(self)._step is GenerationProxy._step:
             raise TypeError(f"{type(self).__name__} must implement _step(step)")
-        if (max_tokens is None) != (tokens is None):
-            raise TypeError("max_tokens and tokens go together: give both or neither")
-        self._max_tokens = _validate.optional_count("max_tokens", max_tokens)
+        max_batch_tokens = _renamed("max_tokens", max_tokens, "max_batch_tokens", max_batch_tokens)
+        length = _renamed("tokens", tokens, "length", length)
+        if (max_batch_tokens is None) != (length is None):
+            raise TypeError("max_batch_tokens and length go together: give both or neither")
+        self._max_tokens = _validate.optional_count("max_batch_tokens", max_batch_tokens)
         super().__init__(
             batch_size,
             max_delay_ms=0,
@@ -136,7 +143,7 @@ class GenerationProxy(Proxy[In, Out]):
             max_concurrent_batches=1,
             offload=offload,
             name=name,
-            length=tokens,
+            length=length,
             stream_buffer=stream_buffer,
         )
 
@@ -174,9 +181,19 @@ class GenerationProxy(Proxy[In, Out]):
         budget = self._max_tokens
         if budget is not None and cost > budget:
             raise ValueError(
-                f"{self.name}: this item needs {cost} tokens, more than max_tokens={budget}"
+                f"{self.name}: this item needs {cost} tokens, more than max_batch_tokens={budget}"
             )
         return cost
+
+
+def _renamed(old: str, old_value: T | None, new: str, new_value: T | None) -> T | None:
+    """A keyword given by its deprecated name `old`: warned about, and used as `new`."""
+    if old_value is None:
+        return new_value
+    warn_renamed(f"GenerationProxy({old}=...)", f"{new}=...")
+    if new_value is not None:
+        raise TypeError(f"{old} is the old name of {new}: give only {new}")
+    return old_value
 
 
 # -- the engine --------------------------------------------------------------------

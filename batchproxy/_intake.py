@@ -70,16 +70,14 @@ class Intake(Generic[In]):
         self.measures = self._length is not None
         self._cost = cost if self.measures else None  # the proxy's hook, or none
         self._dedup: Deduplicator[In] | None = None
-        if options.dedup:
+        dedup = options.dedup
+        if dedup is not None:
             if streams:
                 raise TypeError(f"{name}: dedup does not apply to a proxy that streams")
-            key_of = None if options.dedup is True else options.dedup
             cache = (
-                None
-                if options.cache_size is None
-                else ResultCache(options.cache_size, options.cache_ttl)
+                None if dedup.cache_size is None else ResultCache(dedup.cache_size, dedup.cache_ttl)
             )
-            self._dedup = settlement.dedup = Deduplicator(name, key_of, cache)
+            self._dedup = settlement.dedup = Deduplicator(name, dedup.key, cache)
         self._key_of = options.key  # an item's batch key (`_keys`), or None
         # the model takes per-batch arguments: they are each call's batch key
         self._arguments = arguments

@@ -1,26 +1,32 @@
 """`Options`: how a proxy batches, as one frozen, validated value.
 
 The constructor builds it from its keyword arguments, `configure()` evolves it
-(`Options.evolve`), and `proxy.options` shows it. Every check lives here, so an
-`Options` that exists is valid, and a `configure()` call with one bad value
-changes nothing. Adding an option touches this module only: a field of `Options`
-(checked in `__post_init__`) and the same key in `ProxyOptions`, which types the
-keyword arguments of `Proxy(...)`, `@batch(...)` and `configure(...)`.
+(`Options.evolve`), and `proxy.options` shows it. Every check lives here (and,
+for an option with parts, in its value's own: `Dedup`, `BatchSizes`, `Watchdog`
+in `_option_values`), so an `Options` that exists is valid, and a `configure()`
+call with one bad value changes nothing. Adding an option touches this module
+only: a field of `Options` (checked in `__post_init__`) and the same key in
+`ProxyOptions`, which types the keyword arguments of `Proxy(...)`, `@batch(...)`
+and `configure(...)`. `options_for` reads those keywords: a misspelt one is
+refused naming the nearest, a deprecated one is folded into its new spelling
+(`_deprecated`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal, TypedDict
 
 from . import _validate
+from ._deprecated import fold_changes, fold_options
 from ._oom import OomPredicate, is_out_of_memory
+from ._option_values import BatchSizes, Dedup, Watchdog, unexpected_keyword
 from ._scheduling.sizes import NO_ITEM, check_sizes
 
-__all__ = ["CONFIGURABLE", "Options", "ProxyOptions"]
+__all__ = ["CONFIGURABLE", "Options", "ProxyOptions", "check_keywords", "options_for"]
 
 
 class _Changeable(TypedDict, total=False):
@@ -34,8 +40,8 @@ class _Changeable(TypedDict, total=False):
     aging_ms: float | None
     shed_late: bool
     isolate_errors: bool
-    batch_timeout: float | None
-    on_batch_timeout: Literal["serve", "stop"]
+    batch_timeout: float | Watchdog | None
+    on_batch_timeout: Literal["serve", "stop"]  # deprecated: Watchdog(on_timeout=...)
     stream_buffer: int | None
     caller_context: bool
     tenant_weights: Mapping[Hashable, float] | None
@@ -48,12 +54,13 @@ class ProxyOptions(_Changeable, total=False):
     length: Callable[[Any], int] | None
     max_batch_tokens: int | None
     oom_backoff: bool | OomPredicate
-    dedup: bool | Callable[[Any], Hashable]
-    cache_size: int | None
-    cache_ttl: float | None
-    batch_sizes: Sequence[int] | None
-    pad_item: Any
+    dedup: bool | Callable[[Any], Hashable] | Dedup | None
+    batch_sizes: Sequence[int] | BatchSizes | None
     key: Callable[[Any], Hashable] | None
+    # deprecated for one release (a DeprecationWarning names the new spelling)
+    cache_size: int | None  # Dedup(cache_size=...)
+    cache_ttl: float | None  # Dedup(cache_ttl=...)
+    pad_item: Any  # BatchSizes(sizes, pad_item=...)
 
 
 class ConfigurableOptions(_Changeable, total=False):
@@ -64,6 +71,25 @@ class ConfigurableOptions(_Changeable, total=False):
 
 CONFIGURABLE = frozenset(ConfigurableOptions.__annotations__)
 """What `configure()` may change; the rest shapes the proxy and is fixed at construction."""
+
+CONSTRUCTOR = frozenset(ProxyOptions.__annotations__) | {"batch_size", "offload", "name"}
+"""The keywords of `Proxy(...)` and `@batch(...)`."""
+
+
+def check_keywords(
+    where: str, names: Collection[str], valid: Collection[str] = CONSTRUCTOR
+) -> None:
+    """Refuse a keyword `where` does not take, naming the nearest one it does."""
+    for name in names:
+        if name not in valid:
+            raise unexpected_keyword(where, name, valid)
+
+
+def options_for(where: str, batch_size: int, keywords: Mapping[str, Any]) -> Options:
+    """`Proxy(...)`'s options from its keywords: each known (else an error naming the
+    nearest), the deprecated ones folded into their new spelling, all checked."""
+    check_keywords(where, keywords)
+    return Options(batch_size=batch_size, **fold_options(keywords))
 
 
 @dataclass(frozen=True)
@@ -109,42 +135,45 @@ class Options:
       that make it raise fail (with what the model raised for them) and the others
       get their results. At most 2n - 2 extra model calls for a batch of n, about
       2 log2(n) for one bad item; counted in `stats.isolation_splits`.
-    - `batch_timeout` (opt-in, seconds): a watchdog. A batch still running after
-      this long fails its callers with `BatchTimeout`, frees its slot, is cancelled
-      (a model on a thread or in a process cannot be interrupted: it runs on there)
-      and marks the proxy unhealthy (`proxy.health`) until a later batch returns in
-      time. `on_batch_timeout`: `"serve"` (default) keeps taking calls; `"stop"`
-      stops intake, like `aclose()`: queued and new calls get `ProxyClosed`.
+    - `batch_timeout` (opt-in): a `Watchdog(seconds, on_timeout=...)`, or the
+      seconds alone (`Watchdog(seconds)`). A batch still running after this long
+      fails its callers with `BatchTimeout`, frees its slot, is cancelled (a model
+      on a thread or in a process cannot be interrupted: it runs on there) and
+      marks the proxy unhealthy (`proxy.health`) until a later batch returns in
+      time. `on_timeout`: `"serve"` (default) keeps taking calls; `"stop"` stops
+      intake, like `aclose()`: queued and new calls get `ProxyClosed`. In
+      `configure()`, seconds alone keep the watchdog's `on_timeout`.
     - `stream_buffer` (streams only): the most chunks a stream may hold unread. A
       consumer that stops reading without closing its stream (a `break` while it
       still holds the iterator) is dropped from its batch at that point with
       `StreamBufferFull`, instead of chunks piling up; None: no bound.
-    - `batch_sizes` (opt-in): the only batch sizes the model is given (static-shape
-      engines: TensorRT, CUDA graphs, compiled models), e.g. `(1, 2, 4, 8)`:
-      positive, no repeats, the smallest no larger than `batch_size`; sizes above
-      `batch_size` are not used (the largest batch formed is the largest allowed
-      size <= `batch_size`). With a filler (`pad_item`, or a `TensorProxy`, which
+    - `batch_sizes` (opt-in): `BatchSizes(sizes, pad_item=...)`, or the sizes
+      alone: the only batch sizes the model is given (static-shape engines:
+      TensorRT, CUDA graphs, compiled models), e.g. `(1, 2, 4, 8)`: positive, no
+      repeats, the smallest no larger than `batch_size`; sizes above `batch_size`
+      are not used (the largest batch formed is the largest allowed size <=
+      `batch_size`). With a filler (`pad_item`, or a `TensorProxy`, which
       pads with `pad_value` rows) a batch of n runs padded to the smallest allowed
       size >= n, and the filler's results are dropped (`stats.padded_rows`);
       without one the sizes must include 1, and a batch leaves cut to the largest
       allowed size that fits, the rest waiting for the next batch (or it waits
       for the next allowed size when the missing requests are expected before
-      its window closes). Not for streaming models.
-    - `pad_item` (with `batch_sizes`): the item that fills a batch up to an
-      allowed size; its results are dropped.
+      its window closes). Not for streaming models. `pad_item`: the item that
+      fills a batch up to an allowed size; its results are dropped.
     - `caller_context` (opt-in): keep a copy of each caller's `contextvars`
       context with its call, for the model to read with
       `batchproxy.caller_contexts()` (request ids, the user, the trace). The
       model still runs in a fresh context of its own.
-    - `dedup` (opt-in): identical calls in flight are computed once. `True`: calls
-      with equal (hashable) items share one slot in a batch and its result;
-      a function of the item: calls with equal keys do. Each caller keeps its
-      own deadline and cancellation; an `Exception` in the slot fails each of
-      them. Counted in `stats.deduplicated`. Not for streaming proxies.
-    - `cache_size` (with `dedup`): also keep the results of this many recent keys
-      (least recently used out first) and answer a call with a kept key at
-      once, without the queue or the model (`stats.cache_hits`). Errors are
-      never kept. `cache_ttl`: seconds a result is kept (default: until evicted).
+    - `dedup` (opt-in): `Dedup(key=..., cache_size=..., cache_ttl=...)`, `True`
+      (`Dedup()`) or a function of the item (`Dedup(key=f)`): identical calls in
+      flight are computed once. Calls with equal (hashable) items, or equal keys,
+      share one slot in a batch and its result. Each caller keeps its own
+      deadline and cancellation; an `Exception` in the slot fails each of them.
+      Counted in `stats.deduplicated`. Not for streaming proxies. `cache_size`:
+      also keep the results of this many recent keys (least recently used out
+      first) and answer a call with a kept key at once, without the queue or the
+      model (`stats.cache_hits`); errors are never kept. `cache_ttl`: seconds a
+      result is kept (default: until evicted).
     - `key`: a function of the item giving its batch key (a model or adapter id,
       a language): requests are batched only with requests of the same key, the
       keys taking turns (see "Batches by key"); the model reads its batch's key
@@ -173,16 +202,14 @@ class Options:
     aging_ms: float | None = None
     shed_late: bool = False
     isolate_errors: bool = False
-    batch_timeout: float | None = None
-    on_batch_timeout: Literal["serve", "stop"] = "serve"
+    batch_timeout: Watchdog | None = None
+    """Given as a `Watchdog` or its seconds (`math.inf`: none)."""
     stream_buffer: int | None = 1024
     caller_context: bool = False
-    dedup: bool | Callable[[Any], Hashable] = False
-    cache_size: int | None = None
-    cache_ttl: float | None = None
-    batch_sizes: Sequence[int] | None = None
-    """Checked: a tuple, ascending."""
-    pad_item: Any = field(default=NO_ITEM, compare=False)
+    dedup: Dedup | None = None
+    """Given as a `Dedup`, `True` (`Dedup()`), a function (`Dedup(key=f)`) or `False`."""
+    batch_sizes: BatchSizes | None = None
+    """Given as a `BatchSizes` or the sizes alone."""
     key: Callable[[Any], Hashable] | None = None
     tenant_weights: Mapping[Hashable, float] | None = None
     max_queue_size_per_tenant: int | None = None
@@ -214,32 +241,17 @@ class Options:
             ),
             "shed_late": _validate.flag("shed_late", self.shed_late),
             "isolate_errors": _validate.flag("isolate_errors", self.isolate_errors),
-            "batch_timeout": _validate.timeout("batch_timeout", self.batch_timeout),
-            "on_batch_timeout": _validate.choice(
-                "on_batch_timeout", self.on_batch_timeout, ("serve", "stop")
-            ),
+            "batch_timeout": _watchdog(self.batch_timeout),
             "stream_buffer": _validate.optional_count("stream_buffer", self.stream_buffer),
             "caller_context": _validate.flag("caller_context", self.caller_context),
-            "cache_size": _validate.optional_count("cache_size", self.cache_size),
-            "cache_ttl": (
-                None
-                if self.cache_ttl is None
-                else _validate.duration("cache_ttl", self.cache_ttl, allow_zero=False)
-            ),
-            "batch_sizes": check_sizes(self.batch_sizes, self.batch_size, self.pad_item),
+            "dedup": _dedup(self.dedup),
+            "batch_sizes": _batch_sizes(self.batch_sizes, self.batch_size),
             "key": _callable_or_none("key", self.key),
             "tenant_weights": _weights(self.tenant_weights),
             "max_queue_size_per_tenant": _validate.optional_count(
                 "max_queue_size_per_tenant", self.max_queue_size_per_tenant
             ),
         }
-        dedup = self.dedup
-        if not (isinstance(dedup, bool) or callable(dedup)):
-            raise TypeError(f"dedup must be a bool or a function of the item, got {dedup!r}")
-        if not dedup and (self.cache_size is not None or self.cache_ttl is not None):
-            raise ValueError("cache_size and cache_ttl keep results by key: they need dedup=")
-        if self.cache_ttl is not None and self.cache_size is None:
-            raise ValueError("cache_ttl needs cache_size (how many results to keep)")
         oom = self.oom_backoff
         if not (isinstance(oom, bool) or callable(oom)):
             raise TypeError(f"oom_backoff must be a bool or a predicate, got {oom!r}")
@@ -256,7 +268,17 @@ class Options:
 
     @property
     def stops_on_overrun(self) -> bool:
-        return self.on_batch_timeout == "stop"
+        return self.batch_timeout is not None and self.batch_timeout.on_timeout == "stop"
+
+    @property
+    def batch_timeout_seconds(self) -> float | None:
+        """The watchdog's seconds; None without one."""
+        return None if self.batch_timeout is None else self.batch_timeout.seconds
+
+    @property
+    def filler(self) -> Any:
+        """`batch_sizes`' `pad_item`; `NO_ITEM` without one."""
+        return NO_ITEM if self.batch_sizes is None else self.batch_sizes.pad_item
 
     def evolve(self, **changes: Any) -> Options:
         """These options with `changes` (each checked; `...` keeps a value), or an error
@@ -264,14 +286,19 @@ class Options:
         changes = {name: value for name, value in changes.items() if value is not ...}
         for name in changes:
             if name not in CONFIGURABLE:
-                what = (
-                    "an option fixed at construction"
-                    if name in ProxyOptions.__annotations__
-                    else "an unexpected keyword argument"
-                )
+                if name not in ProxyOptions.__annotations__:
+                    raise unexpected_keyword("configure()", name, CONFIGURABLE)
                 raise TypeError(
-                    f"configure() got {what} {name!r}; it takes {', '.join(sorted(CONFIGURABLE))}"
+                    f"configure() got an option fixed at construction {name!r}; it takes "
+                    f"{', '.join(sorted(CONFIGURABLE))}"
                 )
+        changes = fold_changes(changes, self.batch_timeout)
+        seconds = changes.get("batch_timeout")
+        if seconds is not None and not isinstance(seconds, Watchdog) and self.batch_timeout:
+            # seconds alone change the watchdog's seconds; what it does stays
+            timeout = _validate.timeout("batch_timeout", seconds)
+            on_timeout = self.batch_timeout.on_timeout
+            changes["batch_timeout"] = timeout and Watchdog(timeout, on_timeout=on_timeout)
         return dataclasses.replace(self, **changes)
 
 
@@ -296,6 +323,36 @@ def _weights(value: object) -> Mapping[Hashable, float] | None:
         for tenant, weight in value.items()
     }
     return MappingProxyType(weights)
+
+
+def _watchdog(value: object) -> Watchdog | None:
+    """`batch_timeout`: a `Watchdog`, or its seconds (None or infinity: none)."""
+    if value is None or isinstance(value, Watchdog):
+        return value
+    seconds = _validate.timeout("batch_timeout", value)
+    return None if seconds is None else Watchdog(seconds)
+
+
+def _dedup(value: object) -> Dedup | None:
+    """`dedup`: a `Dedup`, `True` (`Dedup()`), a function of the item (its key), or off."""
+    if value is None or value is False:
+        return None
+    if isinstance(value, Dedup):
+        return value
+    if value is True:
+        return Dedup()
+    if callable(value) and not isinstance(value, bool):
+        return Dedup(key=value)
+    raise TypeError(f"dedup must be a Dedup, a bool or a function of the item, got {value!r}")
+
+
+def _batch_sizes(value: object, batch_size: int) -> BatchSizes | None:
+    """`batch_sizes`: a `BatchSizes` or the sizes alone, the smallest within `batch_size`."""
+    if value is None:
+        return None
+    sizes = value if isinstance(value, BatchSizes) else BatchSizes(value)  # type: ignore[arg-type]
+    check_sizes(sizes.sizes, batch_size, NO_ITEM)
+    return sizes
 
 
 def _callable_or_none(name: str, value: object) -> Any:

@@ -41,7 +41,7 @@ from ._intake import Intake
 from ._lifecycle import Lifecycle, State
 from ._listeners import Listener, Listeners
 from ._loops.binding import Binder
-from ._options import ConfigurableOptions, Options, ProxyOptions
+from ._options import ConfigurableOptions, Options, ProxyOptions, options_for
 from ._reachable import check_queue_bound
 from ._runs.batches import ModelOutput, RunKind, Runner, current_batch
 from ._runs.model import choose_executor, refuse_reruns, run_kind_of
@@ -73,11 +73,13 @@ class Proxy(ABC, CallForms[In, Out]):
       directly, without a subclass.
     - `name`: how stats, errors and logs name this proxy (default: class name).
 
-    Hooks a subclass may override: `_inference` (the model), `_model_function`
-    (another callable as the model), `_run_kind` (how a batch runs), `_cost` (an
-    item's cost), `_group_by_length` and `_model_name`.
+    Hooks a subclass may override: `_inference` (the model) and `_cost` (an item's
+    cost, by `length` by default). The other underscore names are the library's
+    own (its `GenerationProxy`, `TensorProxy` and `@batch` use them): do not
+    override them.
     """
 
+    # These are the library's own; do not override.
     _group_by_length = True  # TensorProxy(length_aware=False): costs without grouping
     _pads_batch_axis = False  # TensorProxy: fills batches up to `batch_sizes` itself
     _model_name = "_inference"  # what the model is called in logs
@@ -94,7 +96,7 @@ class Proxy(ABC, CallForms[In, Out]):
         **options: Unpack[ProxyOptions],
     ) -> None:
         self.name: str = _validate.name(name) or type(self).__name__
-        self._options = opts = Options(batch_size=batch_size, **options)
+        self._options = opts = options_for(f"{type(self).__name__}()", batch_size, options)
         # None unless `_inference` takes per-batch arguments (`with_args`)
         self._arguments = model_arguments(type(self), self.name, opts.key is not None)
         model = self._model_function()
@@ -159,21 +161,26 @@ class Proxy(ABC, CallForms[In, Out]):
         """
         raise NotImplementedError  # __init__ refuses a proxy without a model
 
+    def _cost(self, item: In) -> int:
+        """An item's cost, by `length` (called only when there is one). A hook: a
+        subclass may compute it otherwise (an int >= 0)."""
+        return self._intake.measure(item)
+
+    # These are the library's own; do not override.
+
     def _model_function(self) -> Callable[[list[In]], Any]:
-        """What a batch calls; `_inference` unless a subclass supplies another callable
-        (or `_inference` with its per-batch arguments, if it takes them)."""
+        """The library's own (not a hook): what a batch calls; `_inference`, or
+        `_inference` with its per-batch arguments, if it takes them (`GenerationProxy`,
+        `TensorProxy` and `@batch` supply another callable)."""
         arguments = self._arguments
         if arguments is None:
             return self._inference
         return call_with_arguments(self._inference, arguments.count)
 
     def _run_kind(self, model: Callable[..., Any], offload: object) -> RunKind:
-        """How this proxy's batches run: streams for a generator model, else batches."""
+        """The library's own (not a hook): how this proxy's batches run; streams for a
+        generator model, else batches (`GenerationProxy` runs its engine)."""
         return run_kind_of(self.name, model, offload)
-
-    def _cost(self, item: In) -> int:
-        """An item's cost, by `length` (called only when there is one)."""
-        return self._intake.measure(item)
 
     def _has_own_model(self) -> bool:
         cls = type(self)
@@ -321,7 +328,8 @@ class Proxy(ABC, CallForms[In, Out]):
 
         `timeout` (seconds; default: the proxy's) bounds the whole call; `priority`:
         higher goes first, FIFO within a level. `tenant`: whose call it is, for fair
-        sharing; `key`: batch it only with calls of the same key.
+        sharing; `key`: batch it only with calls of the same key. These are the
+        `CallOptions` every call method takes (spelt out here: the hot path).
         """
         binding = self._binder.current
         if binding is None or binding.loop is not asyncio.get_running_loop():

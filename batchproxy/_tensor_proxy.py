@@ -24,10 +24,13 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
+from typing_extensions import Unpack
 
 from . import _validate, tensors
 from ._executors.devices import torch_device
 from ._executors.staged import StagedModel
+from ._option_values import BatchSizes as SizesOption
+from ._options import ProxyOptions
 from ._proxy import Proxy
 from ._runs.callers import narrowed
 from ._scheduling.sizes import BatchSizes
@@ -95,7 +98,7 @@ class TensorProxy(Proxy[In, Out]):
         device: str | torch.device | None = None,
         output_device: str | torch.device | None = None,
         length_aware: bool = True,
-        **options: Any,
+        **options: Unpack[ProxyOptions],
     ) -> None:
         _validate.choice("padding_side", padding_side, ("right", "left"))
         self._pad_value = _pad_value(pad_value)
@@ -106,14 +109,15 @@ class TensorProxy(Proxy[In, Out]):
         self._device = torch_device("device", device)
         self._output_device = torch_device("output_device", output_device)
         options.setdefault("length", tensors.length)  # costs for max_batch_tokens and stats
-        if "pad_item" in options:
+        sizes_given = options.get("batch_sizes")
+        if "pad_item" in options or (isinstance(sizes_given, SizesOption) and sizes_given.pads):
             raise TypeError(
                 "TensorProxy pads the batch axis with pad_value rows itself; it takes no pad_item"
             )
         self._group_by_length = _validate.flag("length_aware", length_aware)
         super().__init__(batch_size, **options)
         sizes = self.options.batch_sizes
-        self._sizes = None if sizes is None else BatchSizes(tuple(sizes), pads=True)
+        self._sizes = None if sizes is None else BatchSizes(sizes.sizes, pads=True)
 
     @abstractmethod
     def _forward(self, batch: Collated, /) -> Any:

@@ -11,7 +11,7 @@ allowed size s it is given, and raises on any other size. Three proxies over it,
 
 - any size: the same cost on whatever size comes (a dynamic-shape model: the
   yardstick, what the static engine would cost if it took any size);
-- pad: `batch_sizes=SIZES, pad_item=0`: each batch padded up to an allowed size;
+- pad: `batch_sizes=BatchSizes(SIZES, pad_item=0)`: each batch padded up to an allowed size;
 - cut: `batch_sizes=SIZES`: each batch cut down to one, the rest waiting.
 
 Open-loop Poisson arrivals (fixed seeds) at 30, 60 and 90 % of capacity
@@ -29,7 +29,7 @@ from typing import Any
 
 from _report import arguments, environment, headline, no_targets, write_report
 
-from batchproxy import batch, simulation
+from batchproxy import BatchSizes, batch, simulation
 
 SIZES = (1, 2, 4, 8, 16, 32)
 BATCH = 32
@@ -58,7 +58,7 @@ def engine(static: bool, calls: list[int]) -> Any:
 
 MODES: dict[str, dict[str, Any]] = {
     "any size": {},
-    "pad": {"batch_sizes": SIZES, "pad_item": 0},
+    "pad": {"batch_sizes": BatchSizes(SIZES, pad_item=0)},
     "cut": {"batch_sizes": SIZES},
 }
 

@@ -13,7 +13,7 @@ demo's `TensorProxy` (`batch_size=32`, `offload=True`, length-aware), three ways
 
 - batched: every request takes a slot in a batch;
 - dedup: `dedup=` the token ids: identical requests in flight share one slot;
-- dedup + cache: also `cache_size=4096`: a repeat of a sentence already answered
+- dedup + cache: also `Dedup(cache_size=4096)`: a repeat of a sentence already answered
   is answered from the cache.
 
 The variants run interleaved (the order alternates each round), on the same
@@ -43,7 +43,7 @@ from _report import arguments, environment, headline, write_report
 from minilm import MiniLMEmbedder, embed, load_minilm
 from sample_text import make_sentences  # sets HF_HUB_OFFLINE
 
-from batchproxy import Percentiles
+from batchproxy import Dedup, Percentiles
 
 BATCH_SIZE = 32
 REPEAT_SHARE = 0.2
@@ -102,7 +102,7 @@ def request_stream(count: int, seed: int) -> list[str]:
 def make_proxy(tokenizer: Any, model: Any, label: str) -> MiniLMEmbedder:
     options = dict(VARIANTS[label])
     if options.pop("dedup", None) == "tokens":
-        options["dedup"] = token_key
+        options["dedup"] = Dedup(key=token_key, cache_size=options.pop("cache_size", None))
     return MiniLMEmbedder(tokenizer, model, BATCH_SIZE, offload=True, name=label, **options)
 
 

@@ -504,8 +504,8 @@ class Gpt2Generator(GenerationProxy[Prompt, int]):
     ) -> None:
         super().__init__(
             batch_size,
-            max_tokens=max_tokens,
-            tokens=None if max_tokens is None else _prompt_tokens,
+            max_batch_tokens=max_tokens,
+            length=None if max_tokens is None else _prompt_tokens,
             **options,
         )
         self.batch = GreedyBatch(Engine(model), eos=eos)

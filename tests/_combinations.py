@@ -259,16 +259,17 @@ def configs(draw: st.DrawFn, *, threads: bool = False, processes: bool = False) 
         options["oom_backoff"] = draw(st.booleans())
         dedup = draw(st.booleans())
         if dedup:
-            options["dedup"] = True
-            options["cache_size"] = draw(st.none() | st.integers(1, 4))
-            if options["cache_size"] is not None:
-                options["cache_ttl"] = draw(st.none() | st.sampled_from([0.005, 1.0]))
+            cache_size = draw(st.none() | st.integers(1, 4))
+            cache_ttl = None
+            if cache_size is not None:
+                cache_ttl = draw(st.none() | st.sampled_from([0.005, 1.0]))
+            options["dedup"] = batchproxy.Dedup(cache_size=cache_size, cache_ttl=cache_ttl)
         sizes = draw(st.sampled_from(["any", "cut", "pad"]))
         if sizes == "cut":
             options["batch_sizes"] = draw(st.sampled_from([(1, 2, 4, 8), (1, 3)]))
         elif sizes == "pad":
-            options["batch_sizes"] = (2, 4, 8) if batch_size >= 2 else (1, 4, 8)
-            options["pad_item"] = PAD
+            padded = (2, 4, 8) if batch_size >= 2 else (1, 4, 8)
+            options["batch_sizes"] = batchproxy.BatchSizes(padded, pad_item=PAD)
     keys = model not in ("tagged", "process") and draw(st.booleans())
     if model not in ("tagged", "process") and draw(st.booleans()):
         options["key"] = key_option
@@ -535,6 +536,7 @@ def model_calls_problems(result: Run) -> Iterator[str]:
     """Every model call has an allowed size, and sees its own items' contexts, in order."""
     config = result.config
     sizes = config.options.get("batch_sizes")
+    sizes = getattr(sizes, "sizes", sizes)  # a BatchSizes, or the sizes alone
     calls_by_id = {call.id: call for call in result.program.calls}
     for number, model_call in enumerate(result.log.calls):
         size = len(model_call.items)

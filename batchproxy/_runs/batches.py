@@ -138,7 +138,7 @@ class Runner(Generic[In]):
                 sizes,
                 settlement.stats,
                 name=name,
-                filler=options.pad_item,
+                filler=options.filler,
                 model_pads=model_pads,
                 reruns=self.reruns,
             )
@@ -389,7 +389,7 @@ class Runner(Generic[In]):
         self, binding: Binding[In], task: asyncio.Task[Any], requests: list[Request[In]]
     ) -> asyncio.TimerHandle | None:
         """Arm the watchdog for a batch (or step) starting now, with `batch_timeout`."""
-        timeout = self.options.batch_timeout
+        timeout = self.options.batch_timeout_seconds
         if timeout is None:
             return None
         return binding.loop.call_later(timeout, self._overran, binding, task, requests, timeout)

@@ -87,14 +87,16 @@ def refuse_streams(name: str, streams: bool, sizes: object) -> None:
 def batch_sizes(name: str, options: Any, model_pads: bool) -> BatchSizes | None:
     """A proxy's allowed sizes and mode (None without `batch_sizes`); cut mode needs 1
     among the sizes, or a lone request could never run."""
-    sizes = options.batch_sizes
-    if sizes is None:
+    allowed = options.batch_sizes  # a `BatchSizes` value (`_option_values`), or None
+    if allowed is None:
         return None
-    pads = model_pads or options.pad_item is not NO_ITEM
+    sizes = allowed.sizes
+    pads = model_pads or allowed.pad_item is not NO_ITEM
     if not pads and sizes[0] != 1:
         raise ValueError(
             f"{name}: batch_sizes={sizes} without pad_item must include 1, or a request "
-            f"with no company could never run; add 1, or give pad_item= to pad batches"
+            f"with no company could never run; add 1, or pad batches with "
+            f"batch_sizes=BatchSizes({sizes}, pad_item=...)"
         )
     return BatchSizes(sizes, pads=pads)
 

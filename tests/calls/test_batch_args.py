@@ -57,10 +57,10 @@ async def test_calls_are_batched_per_distinct_value_of_the_other_arguments() -> 
 async def test_many_and_per_call_options() -> None:
     calls: list[tuple[list[str], bool, str]] = []
     embed = make_embed(calls)
-    assert await embed.many(["a", "b"], normalize=True) == ["a:True:x", "b:True:x"]
+    assert await embed.inference_many(["a", "b"], normalize=True) == ["a:True:x", "b:True:x"]
     with pytest.raises(TimeoutError):
-        await embed.options(timeout=0.5)("slow")
-    assert await embed.options(priority=3, tenant="t")("p") == "p:False:x"
+        await embed.with_call_options(timeout=0.5)("slow")
+    assert await embed.with_call_options(priority=3, tenant="t")("p") == "p:False:x"
     assert embed.stats.timed_out == 1
     await embed.aclose()
 
@@ -72,7 +72,9 @@ async def test_bad_calls_are_refused_before_queueing() -> None:
         embed("x", colour=1)
     with pytest.raises(TypeError, match="too many positional arguments"):
         embed("x", True, "y")
-    with pytest.raises(TypeError, match=r"per-call options go through \.options\(timeout"):
+    with pytest.raises(
+        TypeError, match=r"per-call keywords go through \.with_call_options\(timeout"
+    ):
         embed("x", timeout=1)
     with pytest.raises(TypeError, match="argument 'unit' must be hashable"):
         embed("x", unit=[])  # type: ignore[arg-type]
@@ -137,7 +139,7 @@ async def test_several_item_parameters_get_a_list_each() -> None:
     )
     assert results == ["busy=0.0kg", "a=1.0kg", "b=2.0g", "c=3.0kg", "d=4.0g"]
     assert calls[1:] == [(["a", "c"], [1.0, 3.0], "kg"), (["b", "d"], [2.0, 4.0], "g")]
-    assert await weigh.many([("e", 5.0), ("f", 6.0)]) == ["e=5.0kg", "f=6.0kg"]
+    assert await weigh.inference_many([("e", 5.0), ("f", 6.0)]) == ["e=5.0kg", "f=6.0kg"]
     with pytest.raises(TypeError, match="takes 2 item arguments, got 1"):
         weigh("x")  # type: ignore[call-arg]
     await weigh.aclose()
@@ -171,7 +173,7 @@ def test_mypy_checks_calls_against_the_per_item_signature(tmp_path: Path) -> Non
 
             async def main() -> None:
                 ok: float = await embed("x", normalize=True)
-                await embed.options(timeout=1.0)("x")
+                await embed.with_call_options(timeout=1.0)("x")
                 await embed(1)                       # line 11: the item's type
                 await embed("x", normalize="yes")    # line 12: the argument's type
                 await embed("x", colour=1)           # line 13: no such argument

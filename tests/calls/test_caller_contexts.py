@@ -179,7 +179,7 @@ async def test_a_batch_cut_into_allowed_sizes_gives_each_call_its_own_items_cont
 @pytest.mark.parametrize("offload", [False, True])
 async def test_a_padded_batch_gives_its_filler_rows_empty_contexts(offload: bool) -> None:
     async with SizedTagged(
-        batch_size=8, batch_sizes=(2, 4, 8), pad_item=-1, offload=offload
+        batch_size=8, batch_sizes=batchproxy.BatchSizes((2, 4, 8), pad_item=-1), offload=offload
     ) as proxy:
         got = await asyncio.gather(*(call_as(proxy, f"req-{i}", i) for i in range(7)))
     assert got == [(i, f"req-{i}") for i in range(7)]
@@ -199,9 +199,12 @@ async def test_isolated_pieces_of_a_sized_batch_see_their_own_items_contexts(
                 raise ValueError("1 spoils any batch it is in (alone, with fillers, it runs)")
             return result
 
-    options: dict[str, Any] = {} if pad_item is None else {"pad_item": pad_item}
-    sizes = (2, 4) if pad_item is not None else (1, 2, 4)
-    async with Picky(batch_size=4, batch_sizes=sizes, isolate_errors=True, **options) as proxy:
+    sizes = (
+        batchproxy.BatchSizes((1, 2, 4))
+        if pad_item is None
+        else batchproxy.BatchSizes((2, 4), pad_item=pad_item)
+    )
+    async with Picky(batch_size=4, batch_sizes=sizes, isolate_errors=True) as proxy:
         calls = [asyncio.create_task(call_as(proxy, f"req-{i}", i)) for i in range(4)]
         await asyncio.sleep(0)
         calls[3].cancel()  # a batch of 3: padded to 4, or cut into 2 and 1
@@ -224,6 +227,8 @@ async def test_a_filler_rows_context_is_a_fresh_empty_one() -> None:
             contexts[1].run(var.set, "set by the model")  # changes nothing elsewhere
             return items
 
-    async with Marks(batch_sizes=(2,), pad_item=0, caller_context=True) as proxy:
+    async with Marks(
+        batch_sizes=batchproxy.BatchSizes((2,), pad_item=0), caller_context=True
+    ) as proxy:
         assert await proxy.inference(1) == 1
         assert await proxy.inference(2) == 2

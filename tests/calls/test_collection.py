@@ -95,11 +95,11 @@ def test_owner_dropped_after_asyncio_run_is_collected() -> None:
 
 
 def test_owner_used_from_a_plain_thread_is_collected() -> None:
-    """`.sync()` binds the proxy to the default `BackgroundLoop`, which lives on."""
+    """`.inference_sync()` binds the proxy to the default `BackgroundLoop`, which lives on."""
 
     def use() -> Refs:
         model = _model("gc-sync")
-        assert model.double.sync(3, timeout=10) == 6
+        assert model.double.inference_sync(3, timeout=10) == 6
         return _refs(model, model.double.proxy)
 
     _assert_collected(use())

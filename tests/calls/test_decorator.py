@@ -25,8 +25,8 @@ async def square(numbers: list[int]) -> list[int]:
 async def test_module_level_function(no_leftovers: None) -> None:
     """The one test that uses (and closes) the module-level `square`."""
     assert await asyncio.wait_for(square(3), 10) == 9
-    assert await asyncio.wait_for(square.many([1, 2, 5]), 10) == [1, 4, 25]
-    assert await square.many([]) == []
+    assert await asyncio.wait_for(square.inference_many([1, 2, 5]), 10) == [1, 4, 25]
+    assert await square.inference_many([]) == []
 
     seen_by_square.clear()
     results = await asyncio.wait_for(asyncio.gather(*(square(i) for i in range(10))), 10)
@@ -106,7 +106,7 @@ async def test_method_gets_one_proxy_per_instance(no_leftovers: None) -> None:
     assert b.selves == [b]
     assert a.predict.stats.requests == 4
     assert b.predict.stats.requests == 4
-    assert await asyncio.wait_for(a.predict.many([10, 11]), 10) == [("a", 10), ("a", 11)]
+    assert await asyncio.wait_for(a.predict.inference_many([10, 11]), 10) == [("a", 10), ("a", 11)]
     await a.predict.aclose()
     with pytest.raises(ProxyClosed):
         await a.predict(1)
@@ -143,7 +143,7 @@ async def test_sync_function_runs_on_a_worker_thread(no_leftovers: None) -> None
 
     results = await asyncio.wait_for(asyncio.gather(*(double(i) for i in range(6))), 10)
     assert results == [2 * i for i in range(6)]
-    assert await asyncio.wait_for(double.many([7, 8]), 10) == [14, 16]
+    assert await asyncio.wait_for(double.inference_many([7, 8]), 10) == [14, 16]
     assert threads
     assert threading.current_thread() not in threads
     assert {t.name for t in threads} == {"batchproxy-sync-fn"}

@@ -14,6 +14,7 @@ import pytest
 from _support import RaisingListener, Recorder, assert_settled
 
 import batchproxy
+from batchproxy import Dedup
 
 pytestmark = pytest.mark.looptime
 
@@ -263,7 +264,7 @@ async def test_a_keyed_call_never_shares_with_an_unkeyed_call_of_the_pair() -> N
 async def test_the_cache_never_answers_a_keyed_call_with_an_unkeyed_result(
     keyed_first: bool,
 ) -> None:
-    p = Recorder(keyed_answers, batch_size=8, dedup=True, cache_size=8)
+    p = Recorder(keyed_answers, batch_size=8, dedup=Dedup(cache_size=8))
     calls = [lambda: p.inference("x", key="k"), lambda: p.inference(("k", "x"))]
     if not keyed_first:
         calls.reverse()
@@ -289,9 +290,8 @@ async def test_a_dedup_function_and_a_key_function_never_mix_keyed_and_unkeyed()
         keyed_answers,
         delay=1.0,
         batch_size=8,
-        dedup=lambda item: item["text"],
+        dedup=Dedup(key=lambda item: item["text"], cache_size=8),
         key=batch_of,
-        cache_size=8,
     )
     keyed = {"lang": "en", "text": "x"}
     unkeyed = {"text": ("en", "x")}
@@ -308,7 +308,7 @@ async def test_calls_with_different_arguments_never_share() -> None:
             await asyncio.sleep(1.0)
             return [(item, scale) for item in items]
 
-    p = Scaled(batch_size=8, dedup=True, cache_size=8)
+    p = Scaled(batch_size=8, dedup=Dedup(cache_size=8))
     results = await asyncio.gather(
         p.with_args(scale=2).inference("x"),
         p.inference("x"),
@@ -321,7 +321,7 @@ async def test_calls_with_different_arguments_never_share() -> None:
 
 
 async def test_the_cache_answers_a_repeated_call_without_the_model() -> None:
-    p = Recorder(delay=1.0, batch_size=8, dedup=True, cache_size=2)
+    p = Recorder(delay=1.0, batch_size=8, dedup=Dedup(cache_size=2))
     assert await p.inference("a") == ("out", "a")
     loop = asyncio.get_running_loop()
     t = loop.time()
@@ -335,7 +335,7 @@ async def test_the_cache_answers_a_repeated_call_without_the_model() -> None:
 
 
 async def test_the_cache_keeps_the_most_recently_used_keys() -> None:
-    p = Recorder(batch_size=8, dedup=True, cache_size=2)
+    p = Recorder(batch_size=8, dedup=Dedup(cache_size=2))
     for x in ["a", "b", "a", "c"]:  # "a" used again, so "b" is the one evicted by "c"
         await p.inference(x)
     assert p.batches == [["a"], ["b"], ["c"]]
@@ -346,7 +346,7 @@ async def test_the_cache_keeps_the_most_recently_used_keys() -> None:
 
 
 async def test_a_cached_result_expires_after_the_ttl() -> None:
-    p = Recorder(batch_size=8, dedup=True, cache_size=8, cache_ttl=60.0)
+    p = Recorder(batch_size=8, dedup=Dedup(cache_size=8, cache_ttl=60.0))
     await p.inference("a")
     await asyncio.sleep(59.0)
     await p.inference("a")
@@ -359,7 +359,7 @@ async def test_a_cached_result_expires_after_the_ttl() -> None:
 
 async def test_errors_are_never_cached() -> None:
     p = Recorder(
-        lambda items: [ValueError("no")] * len(items), batch_size=8, dedup=True, cache_size=8
+        lambda items: [ValueError("no")] * len(items), batch_size=8, dedup=Dedup(cache_size=8)
     )
     for _ in range(2):
         with pytest.raises(ValueError):
@@ -370,7 +370,7 @@ async def test_errors_are_never_cached() -> None:
 
 
 async def test_a_closed_proxy_refuses_even_a_cached_key() -> None:
-    p = Recorder(batch_size=8, dedup=True, cache_size=8)
+    p = Recorder(batch_size=8, dedup=Dedup(cache_size=8))
     await p.inference("a")
     await p.aclose()
     with pytest.raises(batchproxy.ProxyClosed):
@@ -423,16 +423,19 @@ def test_calls_from_threads_join_a_running_slot() -> None:
 
 
 def test_options_are_checked() -> None:
-    with pytest.raises(TypeError, match="dedup must be a bool or a function"):
+    with pytest.raises(TypeError, match="dedup must be a Dedup, a bool or a function"):
         Recorder(dedup="yes")
-    with pytest.raises(ValueError, match="need dedup="):
-        Recorder(cache_size=10)
-    with pytest.raises(ValueError, match="cache_ttl needs cache_size"):
-        Recorder(dedup=True, cache_ttl=5.0)
+    with (
+        pytest.warns(DeprecationWarning, match="cache_size"),
+        pytest.raises(ValueError, match="need dedup="),
+    ):
+        Recorder(cache_size=10)  # (the deprecated flat spelling)
+    with pytest.raises(ValueError, match=r"cache_ttl=...\) needs cache_size"):
+        Recorder(dedup=Dedup(cache_ttl=5.0))
     with pytest.raises(ValueError, match="cache_size"):
-        Recorder(dedup=True, cache_size=0)
+        Recorder(dedup=Dedup(cache_size=0))
     with pytest.raises(ValueError, match="cache_ttl"):
-        Recorder(dedup=True, cache_size=4, cache_ttl=0)
+        Recorder(dedup=Dedup(cache_size=4, cache_ttl=0))
     with pytest.raises(TypeError, match="configure"):
         Recorder(dedup=True).configure(dedup=False)  # type: ignore[call-arg]
 
@@ -465,7 +468,7 @@ class Outcomes(batchproxy.Listener):
 
 
 async def test_listeners_hear_of_each_caller() -> None:
-    p = Recorder(delay=1.0, batch_size=8, dedup=True, cache_size=4)
+    p = Recorder(delay=1.0, batch_size=8, dedup=Dedup(cache_size=4))
     log = Outcomes()
     p.add_listener(log)
     await asyncio.gather(p.inference("a"), p.inference("a"))
@@ -481,7 +484,7 @@ async def test_listeners_hear_of_each_caller() -> None:
 
 
 async def test_a_raising_listener_changes_no_outcome() -> None:
-    p = Recorder(delay=1.0, batch_size=8, dedup=True, cache_size=4)
+    p = Recorder(delay=1.0, batch_size=8, dedup=Dedup(cache_size=4))
     p.add_listener(RaisingListener())
     assert await asyncio.gather(p.inference("a"), p.inference("a")) == [("out", "a")] * 2
     assert await p.inference("a") == ("out", "a")
@@ -541,8 +544,7 @@ async def test_a_dedup_function_reads_the_callers_context() -> None:
         delay=1.0,
         batch_size=8,
         caller_context=True,
-        dedup=lambda text: (USER.get(), text),
-        cache_size=8,
+        dedup=Dedup(key=lambda text: (USER.get(), text), cache_size=8),
     )
 
     async def as_user(user: str, text: str) -> Any:

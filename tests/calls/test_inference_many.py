@@ -301,8 +301,7 @@ async def test_cached_items_need_no_room() -> None:
         batch_size=1,
         max_concurrent_batches=1,
         max_queue_size=1,
-        dedup=True,
-        cache_size=8,
+        dedup=batchproxy.Dedup(cache_size=8),
     )
     assert await p.inference("a") == ("out", "a")
     first = await held(p)
@@ -344,8 +343,7 @@ async def test_items_that_join_do_not_count_against_the_tenant_limit() -> None:
         batch_size=4,
         max_concurrent_batches=1,
         max_queue_size_per_tenant=1,
-        dedup=True,
-        cache_size=8,
+        dedup=batchproxy.Dedup(cache_size=8),
     )
     assert await p.inference("cached", tenant="t") == ("out", "cached")
     first = await held(p)

@@ -216,7 +216,7 @@ async def test_a_model_calling_its_own_proxy_gets_a_clear_error(
         if 0 in items:
             try:
                 if how == "inference_sync":
-                    blocking.sync(99)
+                    blocking.inference_sync(99)
                 else:
                     blocking.proxy.submit(99).result(5)
             except RuntimeError as exc:
@@ -230,7 +230,7 @@ async def test_a_model_calling_its_own_proxy_gets_a_clear_error(
                 if how == "inference":
                     await awaiting.proxy.inference(99)
                 elif how == "inference_many":
-                    await awaiting.many([98, 99])
+                    await awaiting.inference_many([98, 99])
                 else:
                     await awaiting(99)
             except RuntimeError as exc:
@@ -256,7 +256,7 @@ async def test_a_model_may_call_another_proxy() -> None:
 
     @batchproxy.batch(batch_size=4)
     async def outer(items: list[int]) -> list[int]:
-        return await inner.many(items)
+        return await inner.inference_many(items)
 
     assert await asyncio.wait_for(asyncio.gather(*(outer(i) for i in range(3))), 10) == [1, 2, 3]
     await outer.aclose()

@@ -210,7 +210,7 @@ def test_the_decorator_has_a_blocking_entry(background: BackgroundLoop) -> None:
     results: dict[int, int] = {}
 
     def caller(n: int) -> None:
-        results[n] = double.sync(n, timeout=10)
+        results[n] = double.inference_sync(n, timeout=10)
 
     run_threads(caller, 8)
     assert results == {n: 2 * n for n in range(8)}

@@ -36,6 +36,8 @@ from _combinations import EXAMPLES, Call, Config, Program, check, configs, progr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import batchproxy
+
 HORIZON = 0.02  # seconds: arrivals, deadlines and the close within it
 
 
@@ -145,13 +147,17 @@ FOUND: dict[str, tuple[str, Config, Program]] = {
     # ... and the cache answers the second with the first one's result
     "cache-with-keys": (
         "issue 27 item 1",
-        plain(keys=True, batch_size=1, dedup=True, cache_size=4),
+        plain(keys=True, batch_size=1, dedup=batchproxy.Dedup(cache_size=4)),
         Program([call(0, "y", key="k"), call(1, ("k", "y"), at=0.01)]),
     ),
     # a batch of 1 padded to 2 gets 1 context for 2 items
     "contexts-when-padded": (
         "issue 27 item 2",
-        plain(batch_size=2, batch_sizes=(2, 4, 8), pad_item="PAD", caller_context=True),
+        plain(
+            batch_size=2,
+            batch_sizes=batchproxy.BatchSizes((2, 4, 8), pad_item="PAD"),
+            caller_context=True,
+        ),
         Program([call(0, "x")]),
     ),
     # a batch of 2 (allowed: 1, 3) run as [y] and [x]: each call sees both contexts

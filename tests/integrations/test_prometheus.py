@@ -188,7 +188,9 @@ async def test_shed_calls_are_counted(
 async def test_deduplicated_calls_and_cache_hits_are_counted(
     registry: CollectorRegistry, metrics: PrometheusMetrics
 ) -> None:
-    async with Recorder(batch_size=8, delay=1.0, dedup=True, cache_size=8, name="d") as proxy:
+    async with Recorder(
+        batch_size=8, delay=1.0, dedup=batchproxy.Dedup(cache_size=8), name="d"
+    ) as proxy:
         metrics.instrument(proxy)
         await asyncio.gather(*(proxy.inference(x) for x in "aaab"))  # two joined "a"
         await proxy.inference("a")  # from the cache
@@ -559,7 +561,7 @@ async def test_a_batch_function_and_a_namespace(registry: CollectorRegistry) -> 
         return [2 * item for item in items]
 
     metrics.instrument(double)
-    assert await asyncio.wait_for(double.many([1, 2, 3]), 10) == [2, 4, 6]
+    assert await asyncio.wait_for(double.inference_many([1, 2, 3]), 10) == [2, 4, 6]
     samples = scrape(registry)
     assert value(samples, "svc_requests_total", "double") == 3
     assert value(samples, "svc_queue_depth", "double") == 0

@@ -34,7 +34,8 @@ class Strict(Proxy[Any, Any]):
         memory: int | None = None,
         **options: Any,
     ) -> None:
-        options.setdefault("batch_sizes", allowed)
+        pad_item = options.pop("pad_item", NO_ITEM)
+        options.setdefault("batch_sizes", batchproxy.BatchSizes(allowed, pad_item=pad_item))
         super().__init__(**options)
         self.allowed = allowed
         self.delay = delay
@@ -83,13 +84,19 @@ def test_bad_batch_sizes_are_refused(sizes: object, error: type[Exception], matc
 
 
 def test_batch_sizes_are_kept_sorted_as_a_tuple() -> None:
-    assert Options(batch_size=8, batch_sizes=[4, 1, 2]).batch_sizes == (1, 2, 4)
+    assert Options(batch_size=8, batch_sizes=[4, 1, 2]).batch_sizes == batchproxy.BatchSizes(
+        (1, 2, 4)
+    )
     assert Options().batch_sizes is None
 
 
 def test_pad_item_needs_batch_sizes() -> None:
-    with pytest.raises(TypeError, match=r"pad_item .* needs batch_sizes"):
-        Options(pad_item=0)
+    # (the deprecated flat spelling: BatchSizes(sizes, pad_item=...) cannot miss its sizes)
+    with (
+        pytest.warns(DeprecationWarning, match="pad_item"),
+        pytest.raises(TypeError, match=r"pad_item .* needs batch_sizes"),
+    ):
+        Proxy(pad_item=0)
 
 
 def test_cutting_needs_size_one() -> None:
@@ -237,7 +244,7 @@ async def test_padded_array_results_are_cut_back_to_the_callers() -> None:
             check(len(items))
             return np.arange(len(items)) + 100  # an array, one row per item
 
-    async with Rows(batch_size=8, batch_sizes=ALLOWED, pad_item=0) as proxy:
+    async with Rows(batch_size=8, batch_sizes=batchproxy.BatchSizes(ALLOWED, pad_item=0)) as proxy:
         results = await asyncio.gather(*(proxy.inference(i) for i in range(3)))
         assert results == [100, 101, 102]
 
@@ -250,7 +257,9 @@ async def test_a_wrong_result_count_for_a_padded_or_split_call_fails_its_callers
         async def _inference(self, items: list[int]) -> list[int]:
             return items[:-1]
 
-    async with OneShort(batch_size=16, batch_sizes=(1, 4, 8), **options) as proxy:
+    async with OneShort(
+        batch_size=16, batch_sizes=batchproxy.BatchSizes((1, 4, 8), **options)
+    ) as proxy:
         results = await asyncio.gather(
             *(proxy.inference(i) for i in range(n)), return_exceptions=True
         )
@@ -263,7 +272,9 @@ async def test_per_item_errors_of_filler_rows_are_dropped() -> None:
             check(len(items))
             return [ValueError("zero") if i == 0 else i for i in items]
 
-    async with FailsZero(batch_size=8, batch_sizes=ALLOWED, pad_item=0) as proxy:
+    async with FailsZero(
+        batch_size=8, batch_sizes=batchproxy.BatchSizes(ALLOWED, pad_item=0)
+    ) as proxy:
         assert await asyncio.gather(*(proxy.inference(i) for i in (5, 6, 7))) == [5, 6, 7]
         assert proxy.stats.errors == 0
 
@@ -320,7 +331,9 @@ async def test_plain_def_model_on_its_worker_thread() -> None:
         def _inference(self, items: list[int]) -> list[int]:
             return strict()(items)
 
-    async with Threaded(batch_size=8, batch_sizes=ALLOWED, pad_item=0) as proxy:
+    async with Threaded(
+        batch_size=8, batch_sizes=batchproxy.BatchSizes(ALLOWED, pad_item=0)
+    ) as proxy:
         assert await asyncio.gather(*(proxy.inference(i) for i in range(7))) == [
             2 * i for i in range(7)
         ]
@@ -330,7 +343,9 @@ async def test_plain_def_model_on_its_worker_thread() -> None:
 async def test_process_workers_run_the_same_allowed_batches(options: dict[str, Any]) -> None:
     async with (
         batchproxy.ProcessWorkers(strict, 1) as workers,
-        Proxy(batch_size=8, batch_sizes=ALLOWED, offload=workers, **options) as proxy,
+        Proxy(
+            batch_size=8, batch_sizes=batchproxy.BatchSizes(ALLOWED, **options), offload=workers
+        ) as proxy,
     ):
         results = await asyncio.gather(*(proxy.inference(i) for i in range(13)))
         assert results == [2 * i for i in range(13)]
@@ -409,13 +424,13 @@ async def test_sized_executor_checks_each_piece(
 async def test_the_decorator_takes_batch_sizes_and_pad_item() -> None:
     seen: list[int] = []
 
-    @batchproxy.batch(batch_size=8, batch_sizes=(4, 8), pad_item=0)
+    @batchproxy.batch(batch_size=8, batch_sizes=batchproxy.BatchSizes((4, 8), pad_item=0))
     async def double(items: list[int]) -> list[int]:
         seen.append(len(items))
         check(len(items), (4, 8))
         return [2 * i for i in items]
 
-    assert await double.many([1, 2, 3]) == [2, 4, 6]
+    assert await double.inference_many([1, 2, 3]) == [2, 4, 6]
     assert seen == [4]
     assert double.stats.padded_rows == 1
 

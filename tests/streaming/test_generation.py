@@ -121,7 +121,7 @@ async def test_batch_size_caps_the_active_sequences_and_the_queue_joins_as_they_
 
 @pytest.mark.looptime
 async def test_the_token_budget_holds_and_a_request_waits_its_turn_for_room() -> None:
-    proxy = Counting(max_tokens=10, tokens=lambda job: job[1] * 2)  # n chunks: 2n tokens
+    proxy = Counting(max_batch_tokens=10, length=lambda job: job[1] * 2)  # n chunks: 2n tokens
     calls = [
         asyncio.create_task(collect(proxy.stream(job)))
         for job in (("a", 3), ("b", 2), ("c", 4), ("d", 1))  # 6 + 4 | 8 | 2
@@ -130,7 +130,7 @@ async def test_the_token_budget_holds_and_a_request_waits_its_turn_for_room() ->
     actives = [s[0] for s in proxy.steps]
     # c (8) waits for room; d (2) would fit beside a and b but does not overtake c
     assert actives == [["a", "b"], ["a", "b"], ["a"], ["c", "d"], ["c"], ["c"], ["c"]]
-    with pytest.raises(ValueError, match="needs 22 tokens, more than max_tokens=10"):
+    with pytest.raises(ValueError, match="needs 22 tokens, more than max_batch_tokens=10"):
         await collect(proxy.stream(("huge", 11)))
     assert_settled(proxy.stats)
     await proxy.aclose()
@@ -322,10 +322,10 @@ def test_misuse_is_refused_clearly() -> None:
 
     with pytest.raises(TypeError, match="must implement _step"):
         NoStep()
-    with pytest.raises(TypeError, match="max_tokens and tokens go together"):
-        Counting(max_tokens=10)
-    with pytest.raises(ValueError, match="max_tokens"):
-        Counting(max_tokens=0, tokens=len)
+    with pytest.raises(TypeError, match="max_batch_tokens and length go together"):
+        Counting(max_batch_tokens=10)
+    with pytest.raises(ValueError, match="max_batch_tokens"):
+        Counting(max_batch_tokens=0, length=len)
     proxy = Counting()
     only = "takes only batch_size, max_queue_size, timeout and stream_buffer"
     with pytest.raises(TypeError, match=only):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from _sized_models import check
 
-from batchproxy import TensorProxy, caller_contexts
+from batchproxy import BatchSizes, TensorProxy, caller_contexts
 from batchproxy.tensors import Collated
 
 
@@ -118,6 +118,8 @@ async def test_caller_contexts_are_one_per_row_the_filler_rows_empty(
 
 def test_tensor_proxy_takes_no_pad_item() -> None:
     with pytest.raises(TypeError, match="takes no pad_item"):
+        StaticNumpy(batch_size=8, batch_sizes=BatchSizes((2, 4, 8), pad_item=np.zeros(2)))
+    with pytest.raises(TypeError, match="takes no pad_item"):  # (the deprecated spelling)
         StaticNumpy(batch_size=8, batch_sizes=(2, 4, 8), pad_item=np.zeros(2))
 
 
