@@ -55,12 +55,13 @@ class Batched(Generic[T, U]):
     def __init__(
         self, fn: Callable[..., Any], options: dict[str, Any], instance: object = None
     ) -> None:
-        functools.update_wrapper(self, fn)
+        if hasattr(fn, "__name__"):  # a function; else a model object (a StagedModel)
+            functools.update_wrapper(self, fn)
         self._fn = fn
         self._options = options
-        self._attribute = fn.__name__
+        self._attribute = getattr(fn, "__name__", type(fn).__name__)
         model = fn if instance is None else functools.partial(fn, instance)
-        options = {"name": getattr(fn, "__qualname__", None), **options}
+        options = {"name": getattr(fn, "__qualname__", type(fn).__qualname__), **options}
         self._proxy: Proxy[T, U] | None = _FunctionProxy(model, **options)  # checks options
 
     def __set_name__(self, owner: type, name: str) -> None:
@@ -206,6 +207,8 @@ def batch(
     """Decorate `f(items: list[T]) -> list[U]` (function or method) to be awaited per item.
 
     Takes the same options as `Proxy`; they are checked here, at decoration time.
+    A model object works too: `batch(offload=gpu)(MyStagedModel())` runs a
+    `StagedModel`'s stages apart on an overlapping `WorkerThread`.
     """
     if callable(batch_size):
         raise TypeError("use @batch() or @batch(batch_size=...), with parentheses")

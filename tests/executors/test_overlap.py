@@ -16,7 +16,7 @@ import torch
 from typing_extensions import override
 
 import batchproxy
-from batchproxy import StagedModel, TensorProxy, WorkerThread
+from batchproxy import StagedModel, TensorProxy, WorkerThread, batch
 from batchproxy.tensors import Collated
 
 WAIT = 10.0  # seconds: a stage that waits longer for the other thread fails the test
@@ -258,3 +258,25 @@ def test_output_device_is_checked() -> None:
         Doubler(output_device="gpu:x")
     with pytest.raises(TypeError, match="output_device must be a str"):
         Doubler(output_device=1.5)
+
+
+async def test_batch_of_a_staged_model_object_overlaps_its_stages(no_leftovers: None) -> None:
+    """The public way to pipeline a model of one's own: `batch(...)` of a `StagedModel`
+    instance on an overlapping `WorkerThread` runs `prepare` and `finish` on the stage
+    thread while the model thread computes another batch; every caller gets its own."""
+    model = Staged(hold_first=True)
+    worker = WorkerThread("model", overlap=True)
+    embed = batch(batch_size=2, max_delay_ms=0, offload=worker)(model)
+    try:
+        first = asyncio.gather(embed(1), embed(2))
+        await asyncio.sleep(0.05)  # the first batch is computing (held)
+        second = await asyncio.gather(embed(100), embed(101))
+        assert await first == [("done", 11), ("done", 21)]
+        assert second == [("done", 1001), ("done", 1011)]
+        assert embed.stats.batches == 2
+    finally:
+        await embed.aclose()
+        await worker.aclose()
+    threads = {(stage, item): thread for stage, thread, item in model.log}
+    assert threads["prepare", 100] == threads["finish", 1001] == "model-stages"
+    assert threads["compute", 1000] == "model"
