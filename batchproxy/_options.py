@@ -21,7 +21,7 @@ from types import MappingProxyType
 from typing import Any, Literal, TypedDict
 
 from . import _validate
-from ._deprecated import fold_changes, fold_options
+from ._deprecated import fold_changes, fold_options, warn_renamed
 from ._oom import OomPredicate, is_out_of_memory
 from ._option_values import BatchSizes, Dedup, Watchdog, unexpected_keyword
 from ._scheduling.sizes import NO_ITEM, check_sizes
@@ -279,6 +279,27 @@ class Options:
     def filler(self) -> Any:
         """`batch_sizes`' `pad_item`; `NO_ITEM` without one."""
         return NO_ITEM if self.batch_sizes is None else self.batch_sizes.pad_item
+
+    # The old flat fields, read for one release (each warns, naming the new place).
+    @property
+    def cache_size(self) -> int | None:
+        warn_renamed("options.cache_size", "options.dedup.cache_size")
+        return None if self.dedup is None else self.dedup.cache_size
+
+    @property
+    def cache_ttl(self) -> float | None:
+        warn_renamed("options.cache_ttl", "options.dedup.cache_ttl")
+        return None if self.dedup is None else self.dedup.cache_ttl
+
+    @property
+    def pad_item(self) -> Any:
+        warn_renamed("options.pad_item", "options.batch_sizes.pad_item")
+        return self.filler
+
+    @property
+    def on_batch_timeout(self) -> str:
+        warn_renamed("options.on_batch_timeout", "options.batch_timeout.on_timeout")
+        return "serve" if self.batch_timeout is None else self.batch_timeout.on_timeout
 
     def evolve(self, **changes: Any) -> Options:
         """These options with `changes` (each checked; `...` keeps a value), or an error

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -440,3 +441,24 @@ def test_proxy_offers_inference_and_cost_as_hooks_and_fences_off_the_rest() -> N
     assert "_model_function" not in doc
     for name in ("_model_function", "_run_kind"):
         assert "library's own" in (getattr(Proxy, name).__doc__ or "")
+
+
+@pytest.mark.parametrize(
+    ("field", "new", "expected"),
+    [
+        ("cache_size", "options.dedup.cache_size", 8),
+        ("cache_ttl", "options.dedup.cache_ttl", 2.0),
+        ("pad_item", "options.batch_sizes.pad_item", "filler"),
+        ("on_batch_timeout", "options.batch_timeout.on_timeout", "stop"),
+    ],
+)
+def test_the_old_flat_fields_of_options_still_read_for_one_release(
+    field: str, new: str, expected: object
+) -> None:
+    options = Options(
+        dedup=Dedup(cache_size=8, cache_ttl=2.0),
+        batch_sizes=BatchSizes((1, 2, 4), pad_item="filler"),
+        batch_timeout=Watchdog(1.0, on_timeout="stop"),
+    )
+    with pytest.warns(DeprecationWarning, match=re.escape(new)):
+        assert getattr(options, field) == expected
