@@ -402,7 +402,7 @@ class Proxy(ABC, CallForms[In, Out]):
             else (binding.scheduler.queue.live, binding.scheduler.in_flight)
         )
         estimate = runner.cost_model.estimate()
-        slots = runner.limits()[2]
+        slots = runner.limits().slots
         tenants = None if binding is None else by_tenant(binding.scheduler.queue)
         return self._stats.snapshot(depth, running, runner.cap.cap, estimate, slots, tenants)
 

@@ -148,10 +148,10 @@ class Binding(Generic[In]):
         if self.loop.is_closed():
             return
         if self.bridge.on_loop_thread:
-            self.scheduler.reconfigure(*limits)
+            self.scheduler.reconfigure(limits)
         else:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                self.loop.call_soon_threadsafe(self.scheduler.reconfigure, *limits)
+                self.loop.call_soon_threadsafe(self.scheduler.reconfigure, limits)
 
 
 class Binder(Generic[In]):

@@ -164,27 +164,29 @@ class Runner(Generic[In]):
     # -- the scheduler's side -------------------------------------------------------------
 
     def limits(self) -> Limits:
-        """What the scheduler is told now: batch size, delay, slots, window, aging, and
-        whether it predicts batch ends (several slots to stagger, or calls to shed)."""
+        """What the scheduler is told now (`Limits`): the batch cap cut to an allowed size
+        (1 for a run kind that admits requests itself), the options' delay, slots (the
+        executor's capacity unless set), window and aging, and whether it predicts batch
+        ends (several slots to stagger, or calls to shed)."""
         options = self.options
         slots = options.max_concurrent_batches or self.executor.capacity
         size = 1 if self.kind.admits_itself else self.cap.cap
         if self.sizes is not None:
             size = self.sizes.top(size)
-        predicts = slots > 1 or options.shed_late
-        return size, options.max_delay, slots, options.adaptive, options.aging, predicts
+        return Limits(
+            batch_size=size,
+            max_delay=options.max_delay,
+            slots=slots,
+            adaptive=options.adaptive,
+            aging=options.aging,
+            predicts=slots > 1 or options.shed_late,
+        )
 
     def new_scheduler(self, binding: Binding[In]) -> Scheduler[In]:
         """The scheduler of a new binding, starting this proxy's batches there."""
-        size, delay, slots, adaptive, aging, predicts = self.limits()
         return Scheduler(
             binding.loop,
-            batch_size=size,
-            max_delay=delay,
-            max_concurrent_batches=slots,
-            adaptive=adaptive,
-            aging=aging,
-            predicts=predicts,
+            limits=self.limits(),
             start_batch=functools.partial(self.start_batch, binding),
             by_cost=self.by_cost,
             group_by_cost=self.group_by_cost,
