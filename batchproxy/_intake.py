@@ -55,7 +55,9 @@ class Intake(Generic[In]):
         arguments: Arguments | None = None,
     ) -> None:
         self.name = name
-        self.options = options  # the proxy's, current (it sets this when they change)
+        # the proxy's options now: held here alone (the runner reads them here, and the
+        # proxy); written by `Proxy.configure` only, checked whole before it writes them
+        self.options = options
         self._lifecycle = lifecycle
         self._settlement = settlement
         self._streams = streams

@@ -94,7 +94,7 @@ class Proxy(ABC, CallForms[In, Out]):
         **options: Unpack[ProxyOptions],
     ) -> None:
         self.name: str = _validate.name(name) or type(self).__name__
-        self._options = opts = Options(batch_size=batch_size, **options)
+        opts = Options(batch_size=batch_size, **options)  # held by the intake (`_options`)
         # None unless `_inference` takes per-batch arguments (`with_args`)
         self._arguments = model_arguments(type(self), self.name, opts.key is not None)
         model = self._model_function()
@@ -124,7 +124,7 @@ class Proxy(ABC, CallForms[In, Out]):
             model=model,
             executor=executor,
             kind=kind,
-            options=opts,
+            holder=self._intake,
             by_cost=self._intake.measures,
             group_by_cost=self._group_by_length,
             lifecycle=lifecycle,
@@ -268,7 +268,9 @@ class Proxy(ABC, CallForms[In, Out]):
     @property
     def options(self) -> Options:
         """The proxy's options now (read-only; change them with `configure`)."""
-        return self._options
+        return self._intake.options  # where they are held, alone
+
+    _options = options  # (what `CallForms` reads)
 
     def configure(self, **changes: Unpack[ConfigurableOptions]) -> None:
         """Change limits and policies while the proxy runs; the options mean what they
@@ -288,7 +290,7 @@ class Proxy(ABC, CallForms[In, Out]):
         new = self._options.evolve(**changes)
         refuse_reruns(self.name, self._runner.kind, new)
         check_queue_bound(self, self.name, new)
-        self._options = self._runner.options = self._intake.options = new
+        self._intake.options = new  # where they are held: the runner reads them there
         self._runner.cap.set_limit(new.batch_size)
         self._apply_limits()
 

@@ -57,7 +57,7 @@ from collections.abc import (
     Set,
 )
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from .._errors import BatchProxyError, BatchSizeMismatch, BatchTimeout, InferenceError
 from .._executors.base import Executor, LoopExecutor
@@ -108,6 +108,14 @@ class RunKind:
     admits_itself: bool = False
 
 
+class HoldsOptions(Protocol):
+    """Where the proxy's current options are held (its `Intake`; `Proxy.configure`
+    replaces them there): a runner reads them there, at each batch."""
+
+    @property
+    def options(self) -> Options: ...
+
+
 class Runner(Generic[In]):
     """Runs one proxy's batches: the hooks every run kind uses."""
 
@@ -119,7 +127,7 @@ class Runner(Generic[In]):
         model: Callable[[list[In]], Any],
         executor: Executor,
         kind: RunKind,
-        options: Options,
+        holder: HoldsOptions,
         by_cost: bool,
         group_by_cost: bool,
         lifecycle: Lifecycle,
@@ -130,6 +138,8 @@ class Runner(Generic[In]):
         self.name = name
         self.model_name = model_name  # what the model is called in logs
         self.model = model
+        self._holder = holder
+        options = holder.options
         # with `batch_sizes`: the allowed sizes, and every model call kept to them
         self.sizes = sizes = batch_sizes(name, options, model_pads)
         if sizes is not None:
@@ -144,7 +154,6 @@ class Runner(Generic[In]):
             )
         self.executor = executor
         self.kind = kind
-        self.options = options  # the proxy's, current: Proxy.configure() replaces it
         self.lifecycle = lifecycle
         self.settlement = settlement
         self.stats: StatsRecorder = settlement.stats
@@ -160,6 +169,11 @@ class Runner(Generic[In]):
         self.on_cap_change = on_cap_change
         self._task_name = f"batchproxy-{name}-batch"
         self._on_loop = type(executor) is LoopExecutor
+
+    @property
+    def options(self) -> Options:
+        """The proxy's options now (held by its `Intake`: `HoldsOptions`)."""
+        return self._holder.options
 
     # -- the scheduler's side -------------------------------------------------------------
 

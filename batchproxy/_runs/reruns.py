@@ -37,11 +37,13 @@ class _Runner(Protocol):
     name: str
     model: Callable[[list[Any]], Any]
     executor: Executor
-    options: Options
     cap: BatchCap
     stats: StatsRecorder
     listeners: Listeners
     on_cap_change: Callable[[], None]
+
+    @property
+    def options(self) -> Options: ...
 
     def result_sequence(self, results: object) -> list[Any] | tuple[Any, ...]: ...
 
