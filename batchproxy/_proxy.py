@@ -14,7 +14,7 @@ One request's way through the library, top to bottom:
    result; the slot is freed for the next batch.
 4. The caller resumes in `inference` with its result.
 
-Also: `_options`, `_lifecycle`, `_listeners`, `_stats`, `_bridge` (other threads),
+Also: `_options`, `_lifecycle`, `_events` (counts and tells `_listeners`), `_bridge`,
 the run kinds (`_streaming`, `_generation`; chosen in `_model`)."""
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from . import _validate
 from ._arguments import call_with_arguments, model_arguments
 from ._call_forms import CallForms
 from ._errors import BatchProxyError
+from ._events import Events
 from ._executors.base import Executor, WeakWatcher
 from ._executors.worker_thread import WorkerThread
 from ._fork import forget_threads_in_forked_children
@@ -104,9 +105,9 @@ class Proxy(ABC, CallForms[In, Out]):
             type(self).__name__, self.name, model, self._has_own_model(), offload
         )
         self._executor = executor
-        self._stats = stats = StatsRecorder(self.name)
-        self._listeners = listeners = Listeners(self.name)
-        settlement = Settlement(self.name, stats, listeners)
+        # every count and every listener call of this proxy goes through its events
+        self._events = Events(StatsRecorder(self.name), Listeners(self.name))
+        settlement = Settlement(self.name, self._events)
         lifecycle = Lifecycle(self.name)
         self._intake: Intake[In] = Intake(
             name=self.name,
@@ -406,7 +407,8 @@ class Proxy(ABC, CallForms[In, Out]):
         estimate = runner.cost_model.estimate()
         slots = runner.limits().slots
         tenants = None if binding is None else by_tenant(binding.scheduler.queue)
-        return self._stats.snapshot(depth, running, runner.cap.cap, estimate, slots, tenants)
+        stats = self._events.stats
+        return stats.snapshot(depth, running, runner.cap.cap, estimate, slots, tenants)
 
     @property
     def health(self) -> Health:
@@ -424,7 +426,7 @@ class Proxy(ABC, CallForms[In, Out]):
 
     def add_listener(self, listener: Listener) -> None:
         """Register hooks called on the event loop; see `Listener`."""
-        self._listeners.add(listener)
+        self._events.listeners.add(listener)
 
     def remove_listener(self, listener: Listener) -> None:
-        self._listeners.remove(listener)
+        self._events.listeners.remove(listener)

@@ -60,9 +60,9 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 from .._errors import BatchProxyError, BatchSizeMismatch, BatchTimeout, InferenceError
+from .._events import Events
 from .._executors.base import Executor, LoopExecutor
 from .._lifecycle import Lifecycle
-from .._listeners import Listeners
 from .._loops.binding import Binding
 from .._oom import BatchCap
 from .._options import Options
@@ -71,7 +71,7 @@ from .._scheduling.queue import Request
 from .._scheduling.scheduler import Limits, Scheduler
 from .._scheduling.sizes import batch_sizes
 from .._settle import Settlement, caller_error
-from .._stats import Health, StatsRecorder
+from .._stats import Health
 from .._tasks import cancel_requested, current_batch, new_task, uncancel
 from .callers import hand_over
 from .keys import hand_key_over
@@ -146,7 +146,7 @@ class Runner(Generic[In]):
             executor = SizedExecutor(
                 executor,
                 sizes,
-                settlement.stats,
+                settlement.events.stats,
                 name=name,
                 filler=options.pad_item,
                 model_pads=model_pads,
@@ -156,8 +156,7 @@ class Runner(Generic[In]):
         self.kind = kind
         self.lifecycle = lifecycle
         self.settlement = settlement
-        self.stats: StatsRecorder = settlement.stats
-        self.listeners: Listeners = settlement.listeners
+        self.events: Events = settlement.events  # counts, and tells the listeners
         self.by_cost = by_cost  # requests carry a cost (a length): batches are padded
         self.group_by_cost = group_by_cost  # and batch members are picked by cost
         # changed by: configure() and the out-of-memory back-off (`_reruns`)
@@ -332,29 +331,12 @@ class Runner(Generic[In]):
         """Count a batch that starts now; return the units the model computes: items,
         or padded tokens (batch x longest) when items have a length."""
         size = len(requests)
-        self.count_batch(size, [started - request.enqueued_at for request in requests])
+        self.events.batch_started(size, [started - request.enqueued_at for request in requests])
         if not self.by_cost:
             return size
         units = size * max(r.cost for r in requests)
-        self.stats.record_padding(real=sum(r.cost for r in requests), padded=units)
+        self.events.batch_padded(real=sum(r.cost for r in requests), padded=units)
         return units
-
-    def count_batch(self, size: int, queue_waits: list[float]) -> None:
-        """Count a batch (or a step) of `size` that starts now; `queue_waits`: seconds
-        each of its newcomers waited in the queue."""
-        stats = self.stats
-        stats.batches += 1
-        stats.items += size
-        stats.batch_sizes[size] = stats.batch_sizes.get(size, 0) + 1
-        stats.queue_wait.extend(queue_waits)
-        if self.listeners.on:
-            self.listeners.batch_started(size, queue_waits)
-
-    def count_end(self, size: int, seconds: float, error: BaseException | None) -> None:
-        """Count a model call (a batch or a step) of `size` that ended after `seconds`."""
-        self.stats.model_time.append(seconds)
-        if self.listeners.on:
-            self.listeners.batch_finished(size, seconds, error)
 
     def deliver(
         self, requests: list[Request[In]], results: object, now: float
@@ -372,10 +354,8 @@ class Runner(Generic[In]):
 
     def batch_failed(self, requests: list[Request[In]], error: BaseException) -> None:
         """The batch failed as a whole: its callers still waiting get `error`."""
-        self.stats.failed_batches += 1
         self.settlement.fail(requests, error)
-        if self.listeners.on:
-            self.listeners.error(error, len(requests))
+        self.events.batch_failed(error, len(requests))
 
     def batch_ended(
         self,
@@ -391,7 +371,7 @@ class Runner(Generic[In]):
         it answered in time, and free the batch slot (unless already handed on)."""
         if not binding.serving:
             return
-        self.count_end(size, seconds, error)
+        self.events.batch_finished(size, seconds, error)
         if binding.overran and binding.overran.pop(task, None) is not None:
             return  # the watchdog failed its callers and freed its slot already
         if not self.health.healthy and not binding.overran and self.lifecycle.open:
@@ -421,12 +401,10 @@ class Runner(Generic[In]):
         slot, abandon the model call (cancel it) and mark the proxy unhealthy."""
         error = BatchTimeout(self.name, timeout, len(requests))
         binding.overran[task] = error
-        self.stats.timed_out_batches += 1
         self.health = Health(False, str(error), time.time())
         logger.error("%s", error)
         self.settlement.fail(requests, error)
-        if self.listeners.on:
-            self.listeners.batch_timed_out(len(requests), timeout)
+        self.events.batch_timed_out(len(requests), timeout)
         binding.scheduler.batch_finished()
         task.cancel()
         if self.options.stops_on_overrun and self.lifecycle.open:
