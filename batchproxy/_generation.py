@@ -202,7 +202,7 @@ async def _run_engine(
     finally:
         if binding.serving:
             binding.scheduler.batch_finished()
-        binding.batch_tasks.discard(claimed[1])
+        runner.end_task(binding, claimed[1])
 
 
 class _Engine(Generic[In]):

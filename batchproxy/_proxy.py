@@ -134,9 +134,7 @@ class Proxy(ABC, CallForms[In, Out]):
             model_pads=self._pads_batch_axis,
         )
         runner = self._runner
-        self._binder: Binder[In] = Binder(
-            self, lifecycle, settlement, runner.new_scheduler, runner.never_started
-        )
+        self._binder: Binder[In] = Binder(self, lifecycle, settlement, runner.new_scheduler)
         # weak: the executor may outlive the proxy
         self._capacity_watcher = WeakWatcher(self, Proxy._on_capacity, Proxy._queued)
         executor.watch_capacity(self._capacity_watcher)

@@ -28,7 +28,7 @@ Cancellation, written down:
   other task"): the callers still waiting get `InferenceError`, the slot is
   freed, and the cancellation propagates. A task cancelled before its first
   step never runs a line of its coroutine: its done callback settles its batch
-  and frees its slot instead (`Binding.task_done`, then `Runner.never_started`).
+  and frees its slot instead (`_NeverStarted`, then `Runner.never_started`).
 - The watchdog's own cancellation (`batch_timeout` passed): the callers already
   got `BatchTimeout` and the slot was freed when it fired; the task ends quietly.
 - `_inference` raising `CancelledError` on its own: an ordinary batch failure (told
@@ -214,13 +214,14 @@ class Runner(Generic[In]):
     def start_batch(self, binding: Binding[In], requests: list[Request[In]] | None) -> None:
         """The scheduler's callback: start a batch task for `requests` (None: it takes what
         is queued when it runs). The scheduler counted the batch in flight. The task is
-        in `binding.batch_tasks` until its run kind ends (and takes it out), or, if it is
-        cancelled before its first step, until its done callback settles its batch."""
+        in `binding.batch_tasks` until its run kind ends (`end_task`), or, if it is
+        cancelled before its first step, until its done callback (`_NeverStarted`)
+        settles its batch."""
         run = self.kind.run(self, binding, requests)
         task = new_task(binding.loop, run, self._task_name)
         binding.batch_tasks.add(task)
-        binding.not_started[task] = requests
-        task.add_done_callback(binding.task_done)
+        binding.not_started[task] = never_started = _NeverStarted(self, binding, requests)
+        task.add_done_callback(never_started)
 
     def never_started(self, binding: Binding[In], requests: list[Request[In]] | None) -> None:
         """A batch task ended without running a step (cancelled before its first one:
@@ -234,6 +235,11 @@ class Runner(Generic[In]):
         self.settlement.fail(requests, self.cancelled_batch_error(asyncio.CancelledError()))
         binding.scheduler.batch_finished()
 
+    def end_task(self, binding: Binding[In], task: asyncio.Task[Any]) -> None:
+        """A batch task's run kind ends (its last line, however it ends): it leaves
+        `binding.batch_tasks`."""
+        binding.batch_tasks.discard(task)
+
     def claim(
         self, binding: Binding[In], requests: list[Request[In]] | None
     ) -> tuple[list[Request[In]], asyncio.Task[Any]] | None:
@@ -242,15 +248,14 @@ class Runner(Generic[In]):
         the task, made the current batch for the model."""
         task = asyncio.current_task()
         assert task is not None
-        # it runs: it settles its batch and leaves `batch_tasks` itself (`done`), so its
-        # end schedules no callback
-        del binding.not_started[task]
-        task.remove_done_callback(binding.task_done)
+        # it runs: it settles its batch and leaves `batch_tasks` itself (`end_task`), so
+        # its end schedules no callback
+        task.remove_done_callback(binding.not_started.pop(task))
         current_batch.set(task)  # seen by the model, on any executor
         if requests is None:
             requests = binding.scheduler.take_reserved()
             if not requests:
-                binding.batch_tasks.discard(task)
+                self.end_task(binding, task)
                 return None
         if self.options.caller_context and not self.kind.admits_itself:
             hand_over(requests)  # (a batch of a generation engine changes at every step)
@@ -457,7 +462,28 @@ async def run_batch(
             watchdog.cancel()
         ended = clock() if finished is None else finished
         runner.batch_ended(binding, task, size, ended - started, error, released=released)
-        binding.batch_tasks.discard(task)
+        runner.end_task(binding, task)
+
+
+class _NeverStarted(Generic[In]):
+    """The done callback of a batch task that has not run a step yet (`not_started`):
+    if the task ends so, nothing in it settled its batch or freed its slot, so this
+    does (`Runner.never_started`). `claim` removes it at the task's first step."""
+
+    __slots__ = ("binding", "requests", "runner")
+
+    def __init__(
+        self, runner: Runner[In], binding: Binding[In], requests: list[Request[In]] | None
+    ) -> None:
+        self.runner = runner
+        self.binding = binding
+        self.requests = requests
+
+    def __call__(self, task: asyncio.Task[None]) -> None:
+        binding = self.binding
+        del binding.not_started[task]
+        self.runner.end_task(binding, task)
+        self.runner.never_started(binding, self.requests)
 
 
 BATCHES = RunKind(run_batch)
