@@ -38,7 +38,7 @@ from .._errors import BatchProxyError, BatchTimeout, InferenceError
 from .._lifecycle import Lifecycle
 from .._scheduling.scheduler import Limits, Scheduler
 from .._settle import Settlement
-from .background_loop import BackgroundLoop, background_loop_of
+from .background_loop import default_host, host_of
 from .bridge import LoopBridge
 
 __all__ = ["Binder", "Binding", "StillBusy"]
@@ -198,9 +198,9 @@ class Binder(Generic[In]):
         binding = Binding[In](loop, LoopBridge(loop, self._loop_ending))
         binding.scheduler = self._new_scheduler(binding)
         self.current = binding
-        background = background_loop_of(loop)
-        if background is not None:  # however it got there, it closes with that loop
-            background._adopt(self._owner)
+        host = host_of(loop)
+        if host is not None:  # however it got there, it closes with that loop
+            host.adopt(self._owner)
         return binding
 
     def abandon(self) -> None:
@@ -213,9 +213,9 @@ class Binder(Generic[In]):
             binding.scheduler.close()
             binding.scheduler.queue.drain()
             binding.bridge.close()
-            background = background_loop_of(binding.loop)
-            if background is not None:
-                background._release(self._owner)
+            host = host_of(binding.loop)
+            if host is not None:
+                host.release(self._owner)
 
     def forget_after_fork(self) -> None:
         """In a forked child: the parent's loop and calls are the parent's."""
@@ -295,11 +295,11 @@ class Binder(Generic[In]):
                 refused: concurrent.futures.Future[T] = concurrent.futures.Future()
                 refused.set_exception(self._lifecycle.closed_error())
                 return refused, None
-            background = BackgroundLoop.default()
-            if background._on_loop_thread():  # where this proxy would now run
+            host = default_host()
+            if host.on_loop_thread():  # where this proxy would now run
                 raise self.would_deadlock(method)
             with contextlib.suppress(RuntimeError):  # it closed meanwhile: try the next one
-                routed = background._route(make, self.ended_error)
+                routed = host.route(make, self.ended_error)
                 if routed is not None:  # the proxy binds there, and closes with it
                     return routed
 
