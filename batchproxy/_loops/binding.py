@@ -103,8 +103,8 @@ class Binding(Generic[In]):
         # done callback has settled its batch
         self.batch_tasks: set[asyncio.Task[None]] = set()
         # Invariant: of those, the ones that have not run a step yet, each with the done
-        # callback that settles its batch and frees its slot if it never does (removed
-        # by `Runner.claim` at its first step)
+        # callback that settles its batch and frees its slot if it never does
+        # (`Runner.never_started`; `Runner.claim` removes both at the first step)
         self.not_started: dict[asyncio.Task[None], Callable[[asyncio.Task[None]], None]] = {}
         # Invariant: the batches the watchdog gave up on (it failed their callers and
         # freed their slots), until their model call ends (`Runner.batch_ended`)

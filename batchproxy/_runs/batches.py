@@ -3,7 +3,7 @@
 The scheduler decides that a batch leaves and calls `Runner.start_batch`, which
 starts a task for it in a fresh `contextvars` context (a batch serves many
 callers, so it sees none of theirs). The task runs the proxy's run kind: a plain
-batch (`run_batch`, below), a static stream (`_streaming.run_stream`) or a
+batch (`run_batch`, first below), a static stream (`_streaming.run_stream`) or a
 `GenerationProxy` engine. Each kind is one straight coroutine that claims its
 batch, calls the model through the executor, settles its callers
 (`Settlement`) and releases its slot, however it ends; the pieces they share are
@@ -28,7 +28,7 @@ Cancellation, written down:
   other task"): the callers still waiting get `InferenceError`, the slot is
   freed, and the cancellation propagates. A task cancelled before its first
   step never runs a line of its coroutine: its done callback settles its batch
-  and frees its slot instead (`_NeverStarted`, then `Runner.never_started`).
+  and frees its slot instead (`Runner.never_started`).
 - The watchdog's own cancellation (`batch_timeout` passed): the callers already
   got `BatchTimeout` and the slot was freed when it fired; the task ends quietly.
 - `_inference` raising `CancelledError` on its own: an ordinary batch failure (told
@@ -84,6 +84,56 @@ logger = logging.getLogger("batchproxy")
 
 In = TypeVar("In")
 Out = TypeVar("Out")
+
+
+async def run_batch(
+    runner: Runner[In], binding: Binding[In], requests: list[Request[In]] | None
+) -> None:
+    """One plain batch, start to end: the five steps of the module docstring."""
+    claimed = runner.claim(binding, requests)  # 1. claim
+    if claimed is None:
+        return
+    requests, task = claimed
+    scheduler, clock = binding.scheduler, binding.clock
+    size = len(requests)
+    started = clock()
+    units = runner.record_start(requests, started)  # 2. record the start, arm the watchdog
+    watchdog = runner.watch(binding, task, requests)
+    error: BaseException | None = None
+    released = False  # the slot was handed on before the callers were answered
+    finished = None
+    try:
+        try:  # 3. call the model
+            results, whole = await runner.call_model([r.item for r in requests])
+        except BaseException as exc:
+            error = runner.model_failure(exc, binding, task)
+            if error is None:  # the event loop is ending: so does the batch
+                if isinstance(exc, asyncio.CancelledError):
+                    runner.settlement.fail(requests, runner.cancelled_batch_error(exc))
+                raise
+        else:
+            late = bool(binding.overran) and task in binding.overran  # after the watchdog
+            released = (
+                not late
+                and scheduler.queue.live > 0  # (the cheap test first: often nobody waits)
+                and _clean(results, size)
+                and scheduler.batch_finished_early()
+            )
+            finished = clock()
+            error = runner.deliver(requests, results, finished)  # 4. settle
+            if error is None and whole and not late:  # one timely call on the whole batch
+                runner.cost_model.add(units, finished - started)
+        if error is not None:
+            runner.batch_failed(requests, error)
+    finally:  # 5. release
+        if watchdog is not None:
+            watchdog.cancel()
+        ended = clock() if finished is None else finished
+        runner.batch_ended(binding, task, size, ended - started, error, released=released)
+        runner.end_task(binding, task)
+
+
+# -- the hooks every run kind uses ------------------------------------------------------
 
 HEALTHY = Health(healthy=True, reason=None, since=None)
 
@@ -215,17 +265,23 @@ class Runner(Generic[In]):
         """The scheduler's callback: start a batch task for `requests` (None: it takes what
         is queued when it runs). The scheduler counted the batch in flight. The task is
         in `binding.batch_tasks` until its run kind ends (`end_task`), or, if it is
-        cancelled before its first step, until its done callback (`_NeverStarted`)
+        cancelled before its first step, until its done callback (`never_started`)
         settles its batch."""
         run = self.kind.run(self, binding, requests)
         task = new_task(binding.loop, run, self._task_name)
         binding.batch_tasks.add(task)
-        binding.not_started[task] = never_started = _NeverStarted(self, binding, requests)
-        task.add_done_callback(never_started)
+        settle = functools.partial(self.never_started, binding, requests)
+        binding.not_started[task] = settle  # until `claim` removes it, at the first step
+        task.add_done_callback(settle)
 
-    def never_started(self, binding: Binding[In], requests: list[Request[In]] | None) -> None:
-        """A batch task ended without running a step (cancelled before its first one:
-        "cancel every other task" at shutdown): fail its callers and free its slot."""
+    def never_started(
+        self, binding: Binding[In], requests: list[Request[In]] | None, task: asyncio.Task[None]
+    ) -> None:
+        """The done callback of a batch task that ended without running a step (cancelled
+        before its first one: "cancel every other task" at shutdown): nothing in it
+        settled its batch or freed its slot, so this fails its callers and frees it."""
+        del binding.not_started[task]
+        self.end_task(binding, task)
         if not binding.serving:
             return  # its event loop is gone, and the slot with it
         if requests is None:  # it was to take what is queued: that batch fails instead
@@ -416,74 +472,6 @@ class Runner(Generic[In]):
             self.lifecycle.stop(error)  # new calls get ProxyClosed; so do the queued ones:
             binding.scheduler.close()
             self.settlement.fail(binding.scheduler.queue.drain(), self.lifecycle.closed_error())
-
-
-async def run_batch(
-    runner: Runner[In], binding: Binding[In], requests: list[Request[In]] | None
-) -> None:
-    """One plain batch, start to end (see the module docstring)."""
-    claimed = runner.claim(binding, requests)
-    if claimed is None:
-        return
-    requests, task = claimed
-    scheduler, clock = binding.scheduler, binding.clock
-    size = len(requests)
-    started = clock()
-    units = runner.record_start(requests, started)
-    watchdog = runner.watch(binding, task, requests)
-    error: BaseException | None = None
-    released = False  # the slot was handed on before the callers were answered
-    finished = None
-    try:
-        try:
-            results, whole = await runner.call_model([r.item for r in requests])
-        except BaseException as exc:
-            error = runner.model_failure(exc, binding, task)
-            if error is None:  # the event loop is ending: so does the batch
-                if isinstance(exc, asyncio.CancelledError):
-                    runner.settlement.fail(requests, runner.cancelled_batch_error(exc))
-                raise
-        else:
-            late = bool(binding.overran) and task in binding.overran  # after the watchdog
-            released = (
-                not late
-                and scheduler.queue.live > 0  # (the cheap test first: often nobody waits)
-                and _clean(results, size)
-                and scheduler.batch_finished_early()
-            )
-            finished = clock()
-            error = runner.deliver(requests, results, finished)
-            if error is None and whole and not late:  # one timely call on the whole batch
-                runner.cost_model.add(units, finished - started)
-        if error is not None:
-            runner.batch_failed(requests, error)
-    finally:
-        if watchdog is not None:
-            watchdog.cancel()
-        ended = clock() if finished is None else finished
-        runner.batch_ended(binding, task, size, ended - started, error, released=released)
-        runner.end_task(binding, task)
-
-
-class _NeverStarted(Generic[In]):
-    """The done callback of a batch task that has not run a step yet (`not_started`):
-    if the task ends so, nothing in it settled its batch or freed its slot, so this
-    does (`Runner.never_started`). `claim` removes it at the task's first step."""
-
-    __slots__ = ("binding", "requests", "runner")
-
-    def __init__(
-        self, runner: Runner[In], binding: Binding[In], requests: list[Request[In]] | None
-    ) -> None:
-        self.runner = runner
-        self.binding = binding
-        self.requests = requests
-
-    def __call__(self, task: asyncio.Task[None]) -> None:
-        binding = self.binding
-        del binding.not_started[task]
-        self.runner.end_task(binding, task)
-        self.runner.never_started(binding, self.requests)
 
 
 BATCHES = RunKind(run_batch)
