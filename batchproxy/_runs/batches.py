@@ -130,7 +130,7 @@ async def run_batch(
             watchdog.cancel()
         ended = clock() if finished is None else finished
         runner.batch_ended(binding, task, size, ended - started, error, released=released)
-        runner.end_task(binding, task)
+        binding.batch_tasks.discard(task)  # (`end_task`, inline: once per batch)
 
 
 # -- the hooks every run kind uses ------------------------------------------------------
@@ -313,7 +313,7 @@ class Runner(Generic[In]):
             if not requests:
                 self.end_task(binding, task)
                 return None
-        if self.options.caller_context and not self.kind.admits_itself:
+        if self._holder.options.caller_context and not self.kind.admits_itself:
             hand_over(requests)  # (a batch of a generation engine changes at every step)
         if requests[0].key is not None:
             hand_key_over(requests)
@@ -333,7 +333,7 @@ class Runner(Generic[In]):
         """Run the model on `items`: (its results, whether one call on all of them made
         them). With `oom_backoff` or `isolate_errors`, a raising call is re-run in pieces
         (`_reruns`)."""
-        options = self.options
+        options = self._holder.options  # (`options`, without a call: once per batch)
         if options.is_oom is not None or options.isolate_errors:
             return await call_with_reruns(self, items)
         if self._on_loop:  # what LoopExecutor.run does, one coroutine frame less
@@ -446,7 +446,7 @@ class Runner(Generic[In]):
         self, binding: Binding[In], task: asyncio.Task[Any], requests: list[Request[In]]
     ) -> asyncio.TimerHandle | None:
         """Arm the watchdog for a batch (or step) starting now, with `batch_timeout`."""
-        timeout = self.options.batch_timeout
+        timeout = self._holder.options.batch_timeout
         if timeout is None:
             return None
         return binding.loop.call_later(timeout, self._overran, binding, task, requests, timeout)
