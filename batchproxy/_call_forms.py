@@ -39,11 +39,12 @@ class CallForms(Generic[In, Out]):
 
     if TYPE_CHECKING:  # what `Proxy` provides
         name: str
-        _options: Options
         _intake: Intake[In]
         _binder: Binder[In]
         _arguments: Arguments | None
 
+        @property
+        def _options(self) -> Options: ...
         def _require_init(self) -> None: ...
         def _start_worker(self) -> None: ...
         def inference(

@@ -219,7 +219,7 @@ async def _run_engine(
     finally:
         if binding.serving:
             binding.scheduler.batch_finished()
-        binding.batch_tasks.discard(claimed[1])
+        runner.end_task(binding, claimed[1])
 
 
 class _Engine(Generic[In]):
@@ -296,7 +296,7 @@ class _Engine(Generic[In]):
         started = loop.time()
         # a step counts as a batch of its active sequences; the queue waits are those
         # of the newcomers (listeners hear `batch_started` with them)
-        runner.count_batch(
+        runner.events.batch_started(
             len(step.active), [started - s._request.enqueued_at for s in step.joined]
         )
         error: BaseException | None = None
@@ -310,7 +310,7 @@ class _Engine(Generic[In]):
             error = runner.model_failure(exc, self.binding, None)  # (no watchdog on steps)
             if error is None:  # the event loop is ending: so does the step
                 raise
-        runner.count_end(len(step.active), loop.time() - started, error)
+        runner.events.batch_finished(len(step.active), loop.time() - started, error)
         if error is not None:  # counted, its streams failed, listeners told: as for a batch
             runner.batch_failed([slot._request for slot in step.active], error)
             return None

@@ -55,9 +55,12 @@ class Intake(Generic[In]):
         arguments: Arguments | None = None,
     ) -> None:
         self.name = name
-        self.options = options  # the proxy's, current (it sets this when they change)
+        # the proxy's options now: held here alone (the runner reads them here, and the
+        # proxy); written by `Proxy.configure` only, checked whole before it writes them
+        self.options = options
         self._lifecycle = lifecycle
         self._settlement = settlement
+        self._events = settlement.events  # counts, and tells the listeners
         self._streams = streams
         # an item's cost, by `length` (by default tensors.length with max_batch_tokens);
         # without one, every request costs 1 and nothing is measured
@@ -148,7 +151,7 @@ class Intake(Generic[In]):
         if options.caller_context:
             request.context = contextvars.copy_context()  # the model may read it, not change it
         scheduler.submit(request)
-        self._count_accepted(scheduler.queue.live)
+        self._events.request_queued(scheduler.queue.live)
         return request
 
     def _batch_key(self, item: In, key: object) -> object:
@@ -159,12 +162,6 @@ class Intake(Generic[In]):
         if key is None and self._key_of is not None:  # (a per-call key wins)
             return self._key_of(item)
         return key
-
-    def _count_accepted(self, queued: int) -> None:
-        settlement = self._settlement
-        settlement.stats.requests += 1
-        if settlement.listeners.on:
-            settlement.listeners.request_queued(queued)
 
     def _admit_shared(
         self,
@@ -188,7 +185,7 @@ class Intake(Generic[In]):
         cached = dedup.cached(shared_key, now)
         if cached is not MISSING:
             request: Request[In] = Request(item, binding.new_future(), priority, now)
-            self._count_accepted(scheduler.queue.live)
+            self._events.request_queued(scheduler.queue.live)
             self._settlement.answer_cached(request, cached)
             return request
         slot = dedup.slot_for(shared_key, binding.loop)
@@ -216,12 +213,9 @@ class Intake(Generic[In]):
             moved = dedup.join(slot, caller)  # than a slot of its own would be
             if moved is not None:
                 scheduler.requeue(slot, moved)
-        self._count_accepted(scheduler.queue.live)
+        self._events.request_queued(scheduler.queue.live)
         if joins:
-            settlement = self._settlement
-            settlement.stats.deduplicated += 1
-            if settlement.listeners.on:
-                settlement.listeners.request_deduplicated(False)
+            self._events.request_joined()
         return caller
 
     async def admit_many(
@@ -323,19 +317,12 @@ class Intake(Generic[In]):
         queue = binding.scheduler.queue
         limit = self.options.max_queue_size
         if limit is not None and queue.live + wanted > limit:
-            raise self._refuse(refused, QueueFull(self.name, limit))
+            self._events.requests_rejected(refused)
+            raise QueueFull(self.name, limit)
         limit = self.options.max_queue_size_per_tenant
         if limit is not None and queued_by(queue, tenant) + wanted > limit:
-            self._settlement.stats.tenant_rejected += refused
-            raise self._refuse(refused, QueueFull(self.name, limit, tenant=tenant, per_tenant=True))
-
-    def _refuse(self, wanted: int, error: QueueFull) -> QueueFull:
-        """`error`, counted (and heard by listeners) as `wanted` calls refused."""
-        settlement = self._settlement
-        settlement.stats.rejected += wanted
-        if settlement.listeners.on:
-            settlement.listeners.request_rejected(wanted)
-        return error
+            self._events.requests_rejected(refused, per_tenant=True)
+            raise QueueFull(self.name, limit, tenant=tenant, per_tenant=True)
 
     def tenant_weight(self, tenant: Hashable) -> float:
         """A tenant's weight now, by `tenant_weights` (default 1)."""
@@ -395,10 +382,7 @@ class Intake(Generic[In]):
         expected = binding.scheduler.expected_finish(request)
         deadline = request.deadline
         if expected is not None and expected > deadline:
-            settlement = self._settlement
-            settlement.stats.shed += 1
-            if settlement.listeners.on:
-                settlement.listeners.request_shed()
+            self._events.request_shed()
             raise DeadlineExceeded(self.name, seconds, expected - (deadline - seconds))
 
     def expire(self, binding: Binding[In], request: Request[In], seconds: float) -> None:

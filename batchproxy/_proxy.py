@@ -14,7 +14,7 @@ One request's way through the library, top to bottom:
    result; the slot is freed for the next batch.
 4. The caller resumes in `inference` with its result.
 
-Also: `_options`, `_lifecycle`, `_listeners`, `_stats`, `_bridge` (other threads),
+Also: `_options`, `_lifecycle`, `_events` (counts and tells `_listeners`), `_bridge`,
 the run kinds (`_streaming`, `_generation`; chosen in `_model`)."""
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from . import _validate
 from ._arguments import call_with_arguments, model_arguments
 from ._call_forms import CallForms
 from ._errors import BatchProxyError
+from ._events import Events
 from ._executors.base import Executor, WeakWatcher
 from ._executors.worker_thread import WorkerThread
 from ._fork import forget_threads_in_forked_children
@@ -96,7 +97,8 @@ class Proxy(ABC, CallForms[In, Out]):
         **options: Unpack[ProxyOptions],
     ) -> None:
         self.name: str = _validate.name(name) or type(self).__name__
-        self._options = opts = options_for(f"{type(self).__name__}()", batch_size, options)
+        # held by the intake (`_options` reads it there)
+        opts = options_for(f"{type(self).__name__}()", batch_size, options)
         # None unless `_inference` takes per-batch arguments (`with_args`)
         self._arguments = model_arguments(type(self), self.name, opts.key is not None)
         model = self._model_function()
@@ -106,9 +108,9 @@ class Proxy(ABC, CallForms[In, Out]):
             type(self).__name__, self.name, model, self._has_own_model(), offload
         )
         self._executor = executor
-        self._stats = stats = StatsRecorder(self.name)
-        self._listeners = listeners = Listeners(self.name)
-        settlement = Settlement(self.name, stats, listeners)
+        # every count and every listener call of this proxy goes through its events
+        self._events = Events(StatsRecorder(self.name), Listeners(self.name))
+        settlement = Settlement(self.name, self._events)
         lifecycle = Lifecycle(self.name)
         self._intake: Intake[In] = Intake(
             name=self.name,
@@ -126,7 +128,7 @@ class Proxy(ABC, CallForms[In, Out]):
             model=model,
             executor=executor,
             kind=kind,
-            options=opts,
+            holder=self._intake,
             by_cost=self._intake.measures,
             group_by_cost=self._group_by_length,
             lifecycle=lifecycle,
@@ -135,9 +137,7 @@ class Proxy(ABC, CallForms[In, Out]):
             model_pads=self._pads_batch_axis,
         )
         runner = self._runner
-        self._binder: Binder[In] = Binder(
-            self, lifecycle, settlement, runner.new_scheduler, runner.never_started
-        )
+        self._binder: Binder[In] = Binder(self, lifecycle, settlement, runner.new_scheduler)
         # weak: the executor may outlive the proxy
         self._capacity_watcher = WeakWatcher(self, Proxy._on_capacity, Proxy._queued)
         executor.watch_capacity(self._capacity_watcher)
@@ -275,7 +275,9 @@ class Proxy(ABC, CallForms[In, Out]):
     @property
     def options(self) -> Options:
         """The proxy's options now (read-only; change them with `configure`)."""
-        return self._options
+        return self._intake.options  # where they are held, alone
+
+    _options = options  # (what `CallForms` reads)
 
     def configure(self, **changes: Unpack[ConfigurableOptions]) -> None:
         """Change limits and policies while the proxy runs; the options mean what they
@@ -295,7 +297,7 @@ class Proxy(ABC, CallForms[In, Out]):
         new = self._options.evolve(**changes)
         refuse_reruns(self.name, self._runner.kind, new)
         check_queue_bound(self, self.name, new)
-        self._options = self._runner.options = self._intake.options = new
+        self._intake.options = new  # where they are held: the runner reads them there
         self._runner.cap.set_limit(new.batch_size)
         self._apply_limits()
 
@@ -410,9 +412,10 @@ class Proxy(ABC, CallForms[In, Out]):
             else (binding.scheduler.queue.live, binding.scheduler.in_flight)
         )
         estimate = runner.cost_model.estimate()
-        slots = runner.limits()[2]
+        slots = runner.limits().slots
         tenants = None if binding is None else by_tenant(binding.scheduler.queue)
-        return self._stats.snapshot(depth, running, runner.cap.cap, estimate, slots, tenants)
+        stats = self._events.stats
+        return stats.snapshot(depth, running, runner.cap.cap, estimate, slots, tenants)
 
     @property
     def health(self) -> Health:
@@ -430,7 +433,7 @@ class Proxy(ABC, CallForms[In, Out]):
 
     def add_listener(self, listener: Listener) -> None:
         """Register hooks called on the event loop; see `Listener`."""
-        self._listeners.add(listener)
+        self._events.listeners.add(listener)
 
     def remove_listener(self, listener: Listener) -> None:
-        self._listeners.remove(listener)
+        self._events.listeners.remove(listener)

@@ -3,9 +3,9 @@
 The invariant: every accepted request is settled exactly once, here. Each method
 settles only futures that are not done yet (a caller may have left, its deadline
 fired, the watchdog or a shutdown got there first: whoever comes first settles,
-the others find the future done and do nothing), counts each outcome once in the
-proxy's stats, and tells the listeners (`Listeners`, whose hooks cannot raise
-into the settling).
+the others find the future done and do nothing), and counts each outcome once in
+the proxy's stats and tells the listeners of it through `Events` (whose hooks
+cannot raise into the settling).
 
 The outcomes, and who reaches them:
 
@@ -31,22 +31,21 @@ from typing import Any
 
 from ._dedup import Deduplicator
 from ._errors import DeadlineExceeded, InferenceError
-from ._listeners import Listeners
+from ._events import Events
 from ._scheduling.queue import Request
-from ._stats import StatsRecorder
 
 __all__ = ["Settlement", "caller_error"]
 
 
 class Settlement:
-    """Settles one proxy's requests: their futures, its stats and its listeners."""
+    """Settles one proxy's requests: their futures; each outcome counted and told once
+    (`Events`)."""
 
-    __slots__ = ("dedup", "listeners", "name", "stats")
+    __slots__ = ("dedup", "events", "name")
 
-    def __init__(self, name: str, stats: StatsRecorder, listeners: Listeners) -> None:
+    def __init__(self, name: str, events: Events) -> None:
         self.name = name
-        self.stats = stats
-        self.listeners = listeners
+        self.events = events
         # with `dedup`: a shared slot's outcome goes to each of its callers (`_dedup`)
         self.dedup: Deduplicator[Any] | None = None
 
@@ -54,9 +53,10 @@ class Settlement:
         """Result i to caller i (as many of each; an `Exception` fails its caller alone)."""
         if self.dedup is not None:  # a shared slot's result goes to each of its callers
             requests, results = self.dedup.callers_of(requests, results, now)
-        stats, listeners = self.stats, self.listeners.on
-        latency = stats.total_latency
-        succeeded = errors = 0
+        events = self.events
+        tell = events.listeners.on  # (once per batch: each call is told as it is settled,
+        latencies: list[float] = []  # and the batch counted in one step)
+        errors = 0
         for request, result in zip(requests, results, strict=True):
             future = request.future
             if future.done():
@@ -64,16 +64,14 @@ class Settlement:
             if isinstance(result, BaseException):
                 future.set_exception(caller_error(self.name, result))
                 errors += 1
-                if listeners:
-                    self._finished("error", request)
+                if tell:
+                    events.finished("error", request)
             else:
                 future.set_result(result)
-                succeeded += 1
-                if listeners:
-                    self._finished("succeeded", request)
-            latency.append(now - request.enqueued_at)
-        stats.succeeded += succeeded
-        stats.errors += errors
+                if tell:
+                    events.finished("succeeded", request)
+            latencies.append(now - request.enqueued_at)
+        events.delivered(len(latencies) - errors, errors, latencies)
 
     def fail(self, requests: Iterable[Request[Any]], error: BaseException) -> None:
         """Every one of `requests` still waiting gets `error`."""
@@ -82,41 +80,27 @@ class Settlement:
         for request in requests:
             if not request.future.done():
                 request.future.set_exception(error)
-                self.stats.errors += 1
-                if self.listeners.on:
-                    self._finished("error", request)
+                self.events.failed(request)
 
     def expire(self, request: Request[Any], error: DeadlineExceeded) -> bool:
         """The deadline passed: whether that settled the call (False: it had ended)."""
         if request.future.done():
             return False
         request.future.set_exception(error)
-        self.stats.timed_out += 1
-        if self.listeners.on:
-            self._finished("timed_out", request)
+        self.events.timed_out(request)
         return True
 
     def end_streams(self, requests: Iterable[Request[Any]], now: float) -> None:
         """The streams still open among `requests` end, successfully."""
-        stats = self.stats
         for request in requests:
             if not request.future.done():
                 request.future.set_result(None)
-                stats.succeeded += 1
-                stats.total_latency.append(now - request.enqueued_at)
-                if self.listeners.on:
-                    self._finished("succeeded", request)
+                self.events.stream_ended(request, now)
 
     def answer_cached(self, request: Request[Any], result: Any) -> None:
         """A call answered from the result cache (`dedup`), without reaching the queue."""
         request.future.set_result(result)
-        stats = self.stats
-        stats.cache_hits += 1
-        stats.succeeded += 1
-        stats.total_latency.append(0.0)
-        if self.listeners.on:
-            self.listeners.request_deduplicated(True)
-            self._finished("succeeded", request)
+        self.events.answered_from_cache(request)
 
     def withdraw(self, request: Request[Any]) -> bool:
         """Its caller left: cancel the call if it still waits; whether it did."""
@@ -128,26 +112,19 @@ class Settlement:
 
     def count_cancelled(self, request: Request[Any]) -> None:
         """The call's future was cancelled (its caller left): count it."""
-        self.stats.cancelled += 1
-        if self.listeners.on:
-            self._finished("cancelled", request)
+        self.events.cancelled(request)
 
     def recount_as_cancelled(self, future: asyncio.Future[Any]) -> None:
         """Count a settled call as cancelled instead: its caller was cancelled before it
         could take the outcome. (`request_finished` reported the outcome already.)"""
-        stats = self.stats
         error = future.exception()
         if error is None:
-            stats.succeeded -= 1
+            outcome = "succeeded"
         elif isinstance(error, DeadlineExceeded) and error.proxy == self.name:
-            stats.timed_out -= 1
+            outcome = "timed_out"
         else:
-            stats.errors -= 1
-        stats.cancelled += 1
-
-    def _finished(self, outcome: str, request: Request[Any]) -> None:
-        seconds = request.future.get_loop().time() - request.enqueued_at
-        self.listeners.request_finished(outcome, seconds)
+            outcome = "error"
+        self.events.recounted_as_cancelled(outcome)
 
 
 def caller_error(proxy: str, error: BaseException) -> Exception:

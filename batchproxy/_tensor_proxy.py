@@ -29,11 +29,11 @@ from typing_extensions import Unpack
 from . import _validate, tensors
 from ._executors.devices import torch_device
 from ._executors.staged import StagedModel
-from ._option_values import BatchSizes as SizesOption
+from ._option_values import BatchSizes
 from ._options import ProxyOptions
 from ._proxy import Proxy
 from ._runs.callers import narrowed
-from ._scheduling.sizes import BatchSizes
+from ._scheduling.sizes import AllowedSizes
 from .tensors import Collated, PaddingSide
 from .tensors._items import _problems
 from .tensors._rows import first_rows, pad_rows
@@ -110,14 +110,14 @@ class TensorProxy(Proxy[In, Out]):
         self._output_device = torch_device("output_device", output_device)
         options.setdefault("length", tensors.length)  # costs for max_batch_tokens and stats
         sizes_given = options.get("batch_sizes")
-        if "pad_item" in options or (isinstance(sizes_given, SizesOption) and sizes_given.pads):
+        if "pad_item" in options or (isinstance(sizes_given, BatchSizes) and sizes_given.pads):
             raise TypeError(
                 "TensorProxy pads the batch axis with pad_value rows itself; it takes no pad_item"
             )
         self._group_by_length = _validate.flag("length_aware", length_aware)
         super().__init__(batch_size, **options)
         sizes = self.options.batch_sizes
-        self._sizes = None if sizes is None else BatchSizes(sizes.sizes, pads=True)
+        self._sizes = None if sizes is None else AllowedSizes(sizes.sizes, pads=True)
 
     @abstractmethod
     def _forward(self, batch: Collated, /) -> Any:

@@ -6,6 +6,9 @@ event loop starts it on the process-wide `BackgroundLoop.default()`. That loop i
 created on first use and closed at interpreter exit through `atexit`, after it
 has closed its proxies, so every accepted call still gets its result. Its thread
 is a daemon because non-daemon threads are joined before `atexit` handlers run.
+
+A proxy's `Binder` uses a background loop through `LoopHost` (`host_of(loop)`,
+`default_host()`): it adopts the proxies bound to it and routes calls to them.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from .. import _validate
 from .._fork import forget_threads_in_forked_children
 from .bridge import LoopBridge
 
-__all__ = ["BackgroundLoop"]
+__all__ = ["BackgroundLoop", "LoopHost", "default_host", "host_of"]
 
 logger = logging.getLogger("batchproxy")
 
@@ -179,30 +182,6 @@ class BackgroundLoop:
             self._loop, self._thread = loop, thread
         return self._loop
 
-    def _route(
-        self, make: Callable[[], Coroutine[Any, Any, T]], ended_error: Callable[[], BaseException]
-    ) -> tuple[concurrent.futures.Future[T], LoopBridge] | None:
-        """`LoopBridge.route` to this loop, started if need be (a proxy's call that binds
-        the proxy here): the future and the bridge. None if the loop ended meanwhile; a
-        `RuntimeError` if it was closed before."""
-        with self._lock:
-            self._start_locked()
-            bridge = self._bridge
-        if bridge is None:  # its thread failed to start serving
-            return None
-        future = bridge.route(make, ended_error)
-        return None if future is None else (future, bridge)
-
-    def _adopt(self, proxy: _Closable) -> None:
-        """`proxy` bound itself to this loop: `close()` closes it too."""
-        with self._lock:
-            self._proxies.add(proxy)
-
-    def _release(self, proxy: _Closable) -> None:
-        """`proxy` left this loop (it ended, or the proxy moved on)."""
-        with self._lock:
-            self._proxies.discard(proxy)
-
     def _after_fork_in_child(self) -> None:
         """In a forked child: the parent's thread and loop are gone; a new thread
         starts on next use (unless this loop was closed)."""
@@ -243,15 +222,65 @@ class BackgroundLoop:
                 loop.close()
 
 
+class LoopHost:
+    """What a proxy's `Binder` uses of a `BackgroundLoop` (not its public surface): the
+    loop adopts the proxies bound to it (its `close()` closes them) and routes calls
+    from plain threads to proxies not bound yet. Handed over by `host_of` and
+    `default_host`; any thread."""
+
+    __slots__ = ("_background",)
+
+    def __init__(self, background: BackgroundLoop) -> None:
+        self._background = background
+
+    def adopt(self, proxy: _Closable) -> None:
+        """`proxy` bound itself to this loop: `close()` closes it too."""
+        background = self._background
+        with background._lock:
+            background._proxies.add(proxy)
+
+    def release(self, proxy: _Closable) -> None:
+        """`proxy` left this loop (it ended, or the proxy moved on)."""
+        background = self._background
+        with background._lock:
+            background._proxies.discard(proxy)
+
+    def on_loop_thread(self) -> bool:
+        """Whether this is the loop's own thread (where waiting for it would deadlock)."""
+        return self._background._on_loop_thread()
+
+    def route(
+        self, make: Callable[[], Coroutine[Any, Any, T]], ended_error: Callable[[], BaseException]
+    ) -> tuple[concurrent.futures.Future[T], LoopBridge] | None:
+        """`LoopBridge.route` to this loop, started if need be (a proxy's call that binds
+        the proxy here): the future and the bridge. None if the loop ended meanwhile; a
+        `RuntimeError` if it was closed before."""
+        background = self._background
+        with background._lock:
+            background._start_locked()
+            bridge = background._bridge
+        if bridge is None:  # its thread failed to start serving
+            return None
+        future = bridge.route(make, ended_error)
+        return None if future is None else (future, bridge)
+
+
 _owners: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, BackgroundLoop] = (
     weakref.WeakKeyDictionary()
 )
 """The `BackgroundLoop` running each loop, for proxies that bind to one to find it."""
 
 
-def background_loop_of(loop: asyncio.AbstractEventLoop) -> BackgroundLoop | None:
-    """The `BackgroundLoop` that runs `loop`, if one does."""
-    return _owners.get(loop)
+def host_of(loop: asyncio.AbstractEventLoop) -> LoopHost | None:
+    """What a binding uses of the `BackgroundLoop` that runs `loop`, if one does."""
+    background = _owners.get(loop)
+    return None if background is None else LoopHost(background)
+
+
+def default_host() -> LoopHost:
+    """What a binding uses of `BackgroundLoop.default()`, where a proxy that runs in no
+    loop is bound by a call from a plain thread."""
+    return LoopHost(BackgroundLoop.default())
 
 
 def _forget_default_lock_in_child() -> None:

@@ -36,10 +36,9 @@ from typing import Any, Generic, TypeVar
 
 from .._errors import BatchProxyError, BatchTimeout, InferenceError
 from .._lifecycle import Lifecycle
-from .._scheduling.queue import Request
 from .._scheduling.scheduler import Limits, Scheduler
 from .._settle import Settlement
-from .background_loop import BackgroundLoop, background_loop_of
+from .background_loop import default_host, host_of
 from .bridge import LoopBridge
 
 __all__ = ["Binder", "Binding", "StillBusy"]
@@ -57,7 +56,18 @@ class StillBusy(RuntimeError):
 
 
 class Binding(Generic[In]):
-    """The state of a proxy that lives on one event loop. Reset only by making a new one."""
+    """The state of a proxy that lives on one event loop. Reset only by making a new one.
+
+    Data, each field with its one writer (the others only read it):
+
+    - `loop`, `clock`, `new_future`, `bridge`: set at construction, never changed.
+    - `scheduler`: set by `Binder.bind` right after construction (the runner makes it:
+      it starts this binding's batches), never changed.
+    - `batch_tasks`, `not_started`, `overran`: written by the runs (`_runs/batches.py`)
+      alone, which own a batch task from its start to its end; read here (`drain`),
+      by the binder (`_loop_ending`) and the proxy.
+    - `closing`: `close_after`. `left`: the binder, when the proxy leaves the loop.
+    """
 
     __slots__ = (
         "batch_tasks",
@@ -66,7 +76,6 @@ class Binding(Generic[In]):
         "closing",
         "left",
         "loop",
-        "never_started",
         "new_future",
         "not_started",
         "overran",
@@ -75,12 +84,7 @@ class Binding(Generic[In]):
 
     scheduler: Scheduler[In]  # set right after construction (it starts this binding's batches)
 
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        bridge: LoopBridge,
-        never_started: Callable[[Binding[In], list[Request[In]] | None], None],
-    ) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, bridge: LoopBridge) -> None:
         self.loop = loop
         # `loop.time`: the same clock, without the method call where it is
         # asyncio's own (`time.monotonic`); a loop with a clock of its own (a virtual
@@ -94,21 +98,19 @@ class Binding(Generic[In]):
             else loop.create_future
         )
         self.bridge = bridge
-        self.never_started = never_started  # settles the batch of a task that never ran
-        self.batch_tasks: set[asyncio.Task[None]] = set()  # running, or about to
-        # of those, the ones that have not run a step yet, with their batch (None: the
-        # queued requests it was to take)
-        self.not_started: dict[asyncio.Task[None], list[Request[In]] | None] = {}
-        self.overran: dict[asyncio.Future[Any], BatchTimeout] = {}  # the watchdog gave up
+        # Invariant: a task is here from its start (`Runner.start_batch`) until its run
+        # kind ends (`Runner.end_task`), or, cancelled before its first step, until its
+        # done callback has settled its batch
+        self.batch_tasks: set[asyncio.Task[None]] = set()
+        # Invariant: of those, the ones that have not run a step yet, each with the done
+        # callback that settles its batch and frees its slot if it never does
+        # (`Runner.never_started`; `Runner.claim` removes both at the first step)
+        self.not_started: dict[asyncio.Task[None], Callable[[asyncio.Task[None]], None]] = {}
+        # Invariant: the batches the watchdog gave up on (it failed their callers and
+        # freed their slots), until their model call ends (`Runner.batch_ended`)
+        self.overran: dict[asyncio.Future[Any], BatchTimeout] = {}
         self.closing: asyncio.Task[None] | None = None  # an aclose() begun inside a batch
         self.left = False  # the proxy left this loop (it ended, or the proxy moved on)
-
-    def task_done(self, task: asyncio.Task[None]) -> None:
-        """A batch task ended. If it never ran a step, nothing in it settled its batch
-        or freed its slot: `never_started` does."""
-        self.batch_tasks.discard(task)
-        if task in self.not_started:
-            self.never_started(self, self.not_started.pop(task))
 
     def close_after(
         self, batch: asyncio.Task[Any], aclose: Callable[[], Coroutine[Any, Any, None]]
@@ -148,10 +150,10 @@ class Binding(Generic[In]):
         if self.loop.is_closed():
             return
         if self.bridge.on_loop_thread:
-            self.scheduler.reconfigure(*limits)
+            self.scheduler.reconfigure(limits)
         else:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                self.loop.call_soon_threadsafe(self.scheduler.reconfigure, *limits)
+                self.loop.call_soon_threadsafe(self.scheduler.reconfigure, limits)
 
 
 class Binder(Generic[In]):
@@ -163,13 +165,11 @@ class Binder(Generic[In]):
         lifecycle: Lifecycle,
         settlement: Settlement,
         new_scheduler: Callable[[Binding[In]], Scheduler[In]],
-        never_started: Callable[[Binding[In], list[Request[In]] | None], None],
     ) -> None:
         self._owner = owner  # adopted by the BackgroundLoop it binds to (closed with it)
         self._lifecycle = lifecycle
         self._settlement = settlement
         self._new_scheduler = new_scheduler
-        self._never_started = never_started
         self.current: Binding[In] | None = None
 
     @property
@@ -195,12 +195,12 @@ class Binder(Generic[In]):
                         f"from another loop"
                     )
             self.abandon()
-        binding = Binding[In](loop, LoopBridge(loop, self._loop_ending), self._never_started)
+        binding = Binding[In](loop, LoopBridge(loop, self._loop_ending))
         binding.scheduler = self._new_scheduler(binding)
         self.current = binding
-        background = background_loop_of(loop)
-        if background is not None:  # however it got there, it closes with that loop
-            background._adopt(self._owner)
+        host = host_of(loop)
+        if host is not None:  # however it got there, it closes with that loop
+            host.adopt(self._owner)
         return binding
 
     def abandon(self) -> None:
@@ -213,9 +213,9 @@ class Binder(Generic[In]):
             binding.scheduler.close()
             binding.scheduler.queue.drain()
             binding.bridge.close()
-            background = background_loop_of(binding.loop)
-            if background is not None:
-                background._release(self._owner)
+            host = host_of(binding.loop)
+            if host is not None:
+                host.release(self._owner)
 
     def forget_after_fork(self) -> None:
         """In a forked child: the parent's loop and calls are the parent's."""
@@ -295,11 +295,11 @@ class Binder(Generic[In]):
                 refused: concurrent.futures.Future[T] = concurrent.futures.Future()
                 refused.set_exception(self._lifecycle.closed_error())
                 return refused, None
-            background = BackgroundLoop.default()
-            if background._on_loop_thread():  # where this proxy would now run
+            host = default_host()
+            if host.on_loop_thread():  # where this proxy would now run
                 raise self.would_deadlock(method)
             with contextlib.suppress(RuntimeError):  # it closed meanwhile: try the next one
-                routed = background._route(make, self.ended_error)
+                routed = host.route(make, self.ended_error)
                 if routed is not None:  # the proxy binds there, and closes with it
                     return routed
 

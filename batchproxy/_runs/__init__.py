@@ -3,6 +3,6 @@ a proxy runs and where, a batch of unary calls (`batches`) or of streams
 (`streams`), the model call at allowed sizes (`sized`), re-runs in pieces
 (`reruns`), and what the model may read of its batch (`callers`, `keys`).
 
-May import: `_errors`, `_executors`, `_lifecycle`, `_listeners`, `_loops`,
-`_oom`, `_options`, `_scheduling`, `_settle`, `_stats`, `_tasks`.
+May import: `_errors`, `_events`, `_executors`, `_lifecycle`, `_loops`, `_oom`,
+`_options`, `_scheduling`, `_settle`, `_stats`, `_tasks`.
 """

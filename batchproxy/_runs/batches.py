@@ -3,7 +3,7 @@
 The scheduler decides that a batch leaves and calls `Runner.start_batch`, which
 starts a task for it in a fresh `contextvars` context (a batch serves many
 callers, so it sees none of theirs). The task runs the proxy's run kind: a plain
-batch (`run_batch`, below), a static stream (`_streaming.run_stream`) or a
+batch (`run_batch`, first below), a static stream (`_streaming.run_stream`) or a
 `GenerationProxy` engine. Each kind is one straight coroutine that claims its
 batch, calls the model through the executor, settles its callers
 (`Settlement`) and releases its slot, however it ends; the pieces they share are
@@ -28,7 +28,7 @@ Cancellation, written down:
   other task"): the callers still waiting get `InferenceError`, the slot is
   freed, and the cancellation propagates. A task cancelled before its first
   step never runs a line of its coroutine: its done callback settles its batch
-  and frees its slot instead (`Binding.task_done`, then `Runner.never_started`).
+  and frees its slot instead (`Runner.never_started`).
 - The watchdog's own cancellation (`batch_timeout` passed): the callers already
   got `BatchTimeout` and the slot was freed when it fired; the task ends quietly.
 - `_inference` raising `CancelledError` on its own: an ordinary batch failure (told
@@ -57,12 +57,12 @@ from collections.abc import (
     Set,
 )
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from .._errors import BatchProxyError, BatchSizeMismatch, BatchTimeout, InferenceError
+from .._events import Events
 from .._executors.base import Executor, LoopExecutor
 from .._lifecycle import Lifecycle
-from .._listeners import Listeners
 from .._loops.binding import Binding
 from .._oom import BatchCap
 from .._options import Options
@@ -71,7 +71,7 @@ from .._scheduling.queue import Request
 from .._scheduling.scheduler import Limits, Scheduler
 from .._scheduling.sizes import batch_sizes
 from .._settle import Settlement, caller_error
-from .._stats import Health, StatsRecorder
+from .._stats import Health
 from .._tasks import cancel_requested, current_batch, new_task, uncancel
 from .callers import hand_over
 from .keys import hand_key_over
@@ -84,6 +84,56 @@ logger = logging.getLogger("batchproxy")
 
 In = TypeVar("In")
 Out = TypeVar("Out")
+
+
+async def run_batch(
+    runner: Runner[In], binding: Binding[In], requests: list[Request[In]] | None
+) -> None:
+    """One plain batch, start to end: the five steps of the module docstring."""
+    claimed = runner.claim(binding, requests)  # 1. claim
+    if claimed is None:
+        return
+    requests, task = claimed
+    scheduler, clock = binding.scheduler, binding.clock
+    size = len(requests)
+    started = clock()
+    units = runner.record_start(requests, started)  # 2. record the start, arm the watchdog
+    watchdog = runner.watch(binding, task, requests)
+    error: BaseException | None = None
+    released = False  # the slot was handed on before the callers were answered
+    finished = None
+    try:
+        try:  # 3. call the model
+            results, whole = await runner.call_model([r.item for r in requests])
+        except BaseException as exc:
+            error = runner.model_failure(exc, binding, task)
+            if error is None:  # the event loop is ending: so does the batch
+                if isinstance(exc, asyncio.CancelledError):
+                    runner.settlement.fail(requests, runner.cancelled_batch_error(exc))
+                raise
+        else:
+            late = bool(binding.overran) and task in binding.overran  # after the watchdog
+            released = (
+                not late
+                and scheduler.queue.live > 0  # (the cheap test first: often nobody waits)
+                and _clean(results, size)
+                and scheduler.batch_finished_early()
+            )
+            finished = clock()
+            error = runner.deliver(requests, results, finished)  # 4. settle
+            if error is None and whole and not late:  # one timely call on the whole batch
+                runner.cost_model.add(units, finished - started)
+        if error is not None:
+            runner.batch_failed(requests, error)
+    finally:  # 5. release
+        if watchdog is not None:
+            watchdog.cancel()
+        ended = clock() if finished is None else finished
+        runner.batch_ended(binding, task, size, ended - started, error, released=released)
+        binding.batch_tasks.discard(task)  # (`end_task`, inline: once per batch)
+
+
+# -- the hooks every run kind uses ------------------------------------------------------
 
 HEALTHY = Health(healthy=True, reason=None, since=None)
 
@@ -108,6 +158,14 @@ class RunKind:
     admits_itself: bool = False
 
 
+class HoldsOptions(Protocol):
+    """Where the proxy's current options are held (its `Intake`; `Proxy.configure`
+    replaces them there): a runner reads them there, at each batch."""
+
+    @property
+    def options(self) -> Options: ...
+
+
 class Runner(Generic[In]):
     """Runs one proxy's batches: the hooks every run kind uses."""
 
@@ -119,7 +177,7 @@ class Runner(Generic[In]):
         model: Callable[[list[In]], Any],
         executor: Executor,
         kind: RunKind,
-        options: Options,
+        holder: HoldsOptions,
         by_cost: bool,
         group_by_cost: bool,
         lifecycle: Lifecycle,
@@ -130,13 +188,15 @@ class Runner(Generic[In]):
         self.name = name
         self.model_name = model_name  # what the model is called in logs
         self.model = model
+        self._holder = holder
+        options = holder.options
         # with `batch_sizes`: the allowed sizes, and every model call kept to them
         self.sizes = sizes = batch_sizes(name, options, model_pads)
         if sizes is not None:
             executor = SizedExecutor(
                 executor,
                 sizes,
-                settlement.stats,
+                settlement.events,
                 name=name,
                 filler=options.filler,
                 model_pads=model_pads,
@@ -144,11 +204,9 @@ class Runner(Generic[In]):
             )
         self.executor = executor
         self.kind = kind
-        self.options = options  # the proxy's, current: Proxy.configure() replaces it
         self.lifecycle = lifecycle
         self.settlement = settlement
-        self.stats: StatsRecorder = settlement.stats
-        self.listeners: Listeners = settlement.listeners
+        self.events: Events = settlement.events  # counts, and tells the listeners
         self.by_cost = by_cost  # requests carry a cost (a length): batches are padded
         self.group_by_cost = group_by_cost  # and batch members are picked by cost
         # changed by: configure() and the out-of-memory back-off (`_reruns`)
@@ -161,30 +219,37 @@ class Runner(Generic[In]):
         self._task_name = f"batchproxy-{name}-batch"
         self._on_loop = type(executor) is LoopExecutor
 
+    @property
+    def options(self) -> Options:
+        """The proxy's options now (held by its `Intake`: `HoldsOptions`)."""
+        return self._holder.options
+
     # -- the scheduler's side -------------------------------------------------------------
 
     def limits(self) -> Limits:
-        """What the scheduler is told now: batch size, delay, slots, window, aging, and
-        whether it predicts batch ends (several slots to stagger, or calls to shed)."""
+        """What the scheduler is told now (`Limits`): the batch cap cut to an allowed size
+        (1 for a run kind that admits requests itself), the options' delay, slots (the
+        executor's capacity unless set), window and aging, and whether it predicts batch
+        ends (several slots to stagger, or calls to shed)."""
         options = self.options
         slots = options.max_concurrent_batches or self.executor.capacity
         size = 1 if self.kind.admits_itself else self.cap.cap
         if self.sizes is not None:
             size = self.sizes.top(size)
-        predicts = slots > 1 or options.shed_late
-        return size, options.max_delay, slots, options.adaptive, options.aging, predicts
+        return Limits(
+            batch_size=size,
+            max_delay=options.max_delay,
+            slots=slots,
+            adaptive=options.adaptive,
+            aging=options.aging,
+            predicts=slots > 1 or options.shed_late,
+        )
 
     def new_scheduler(self, binding: Binding[In]) -> Scheduler[In]:
         """The scheduler of a new binding, starting this proxy's batches there."""
-        size, delay, slots, adaptive, aging, predicts = self.limits()
         return Scheduler(
             binding.loop,
-            batch_size=size,
-            max_delay=delay,
-            max_concurrent_batches=slots,
-            adaptive=adaptive,
-            aging=aging,
-            predicts=predicts,
+            limits=self.limits(),
             start_batch=functools.partial(self.start_batch, binding),
             by_cost=self.by_cost,
             group_by_cost=self.group_by_cost,
@@ -199,17 +264,24 @@ class Runner(Generic[In]):
     def start_batch(self, binding: Binding[In], requests: list[Request[In]] | None) -> None:
         """The scheduler's callback: start a batch task for `requests` (None: it takes what
         is queued when it runs). The scheduler counted the batch in flight. The task is
-        in `binding.batch_tasks` until its run kind ends (and takes it out), or, if it is
-        cancelled before its first step, until its done callback settles its batch."""
+        in `binding.batch_tasks` until its run kind ends (`end_task`), or, if it is
+        cancelled before its first step, until its done callback (`never_started`)
+        settles its batch."""
         run = self.kind.run(self, binding, requests)
         task = new_task(binding.loop, run, self._task_name)
         binding.batch_tasks.add(task)
-        binding.not_started[task] = requests
-        task.add_done_callback(binding.task_done)
+        settle = functools.partial(self.never_started, binding, requests)
+        binding.not_started[task] = settle  # until `claim` removes it, at the first step
+        task.add_done_callback(settle)
 
-    def never_started(self, binding: Binding[In], requests: list[Request[In]] | None) -> None:
-        """A batch task ended without running a step (cancelled before its first one:
-        "cancel every other task" at shutdown): fail its callers and free its slot."""
+    def never_started(
+        self, binding: Binding[In], requests: list[Request[In]] | None, task: asyncio.Task[None]
+    ) -> None:
+        """The done callback of a batch task that ended without running a step (cancelled
+        before its first one: "cancel every other task" at shutdown): nothing in it
+        settled its batch or freed its slot, so this fails its callers and frees it."""
+        del binding.not_started[task]
+        self.end_task(binding, task)
         if not binding.serving:
             return  # its event loop is gone, and the slot with it
         if requests is None:  # it was to take what is queued: that batch fails instead
@@ -219,6 +291,11 @@ class Runner(Generic[In]):
         self.settlement.fail(requests, self.cancelled_batch_error(asyncio.CancelledError()))
         binding.scheduler.batch_finished()
 
+    def end_task(self, binding: Binding[In], task: asyncio.Task[Any]) -> None:
+        """A batch task's run kind ends (its last line, however it ends): it leaves
+        `binding.batch_tasks`."""
+        binding.batch_tasks.discard(task)
+
     def claim(
         self, binding: Binding[In], requests: list[Request[In]] | None
     ) -> tuple[list[Request[In]], asyncio.Task[Any]] | None:
@@ -227,17 +304,16 @@ class Runner(Generic[In]):
         the task, made the current batch for the model."""
         task = asyncio.current_task()
         assert task is not None
-        # it runs: it settles its batch and leaves `batch_tasks` itself (`done`), so its
-        # end schedules no callback
-        del binding.not_started[task]
-        task.remove_done_callback(binding.task_done)
+        # it runs: it settles its batch and leaves `batch_tasks` itself (`end_task`), so
+        # its end schedules no callback
+        task.remove_done_callback(binding.not_started.pop(task))
         current_batch.set(task)  # seen by the model, on any executor
         if requests is None:
             requests = binding.scheduler.take_reserved()
             if not requests:
-                binding.batch_tasks.discard(task)
+                self.end_task(binding, task)
                 return None
-        if self.options.caller_context and not self.kind.admits_itself:
+        if self._holder.options.caller_context and not self.kind.admits_itself:
             hand_over(requests)  # (a batch of a generation engine changes at every step)
         if requests[0].key is not None:
             hand_key_over(requests)
@@ -257,7 +333,7 @@ class Runner(Generic[In]):
         """Run the model on `items`: (its results, whether one call on all of them made
         them). With `oom_backoff` or `isolate_errors`, a raising call is re-run in pieces
         (`_reruns`)."""
-        options = self.options
+        options = self._holder.options  # (`options`, without a call: once per batch)
         if options.is_oom is not None or options.isolate_errors:
             return await call_with_reruns(self, items)
         if self._on_loop:  # what LoopExecutor.run does, one coroutine frame less
@@ -316,29 +392,12 @@ class Runner(Generic[In]):
         """Count a batch that starts now; return the units the model computes: items,
         or padded tokens (batch x longest) when items have a length."""
         size = len(requests)
-        self.count_batch(size, [started - request.enqueued_at for request in requests])
+        self.events.batch_started(size, [started - request.enqueued_at for request in requests])
         if not self.by_cost:
             return size
         units = size * max(r.cost for r in requests)
-        self.stats.record_padding(real=sum(r.cost for r in requests), padded=units)
+        self.events.batch_padded(real=sum(r.cost for r in requests), padded=units)
         return units
-
-    def count_batch(self, size: int, queue_waits: list[float]) -> None:
-        """Count a batch (or a step) of `size` that starts now; `queue_waits`: seconds
-        each of its newcomers waited in the queue."""
-        stats = self.stats
-        stats.batches += 1
-        stats.items += size
-        stats.batch_sizes[size] = stats.batch_sizes.get(size, 0) + 1
-        stats.queue_wait.extend(queue_waits)
-        if self.listeners.on:
-            self.listeners.batch_started(size, queue_waits)
-
-    def count_end(self, size: int, seconds: float, error: BaseException | None) -> None:
-        """Count a model call (a batch or a step) of `size` that ended after `seconds`."""
-        self.stats.model_time.append(seconds)
-        if self.listeners.on:
-            self.listeners.batch_finished(size, seconds, error)
 
     def deliver(
         self, requests: list[Request[In]], results: object, now: float
@@ -356,10 +415,8 @@ class Runner(Generic[In]):
 
     def batch_failed(self, requests: list[Request[In]], error: BaseException) -> None:
         """The batch failed as a whole: its callers still waiting get `error`."""
-        self.stats.failed_batches += 1
         self.settlement.fail(requests, error)
-        if self.listeners.on:
-            self.listeners.error(error, len(requests))
+        self.events.batch_failed(error, len(requests))
 
     def batch_ended(
         self,
@@ -375,7 +432,7 @@ class Runner(Generic[In]):
         it answered in time, and free the batch slot (unless already handed on)."""
         if not binding.serving:
             return
-        self.count_end(size, seconds, error)
+        self.events.batch_finished(size, seconds, error)
         if binding.overran and binding.overran.pop(task, None) is not None:
             return  # the watchdog failed its callers and freed its slot already
         if not self.health.healthy and not binding.overran and self.lifecycle.open:
@@ -389,7 +446,7 @@ class Runner(Generic[In]):
         self, binding: Binding[In], task: asyncio.Task[Any], requests: list[Request[In]]
     ) -> asyncio.TimerHandle | None:
         """Arm the watchdog for a batch (or step) starting now, with `batch_timeout`."""
-        timeout = self.options.batch_timeout_seconds
+        timeout = self._holder.options.batch_timeout_seconds
         if timeout is None:
             return None
         return binding.loop.call_later(timeout, self._overran, binding, task, requests, timeout)
@@ -405,65 +462,16 @@ class Runner(Generic[In]):
         slot, abandon the model call (cancel it) and mark the proxy unhealthy."""
         error = BatchTimeout(self.name, timeout, len(requests))
         binding.overran[task] = error
-        self.stats.timed_out_batches += 1
         self.health = Health(False, str(error), time.time())
         logger.error("%s", error)
         self.settlement.fail(requests, error)
-        if self.listeners.on:
-            self.listeners.batch_timed_out(len(requests), timeout)
+        self.events.batch_timed_out(len(requests), timeout)
         binding.scheduler.batch_finished()
         task.cancel()
         if self.options.stops_on_overrun and self.lifecycle.open:
             self.lifecycle.stop(error)  # new calls get ProxyClosed; so do the queued ones:
             binding.scheduler.close()
             self.settlement.fail(binding.scheduler.queue.drain(), self.lifecycle.closed_error())
-
-
-async def run_batch(
-    runner: Runner[In], binding: Binding[In], requests: list[Request[In]] | None
-) -> None:
-    """One plain batch, start to end (see the module docstring)."""
-    claimed = runner.claim(binding, requests)
-    if claimed is None:
-        return
-    requests, task = claimed
-    scheduler, clock = binding.scheduler, binding.clock
-    size = len(requests)
-    started = clock()
-    units = runner.record_start(requests, started)
-    watchdog = runner.watch(binding, task, requests)
-    error: BaseException | None = None
-    released = False  # the slot was handed on before the callers were answered
-    finished = None
-    try:
-        try:
-            results, whole = await runner.call_model([r.item for r in requests])
-        except BaseException as exc:
-            error = runner.model_failure(exc, binding, task)
-            if error is None:  # the event loop is ending: so does the batch
-                if isinstance(exc, asyncio.CancelledError):
-                    runner.settlement.fail(requests, runner.cancelled_batch_error(exc))
-                raise
-        else:
-            late = bool(binding.overran) and task in binding.overran  # after the watchdog
-            released = (
-                not late
-                and scheduler.queue.live > 0  # (the cheap test first: often nobody waits)
-                and _clean(results, size)
-                and scheduler.batch_finished_early()
-            )
-            finished = clock()
-            error = runner.deliver(requests, results, finished)
-            if error is None and whole and not late:  # one timely call on the whole batch
-                runner.cost_model.add(units, finished - started)
-        if error is not None:
-            runner.batch_failed(requests, error)
-    finally:
-        if watchdog is not None:
-            watchdog.cancel()
-        ended = clock() if finished is None else finished
-        runner.batch_ended(binding, task, size, ended - started, error, released=released)
-        binding.batch_tasks.discard(task)
 
 
 BATCHES = RunKind(run_batch)

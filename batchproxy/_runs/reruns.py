@@ -19,11 +19,10 @@ import traceback
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from .._events import Events
 from .._executors.base import Executor
-from .._listeners import Listeners
 from .._oom import BatchCap
 from .._options import Options
-from .._stats import StatsRecorder
 from .callers import narrowed
 
 __all__ = ["call_with_reruns"]
@@ -37,11 +36,12 @@ class _Runner(Protocol):
     name: str
     model: Callable[[list[Any]], Any]
     executor: Executor
-    options: Options
     cap: BatchCap
-    stats: StatsRecorder
-    listeners: Listeners
+    events: Events
     on_cap_change: Callable[[], None]
+
+    @property
+    def options(self) -> Options: ...
 
     def result_sequence(self, results: object) -> list[Any] | tuple[Any, ...]: ...
 
@@ -69,15 +69,12 @@ async def call_with_reruns(
         half = (len(items) + 1) // 2
         if oom:
             _back_off(runner, len(items), exc)
-        else:
-            runner.stats.isolation_splits += 1
-            if top:
-                logger.warning(
-                    "%s: a batch of %d raised %r; re-running it in halves to find the "
-                    "items that fail", runner.name, len(items), exc,
-                )  # fmt: skip
-        if runner.listeners.on:
-            runner.listeners.batch_split(len(items), "oom" if oom else "isolation")
+        elif top:
+            logger.warning(
+                "%s: a batch of %d raised %r; re-running it in halves to find the "
+                "items that fail", runner.name, len(items), exc,
+            )  # fmt: skip
+        runner.events.batch_split(len(items), "oom" if oom else "isolation")
         pieces: list[Any] = []
         start = 0
         while start < len(items):  # by index: a piece answered with a wrong count
@@ -96,7 +93,6 @@ async def call_with_reruns(
 def _back_off(runner: _Runner, size: int, exc: Exception) -> None:
     """A batch of `size` ran out of memory: lower the cap."""
     runner.cap.out_of_memory(size)
-    runner.stats.oom_splits += 1
     runner.on_cap_change()
     logger.warning(
         "%s: out of memory on a batch of %d (%r); retrying in chunks of %d",

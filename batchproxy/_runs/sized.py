@@ -16,9 +16,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._errors import BatchSizeMismatch
+from .._events import Events
 from .._executors.base import Executor, ModelFn
-from .._scheduling.sizes import NO_ITEM, BatchSizes
-from .._stats import StatsRecorder
+from .._scheduling.sizes import NO_ITEM, AllowedSizes
 from .callers import narrowed
 
 __all__ = ["SizedExecutor"]
@@ -32,8 +32,8 @@ class SizedExecutor(Executor):
     def __init__(
         self,
         inner: Executor,
-        sizes: BatchSizes,
-        stats: StatsRecorder,
+        sizes: AllowedSizes,
+        events: Events,
         *,
         name: str,
         filler: object = NO_ITEM,
@@ -44,7 +44,7 @@ class SizedExecutor(Executor):
         self.inner = inner
         self._reruns = reruns  # errors the proxy re-runs the whole batch for, in pieces
         self.sizes = sizes
-        self._stats = stats
+        self._events = events
         self._filler = filler
         self._model_pads = model_pads
         self.hosts_model = inner.hosts_model
@@ -84,7 +84,7 @@ class SizedExecutor(Executor):
         extra = size - count
         fillers = 0
         if extra:
-            self._stats.padded_rows += extra
+            self._events.rows_padded(extra)
             if not self._model_pads:  # (a model that pads itself narrows its own rows)
                 items = items + [self._filler] * extra
                 fillers = extra

@@ -221,7 +221,7 @@ async def run_stream(
             else:
                 runner.settlement.end_streams(requests, now)
             runner.batch_ended(binding, task, len(requests), now - started, error)
-        binding.batch_tasks.discard(task)
+        runner.end_task(binding, task)
 
 
 async def _step_through(

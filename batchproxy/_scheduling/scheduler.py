@@ -70,7 +70,7 @@ takes the largest allowed size that the requests it draws from fill (the queue's
 or with batch keys its key's: `Queue.next_live`), the rest stay queued; one due to
 leave at a size not allowed (but full, a full token budget, or draining) waits
 for the next allowed size while the missing requests are expected before its
-window closes and its deadline rule (`_sizes.BatchSizes.wait_until`). With a
+window closes and its deadline rule (`sizes.AllowedSizes.wait_until`). With a
 filler the scheduler does nothing special: `_sizes.SizedExecutor` pads.
 
 Order: highest priority first; within a priority, earliest deadline first,
@@ -109,13 +109,14 @@ import asyncio
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from .cost_model import CostModel
 from .queue import Queue, Request, RequestQueue
 
 if TYPE_CHECKING:
-    from .sizes import BatchSizes
+    from .sizes import AllowedSizes
 
 __all__ = ["Limits", "Scheduler"]
 
@@ -123,9 +124,26 @@ T = TypeVar("T")
 
 logger = logging.getLogger("batchproxy")
 
-Limits = tuple[int, float, int, bool, float | None, bool]
-"""What `reconfigure` takes: batch size, max delay (s), slots, adaptive window, aging (s),
-and whether to predict when each batch ends (`predicts`)."""
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What a scheduler works within (`Scheduler(limits=...)`, `reconfigure`): made by
+    the proxy's runner from its options, its executor and its batch cap."""
+
+    batch_size: int
+    """The most requests (the current cap, cut to an allowed size) in one batch."""
+    max_delay: float
+    """Seconds a batch that is not full may wait for company."""
+    slots: int
+    """Batches in flight at once (`max_concurrent_batches`, or the executor's capacity)."""
+    adaptive: bool
+    """Whether the delay window adapts to the arrivals (`adaptive`)."""
+    aging: float | None
+    """Seconds after which a waiting request gains a priority level (`aging`)."""
+    predicts: bool
+    """Whether the scheduler predicts when each batch ends (by the cost model): what
+    staggers batches over several slots and what `shed_late` needs."""
+
 
 _EWMA_WEIGHT = 0.2
 _QUIET_FACTOR = 2.0  # quiet for this many expected gaps: the stream has paused
@@ -141,38 +159,26 @@ class Scheduler(Generic[T]):
         self,
         loop: asyncio.AbstractEventLoop,
         *,
-        batch_size: int,
-        max_delay: float,
-        max_concurrent_batches: int,
+        limits: Limits,
         start_batch: Callable[[list[Request[T]] | None], None],
         by_cost: bool = False,
         group_by_cost: bool = True,
         max_batch_tokens: int | None = None,
-        adaptive: bool = True,
         cost_model: CostModel | None = None,
-        aging: float | None = None,
-        predicts: bool = True,
-        cut_to: BatchSizes | None = None,
+        cut_to: AllowedSizes | None = None,
         name: str = "proxy",
     ) -> None:
         self.loop = loop
         self.name = name  # the proxy's, in the log lines
         # a plain queue; `_placement` changes its shape once calls name tenants or keys
-        self.queue: Queue[T] = RequestQueue(aging)
+        self.queue: Queue[T] = RequestQueue(limits.aging)
         self.in_flight = 0
-        self._batch_size = batch_size
-        self._max_delay = max_delay
-        self._max_concurrent = max_concurrent_batches
+        self._limit(limits)
         self._start_batch = start_batch
         self._by_cost = by_cost
         self._group = group_by_cost
         self._budget = max_batch_tokens
-        self._adaptive = adaptive
         self._cost_model = cost_model or CostModel()
-        # predict when each batch ends (by the cost model): what staggers batches over
-        # several slots and what `shed_late` needs; with one slot and no shedding, a
-        # batch pays nothing for it
-        self._predicts = predicts
         self._cut_to = cut_to  # `batch_sizes` without a filler: batches leave at those sizes
         self._last_dispatch = -math.inf
         self._last_duration = 0.0  # predicted model time of the batch last sent
@@ -258,24 +264,20 @@ class Scheduler(Generic[T]):
         self._schedule_decision()
         return True
 
-    def reconfigure(
-        self,
-        batch_size: int,
-        max_delay: float,
-        max_concurrent_batches: int,
-        adaptive: bool,
-        aging: float | None,
-        predicts: bool,
-    ) -> None:
+    def reconfigure(self, limits: Limits) -> None:
         """New limits and window from the next decision on (running batches are not
         touched); the queue's new `aging` orders the next pops."""
-        self._batch_size = batch_size
-        self._max_delay = max_delay
-        self._max_concurrent = max_concurrent_batches
-        self._adaptive = adaptive
-        self._predicts = predicts
-        self.queue.aging = aging
+        self._limit(limits)
         self._schedule_decision()  # a smaller batch, a new slot or window may send one now
+
+    def _limit(self, limits: Limits) -> None:
+        self._batch_size = limits.batch_size
+        self._max_delay = limits.max_delay
+        self._max_concurrent = limits.slots
+        self._adaptive = limits.adaptive
+        # with one slot and no shedding, a batch pays nothing for predicting its end
+        self._predicts = limits.predicts
+        self.queue.aging = limits.aging
 
     def drain(self) -> None:
         """From now on every queued request goes as soon as a slot is free."""
@@ -444,9 +446,9 @@ class Scheduler(Generic[T]):
         took = self._cost_model.predict(units)
         return None if took is None else deadline - _DEADLINE_MARGIN * took
 
-    def _size_wait(self, cut: BatchSizes) -> float | None:
+    def _size_wait(self, cut: AllowedSizes) -> float | None:
         """`batch_sizes` without a filler: until when a batch due now waits for the next
-        allowed size (see `BatchSizes.wait_until`); None: it leaves now, cut."""
+        allowed size (see `AllowedSizes.wait_until`); None: it leaves now, cut."""
         queue = self.queue
         oldest = queue.oldest_enqueued_at()
         if oldest is None:

@@ -12,7 +12,7 @@ certain batch sizes. Two modes, fixed at construction:
   wait for the next batch. A partial batch that would be cut waits for the next
   allowed size instead when the missing requests are expected (by the
   scheduler's arrival gap) before its window closes and before its deadline
-  rule sends it; the scheduler asks `BatchSizes.wait_until`.
+  rule sends it; the scheduler asks `AllowedSizes.wait_until`.
 
 The model calls of allowed sizes are made by `SizedExecutor` (`_sized_executor`).
 """
@@ -26,7 +26,7 @@ from typing import Any
 
 __all__ = [
     "NO_ITEM",
-    "BatchSizes",
+    "AllowedSizes",
     "batch_sizes",
     "check_sizes",
     "refuse_streams",
@@ -84,7 +84,7 @@ def refuse_streams(name: str, streams: bool, sizes: object) -> None:
         )
 
 
-def batch_sizes(name: str, options: Any, model_pads: bool) -> BatchSizes | None:
+def batch_sizes(name: str, options: Any, model_pads: bool) -> AllowedSizes | None:
     """A proxy's allowed sizes and mode (None without `batch_sizes`); cut mode needs 1
     among the sizes, or a lone request could never run."""
     allowed = options.batch_sizes  # a `BatchSizes` value (`_option_values`), or None
@@ -98,10 +98,10 @@ def batch_sizes(name: str, options: Any, model_pads: bool) -> BatchSizes | None:
             f"with no company could never run; add 1, or pad batches with "
             f"batch_sizes=BatchSizes({sizes}, pad_item=...)"
         )
-    return BatchSizes(sizes, pads=pads)
+    return AllowedSizes(sizes, pads=pads)
 
 
-class BatchSizes:
+class AllowedSizes:
     """The allowed sizes (ascending) and the mode: `pads` (a filler exists) or cut."""
 
     __slots__ = ("largest", "pads", "sizes")

@@ -16,9 +16,11 @@ from typing_extensions import override
 
 import batchproxy
 from batchproxy import Options, Proxy
+from batchproxy._events import Events
 from batchproxy._executors.base import LoopExecutor
+from batchproxy._listeners import Listeners
 from batchproxy._runs.sized import SizedExecutor
-from batchproxy._scheduling.sizes import NO_ITEM, BatchSizes
+from batchproxy._scheduling.sizes import NO_ITEM, AllowedSizes
 from batchproxy._stats import StatsRecorder
 
 
@@ -360,19 +362,19 @@ def test_the_strict_model_rejects_other_sizes() -> None:  # the tests above can 
 
 
 def test_allowed_size_arithmetic() -> None:
-    sizes = BatchSizes((1, 2, 4, 8), pads=False)
+    sizes = AllowedSizes((1, 2, 4, 8), pads=False)
     assert [sizes.fit(n) for n in (0, 1, 3, 7, 8, 20)] == [0, 1, 2, 4, 8, 8]
     assert [sizes.cover(n) for n in (1, 3, 5, 8, 9)] == [1, 4, 8, 8, 9]
     assert [sizes.top(cap) for cap in (1, 3, 8, 64)] == [1, 2, 8, 8]
     assert sizes.pieces(7) == [(4, 4), (2, 2), (1, 1)]
-    padded = BatchSizes((4, 8), pads=True)
+    padded = AllowedSizes((4, 8), pads=True)
     assert padded.top(2) == 4  # never below the smallest size
     assert padded.pieces(3) == [(3, 4)]
     assert padded.pieces(11) == [(8, 8), (3, 4)]
 
 
 def test_waiting_for_the_next_size_is_bounded_by_the_window_and_the_deadline() -> None:
-    sizes = BatchSizes((1, 2, 4, 8), pads=False)
+    sizes = AllowedSizes((1, 2, 4, 8), pads=False)
     wait = functools.partial(sizes.wait_until, last_arrival=1.0, gap=0.01)
     assert wait(5, closes=1.05, deadline_start=None) == pytest.approx(1.03)  # 3 more by 1.03
     assert wait(5, closes=1.03, deadline_start=None) is None  # the window closes first
@@ -382,7 +384,7 @@ def test_waiting_for_the_next_size_is_bounded_by_the_window_and_the_deadline() -
         sizes.wait_until(5, last_arrival=1.0, gap=math.inf, closes=9, deadline_start=None) is None
     )
     assert (
-        BatchSizes((1, 8), pads=True).wait_until(
+        AllowedSizes((1, 8), pads=True).wait_until(
             5, last_arrival=1.0, gap=0.01, closes=9, deadline_start=None
         )
         is None
@@ -410,7 +412,11 @@ async def test_sized_executor_checks_each_piece(
 
     allowed = (4, 8) if pads else (1, 2, 4)
     executor = SizedExecutor(
-        LoopExecutor(), BatchSizes(allowed, pads=pads), StatsRecorder("p"), name="p", filler=0
+        LoopExecutor(),
+        AllowedSizes(allowed, pads=pads),
+        Events(StatsRecorder("p"), Listeners("p")),
+        name="p",
+        filler=0,
     )
     results = await executor.run(model, list(range(n)))
     assert len(results) == n
@@ -450,7 +456,10 @@ async def test_an_error_in_one_cut_fails_only_that_cuts_callers() -> None:
         return [f"out {item}" for item in items]
 
     executor = SizedExecutor(
-        LoopExecutor(), BatchSizes((1, 2, 4), pads=False), StatsRecorder("p"), name="p"
+        LoopExecutor(),
+        AllowedSizes((1, 2, 4), pads=False),
+        Events(StatsRecorder("p"), Listeners("p")),
+        name="p",
     )
     results = await executor.run(model, ["a", "b", "c", "d", "boom", "e", "f"])
     assert [len(call) for call in calls] == [4, 2, 1]
