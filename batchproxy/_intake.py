@@ -81,7 +81,7 @@ class Intake(Generic[In]):
                 None if dedup.cache_size is None else ResultCache(dedup.cache_size, dedup.cache_ttl)
             )
             self._dedup = settlement.dedup = Deduplicator(name, dedup.key, cache)
-        self._key_of = options.key  # an item's batch key (`_keys`), or None
+        self._key_of = options.key  # an item's batch key (`_runs.keys`), or None
         # the model takes per-batch arguments: they are each call's batch key
         self._arguments = arguments
         self._default_arguments: ArgumentsKey | TypeError | None = None
@@ -342,7 +342,7 @@ class Intake(Generic[In]):
     def _place(self, binding: Binding[In], tenant: object, key: object) -> None:
         """A call that names a tenant or has a batch key: both must be hashable; from
         now on the binding's queue shares fairly between tenants, batches by key, or
-        both (`_placement`)."""
+        both (`_scheduling.placement`)."""
         _validate.hashable("tenant", tenant)
         _validate.hashable("key", key)
         if key is not None and not self._keys:

@@ -7,7 +7,7 @@
 - UNINITIALIZED: the class default, seen only by a subclass whose `__init__`
   forgot `super().__init__()`: every use raises a clear `RuntimeError`.
 - OPEN: takes calls, from whichever event loop calls it (loop binding is its
-  own concern: `_binding`).
+  own concern: `_loops.binding`).
 - DRAINING: `aclose()` has begun: new calls get `ProxyClosed`; every accepted
   call still runs to its outcome.
 - STOPPED: the proxy closed itself after a batch overran its `batch_timeout`

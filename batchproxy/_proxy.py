@@ -3,19 +3,19 @@
 One request's way through the library, top to bottom:
 
 1. `Proxy.inference` (here) finds the proxy bound to the running loop (else
-   `Binder.serve_elsewhere`, `_binding`), and `Intake.admit` (`_intake`) makes
-   the request and queues it in the binding's `Scheduler` (`_scheduler`, with
-   `_queue`).
+   `Binder.serve_elsewhere`, `_loops.binding`), and `Intake.admit` (`_intake`) makes
+   the request and queues it in the binding's `Scheduler` (`_scheduling.scheduler`, with
+   `_scheduling.queue`).
 2. The scheduler decides when a batch leaves and who is in it, and calls
-   `Runner.start_batch` (`_runs`): a batch task, in a fresh context.
+   `Runner.start_batch` (`_runs.batches`): a batch task, in a fresh context.
 3. The batch task claims its requests, calls the model through the `Executor`
-   (`_executor`: the loop, a `WorkerThread`, worker processes, Ray actors), and
+   (`_executors.base`: the loop, a `WorkerThread`, worker processes, Ray actors), and
    `Settlement.deliver` (`_settle`) resolves each caller's future with its own
    result; the slot is freed for the next batch.
 4. The caller resumes in `inference` with its result.
 
-Also: `_options`, `_lifecycle`, `_events` (counts and tells `_listeners`), `_bridge`,
-the run kinds (`_streaming`, `_generation`; chosen in `_model`)."""
+Also: `_options`, `_lifecycle`, `_events` (counts and tells `_listeners`), `_loops.bridge`,
+the run kinds (`_runs.streams`, `_generation`; chosen in `_runs.model`)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Each worker is a `spawn`ed process (safe with CUDA) that builds its model once
 from a picklable factory; the proxy keeps forming batches in its event loop and
 sends each to the least-loaded worker. Inside this process every worker has a
 thread of its own that starts its process, sends it batches over a local pipe
-(`_ipc`: pickle protocol 5, NumPy and torch buffers out of band) and waits for
+(`_executors.ipc`: pickle protocol 5, NumPy and torch buffers out of band) and waits for
 the reply, so the event loop never blocks on a pipe. No socket is opened.
 
 Failure, written down:

@@ -3,7 +3,7 @@
 The scheduler decides that a batch leaves and calls `Runner.start_batch`, which
 starts a task for it in a fresh `contextvars` context (a batch serves many
 callers, so it sees none of theirs). The task runs the proxy's run kind: a plain
-batch (`run_batch`, first below), a static stream (`_streaming.run_stream`) or a
+batch (`run_batch`, first below), a static stream (`_runs.streams.run_stream`) or a
 `GenerationProxy` engine. Each kind is one straight coroutine that claims its
 batch, calls the model through the executor, settles its callers
 (`Settlement`) and releases its slot, however it ends; the pieces they share are
@@ -15,7 +15,7 @@ A plain batch run, in order:
    takes what is queued now (that iteration's other arrivals join it);
 2. record the start (stats, listeners) and arm the watchdog (`batch_timeout`);
 3. call the model (`call_model`; with `oom_backoff` or `isolate_errors`, the
-   re-runs of `_reruns`, paid for only when turned on);
+   re-runs of `_runs.reruns`, paid for only when turned on);
 4. settle: result i to caller i, or the batch's error to every caller;
 5. release: record the model time, mark the proxy healthy again if it answered
    in time, free the slot (unless handed on early, below).
@@ -209,7 +209,7 @@ class Runner(Generic[In]):
         self.events: Events = settlement.events  # counts, and tells the listeners
         self.by_cost = by_cost  # requests carry a cost (a length): batches are padded
         self.group_by_cost = group_by_cost  # and batch members are picked by cost
-        # changed by: configure() and the out-of-memory back-off (`_reruns`)
+        # changed by: configure() and the out-of-memory back-off (`_runs.reruns`)
         self.cap = BatchCap(options.batch_size)
         # fed by every batch that ran whole and in time (`run_batch`)
         self.cost_model = CostModel("token" if by_cost else "item")
@@ -322,7 +322,7 @@ class Runner(Generic[In]):
     # -- calling the model ---------------------------------------------------------------
 
     def reruns(self, error: BaseException) -> bool:
-        """Whether a model call that raised `error` is re-run in pieces (`_reruns`):
+        """Whether a model call that raised `error` is re-run in pieces (`_runs.reruns`):
         `isolate_errors`, or `oom_backoff` and `error` is out of memory."""
         options = self.options
         return isinstance(error, Exception) and (
@@ -332,7 +332,7 @@ class Runner(Generic[In]):
     async def call_model(self, items: list[In]) -> tuple[Any, bool]:
         """Run the model on `items`: (its results, whether one call on all of them made
         them). With `oom_backoff` or `isolate_errors`, a raising call is re-run in pieces
-        (`_reruns`)."""
+        (`_runs.reruns`)."""
         options = self._holder.options  # (`options`, without a call: once per batch)
         if options.is_oom is not None or options.isolate_errors:
             return await call_with_reruns(self, items)

@@ -2,7 +2,7 @@
 
 A call's key is its `key=` argument, else the proxy's `key` option applied to its
 item, else None. The first call with a key turns the binding's queue into a
-`KeyedQueue` (the requests queued so far become key None's; `_placement`): a
+`KeyedQueue` (the requests queued so far become key None's; `_scheduling.placement`): a
 proxy whose calls never have a key keeps its plain queue and pays nothing. The
 model reads its batch's key with `batch_key()`.
 """

@@ -1,5 +1,5 @@
 """Every model call of an allowed batch size (`batch_sizes=`; the sizes and the
-scheduling rules are `_sizes`).
+scheduling rules are `_scheduling.sizes`).
 
 Whatever the scheduler forms, every model call goes through `SizedExecutor`, which
 wraps the proxy's executor: it pads a call (pad mode) or runs it as several calls

@@ -106,7 +106,7 @@ class KeyedQueue(Composite[T]):
         self._arrivals: list[_Entry] = []  # (oldest arrival, unique, key)
         self._deadlines: list[_Entry] = []  # (earliest deadline, unique, key)
         self._peak = 0  # the most keys waiting at once since the rotation last emptied
-        self.fair = False  # its sub-queues are `FairQueue`s (`_placement`)
+        self.fair = False  # its sub-queues are `FairQueue`s (`_scheduling.placement`)
         self.live = 0
         self.live_cost = 0
 
@@ -212,7 +212,7 @@ class KeyedQueue(Composite[T]):
 
     def nest(self, wrap: Callable[[Queue[T]], Queue[T]]) -> None:
         """Every key's sub-queue, and each new one, wrapped by `wrap` (a `FairQueue`
-        around it, once calls name tenants: `_placement`)."""
+        around it, once calls name tenants: `_scheduling.placement`)."""
         for record in self._subs.values():
             record.sub = wrap(record.sub)
         new = self._new

@@ -23,7 +23,7 @@ also count who is ahead.
 
 `Queue` is the interface the scheduler, intake and generation use, which
 composites of `RequestQueue`s (`FairQueue`: one per tenant; `KeyedQueue`: one
-per batch key; `_placement` nests them) also have; `pick_similar` forms a
+per batch key; `_scheduling.placement` nests them) also have; `pick_similar` forms a
 length-aware batch from any of them.
 """
 

@@ -71,11 +71,11 @@ or with batch keys its key's: `Queue.next_live`), the rest stay queued; one due 
 leave at a size not allowed (but full, a full token budget, or draining) waits
 for the next allowed size while the missing requests are expected before its
 window closes and its deadline rule (`sizes.AllowedSizes.wait_until`). With a
-filler the scheduler does nothing special: `_sizes.SizedExecutor` pads.
+filler the scheduler does nothing special: `_runs.sized.SizedExecutor` pads.
 
 Order: highest priority first; within a priority, earliest deadline first,
 then requests without a deadline in arrival order; with `aging`, an old
-request climbs levels (see `_queue`). Once a call names a tenant, the queue is a
+request climbs levels (see `_scheduling.queue`). Once a call names a tenant, the queue is a
 `FairQueue`: tenants share each batch by weighted fair queuing first, and this
 order applies within each tenant; the rules above look at all tenants together.
 
@@ -170,7 +170,7 @@ class Scheduler(Generic[T]):
     ) -> None:
         self.loop = loop
         self.name = name  # the proxy's, in the log lines
-        # a plain queue; `_placement` changes its shape once calls name tenants or keys
+        # a plain queue; `_scheduling.placement` changes its shape once calls name tenants or keys
         self.queue: Queue[T] = RequestQueue(limits.aging)
         self.in_flight = 0
         self._limit(limits)

@@ -14,7 +14,7 @@ certain batch sizes. Two modes, fixed at construction:
   scheduler's arrival gap) before its window closes and before its deadline
   rule sends it; the scheduler asks `AllowedSizes.wait_until`.
 
-The model calls of allowed sizes are made by `SizedExecutor` (`_sized_executor`).
+The model calls of allowed sizes are made by `SizedExecutor` (`_runs.sized`).
 """
 
 from __future__ import annotations
