@@ -48,8 +48,12 @@ def dead_unreaped(pid: int) -> bool:
     return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
 
 
-async def kill_idle(pid: int) -> None:
-    """Kill a worker process that holds no batch, and wait until it really is dead."""
+async def kill_idle(workers: ProcessWorkers, pid: int) -> None:
+    """Kill a worker process that holds no batch, and wait until it really is dead.
+    First wait until the pool has taken in every answer: a worker's thread counts its
+    job done just after its caller is answered, and a batch sent meanwhile goes to
+    another worker (so the dead one would not be found, nor reaped, by the next)."""
+    await wait_until(lambda: all(worker.load == 0 for worker in workers._workers))
     os.kill(pid, signal.SIGKILL)
     await wait_until(lambda: dead_unreaped(pid))
 
@@ -174,7 +178,7 @@ async def test_a_worker_that_died_idle_is_replaced_and_the_next_batch_runs(
         dead = workers.pids[0]
         assert dead is not None
         survivors = set(workers.pids) - {dead}
-        await kill_idle(dead)
+        await kill_idle(workers, dead)
         served_by, item = await proxy.inference("next")
         assert item == "next"
         assert served_by != dead
@@ -199,7 +203,7 @@ async def test_random_kills_fail_only_the_batches_they_hit() -> None:
     ):
         for round_ in range(6):
             for pid in rng.sample([p for p in workers.pids if p is not None], rng.randint(0, 2)):
-                await kill_idle(pid)  # between rounds: nobody holds a batch
+                await kill_idle(workers, pid)  # between rounds: nobody holds a batch
             items = [("sleep", 0.02) if rng.random() < 0.3 else i for i in range(12)]
             calls = [asyncio.create_task(proxy.inference(item)) for item in items]
             busy_kill = rng.random() < 0.5
@@ -230,7 +234,7 @@ async def test_a_worker_that_dies_between_the_check_and_the_send_never_held_the_
         process = workers._workers[0]._process
         checks: list[bool] = []
         monkeypatch.setattr(process, "is_alive", lambda: checks.append(True) or True)
-        await kill_idle(dead)  # and the check says it lives: it died just after
+        await kill_idle(workers, dead)  # and the check says it lives: it died just after
         served_by, item = await proxy.inference("next")
         assert item == "next"
         assert served_by not in (dead, None)
@@ -814,7 +818,7 @@ async def test_a_worker_reaped_behind_the_pools_back_is_replaced() -> None:
         await proxy.inference("warm")
         (dead,) = workers.pids
         assert dead is not None
-        await kill_idle(dead)
+        await kill_idle(workers, dead)
         # Reaped elsewhere (it is dead, so this does not block): the pool never learns how.
         os.waitpid(dead, os.WNOHANG)  # noqa: ASYNC222
         served_by, item = await asyncio.wait_for(proxy.inference("next"), 30)
