@@ -81,7 +81,8 @@ class DrainDeadline(ProxyClosed):
             if running
             else "before this queued call reached the model"
         )
-        super().__init__(proxy, detail=f"its drain deadline (timeout={timeout:g} s) passed {what}")
+        deadline = f"its drain deadline (timeout={timeout:.3g} s)"
+        super().__init__(proxy, detail=f"{deadline} passed {what}")
         self.timeout = timeout
         self.running = running
 

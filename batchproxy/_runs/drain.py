@@ -46,7 +46,7 @@ def cut_drain(runner: Runner[In], binding: Binding[In], timeout: float) -> None:
         task.cancel()
     if queued or abandoned:
         logger.warning(
-            "%s: the drain deadline (timeout=%g s) passed: %d queued calls refused, "
+            "%s: the drain deadline (timeout=%.3g s) passed: %d queued calls refused, "
             "%d running batches abandoned",
             runner.name,
             timeout,
