@@ -172,8 +172,10 @@ class Batched(Generic[T, U]):
     async def start(self) -> None:
         await self.proxy.start()
 
-    async def aclose(self) -> None:
-        await self.proxy.aclose()
+    async def aclose(self, *, timeout: float | None = None) -> None:
+        """Close the function's proxy (`Proxy.aclose`): `timeout` is the drain's deadline
+        (None: drain without one)."""
+        await self.proxy.aclose(timeout=timeout)
 
 
 class _Decorator(Protocol):

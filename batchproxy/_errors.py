@@ -10,6 +10,7 @@ __all__ = [
     "BatchSizeUnreachable",
     "BatchTimeout",
     "DeadlineExceeded",
+    "DrainDeadline",
     "InferenceError",
     "InvalidItem",
     "PoolUnavailable",
@@ -61,6 +62,29 @@ class ProxyClosed(BatchProxyError):
         super().__init__(message if detail is None else f"{proxy} closed: {detail}")
         self.proxy = proxy
         self.reason = reason
+
+
+class DrainDeadline(ProxyClosed):
+    """The proxy's drain deadline (`aclose(timeout=...)`) passed before this call was
+    answered: nobody cancelled the call, the proxy gave up on it to close in time.
+
+    `running` is False for a call still queued (it never reached the model) and True
+    for one whose batch was running: that batch was abandoned (cancelled where it runs
+    on the event loop; a model call on a thread or in a process may run on, its result
+    discarded). A `ProxyClosed`, so the HTTP helpers answer it 503 with `Retry-After`
+    (another replica may serve the retry). `timeout` is the drain's, in seconds.
+    """
+
+    def __init__(self, proxy: str, timeout: float, *, running: bool) -> None:
+        what = (
+            "while this call's batch was running; the batch was abandoned"
+            if running
+            else "before this queued call reached the model"
+        )
+        deadline = f"its drain deadline (timeout={timeout:.3g} s)"
+        super().__init__(proxy, detail=f"{deadline} passed {what}")
+        self.timeout = timeout
+        self.running = running
 
 
 class StreamBufferFull(BatchProxyError):

@@ -211,6 +211,7 @@ async def _run_engine(
     if claimed is None:
         return
     engine = _Engine(runner, binding, claimed[0], max_tokens)
+    binding.members[claimed[1]] = engine.open_requests  # its callers change at every step
     try:
         await engine.run()
     except asyncio.CancelledError as exc:  # from outside: the event loop is ending

@@ -9,7 +9,8 @@
 - OPEN: takes calls, from whichever event loop calls it (loop binding is its
   own concern: `_loops.binding`).
 - DRAINING: `aclose()` has begun: new calls get `ProxyClosed`; every accepted
-  call still runs to its outcome.
+  call still runs to its outcome (or, with `aclose(timeout=...)`, gets
+  `DrainDeadline` at the deadline: `_runs.drain`).
 - STOPPED: the proxy closed itself after a batch overran its `batch_timeout`
   with `on_batch_timeout="stop"`: new and queued calls get `ProxyClosed` naming
   that `cause`. `aclose()` still releases the worker.

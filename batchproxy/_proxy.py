@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import math
 import types
 import weakref
 from abc import ABC
@@ -45,6 +46,7 @@ from ._loops.binding import Binder
 from ._options import ConfigurableOptions, Options, ProxyOptions, options_for
 from ._reachable import check_queue_bound
 from ._runs.batches import ModelOutput, RunKind, Runner, current_batch
+from ._runs.drain import cut_drain
 from ._runs.model import choose_executor, refuse_reruns, run_kind_of
 from ._runs.streams import _CLOSED, StreamRequest
 from ._scheduling.placement import by_tenant
@@ -216,33 +218,55 @@ class Proxy(ABC, CallForms[In, Out]):
         if self._owns_executor and isinstance(executor, WorkerThread) and not executor.started:
             executor.start()
 
-    async def aclose(self) -> None:
+    async def aclose(self, *, timeout: float | None = None) -> None:
         """Stop intake, run every accepted request to its outcome, release the worker.
 
         New calls get `ProxyClosed` from the moment this is called. Idempotent.
         Awaited from inside this proxy's `_inference` (where waiting for the
         batch would wait for itself), it returns at once and the close completes
         on the proxy's loop as soon as that batch is done.
+
+        `timeout` (seconds, >= 0; None: no bound) is the drain's deadline: until then
+        the proxy drains as without one; at the deadline the calls still queued get
+        `DrainDeadline` (a `ProxyClosed`) and so do the callers of the batches still
+        running, which are abandoned: cancelled on the event loop (a model on a
+        thread or in a process runs on, its result dropped; the proxy's own worker
+        thread is left to end when it does). Then it returns: every accepted call
+        has its outcome. Streams end with the same error. A drain that ends before
+        its deadline is exactly the drain without one. Several `aclose()` under way
+        at once share the earliest deadline among them (one without a timeout waits
+        for the others' drain to end, at their deadline at the latest).
         """
         self._require_init()
+        if timeout is not None:
+            timeout = _validate.duration("timeout", timeout, allow_zero=True, allow_inf=True)
+            if timeout == math.inf:
+                timeout = None
         self._lifecycle.drain()
         binding = self._binder.current
+        cut = False
         if binding is not None and not binding.loop.is_closed():
             calling_batch = current_batch.get()
             if calling_batch in binding.batch_tasks:  # from the model, maybe on the worker
-                binding.loop.call_soon_threadsafe(binding.close_after, calling_batch, self.aclose)
+                close = functools.partial(self.aclose, timeout=timeout)
+                binding.loop.call_soon_threadsafe(binding.close_after, calling_batch, close)
                 return
+            drain = functools.partial(
+                binding.drain, timeout, functools.partial(cut_drain, self._runner, binding)
+            )
             if binding.loop is asyncio.get_running_loop():
-                await binding.drain()
-            elif (drain := self._binder.route(binding.drain)) is not None:  # another loop
+                await drain()
+            elif (routed := self._binder.route(drain)) is not None:  # another loop
                 with contextlib.suppress(BatchProxyError):  # its loop ended meanwhile:
-                    await asyncio.wrap_future(drain)  # what was queued is settled
+                    await asyncio.wrap_future(routed)  # what was queued is settled
             else:  # its loop is paused: what is queued cannot run; what runs ends there
                 self._binder.refuse_queued(binding)
+            cut = binding.was_cut
         self._lifecycle.close()
         self._executor.unwatch_capacity(self._capacity_watcher)
         if self._owns_executor:
-            if not self._runner.health.healthy and isinstance(self._executor, WorkerThread):
+            stuck = cut or not self._runner.health.healthy
+            if stuck and isinstance(self._executor, WorkerThread):
                 self._executor.close(wait=False)  # its thread may be stuck in the model
             else:
                 await self._executor.aclose()

@@ -12,7 +12,7 @@ The outcomes, and who reaches them:
 - `deliver`: result i of a batch to caller i (an `Exception` in slot i fails
   caller i alone);
 - `fail`: the batch failed as a whole, the proxy refused a queued call as it
-  closed, a stream overflowed, the loop ended;
+  closed, a stream overflowed, the loop ended, the drain's deadline passed;
 - `answer_cached`: a call answered from the result cache (`dedup`);
 - `expire`: the call's deadline passed (`DeadlineExceeded`);
 - `withdraw`: the caller left (a stream's consumer, `inference_many` after a

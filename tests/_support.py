@@ -51,6 +51,32 @@ class Recorder(batchproxy.Proxy[Any, Any]):
         return self.respond(items)
 
 
+class Hangs(batchproxy.Proxy[Any, Any]):
+    """Answers at once, except for items named "hang", which sleep for an hour.
+
+    With `stubborn`, a hanging call swallows its cancellation and goes on sleeping
+    until `release` is set."""
+
+    def __init__(self, *, stubborn: bool = False, **options: Any) -> None:
+        super().__init__(**options)
+        self.stubborn = stubborn
+        self.release = asyncio.Event()
+        self.cancelled = 0
+        self.finished = 0
+
+    async def _inference(self, items: list[Any]) -> list[Any]:
+        if "hang" in items:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                if not self.stubborn:
+                    raise
+                await self.release.wait()
+            self.finished += 1
+        return [("out", item) for item in items]
+
+
 def batch_tasks(proxy: batchproxy.Proxy[Any, Any]) -> set[asyncio.Task[Any]]:
     """The proxy's batch tasks still running (by their name), on this loop."""
     name = f"batchproxy-{proxy.name}-batch"

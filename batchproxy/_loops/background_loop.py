@@ -17,6 +17,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import inspect
 import logging
 import os
 import threading
@@ -42,7 +43,7 @@ class _Closable(Protocol):
 
     name: str
 
-    async def aclose(self) -> None: ...
+    async def aclose(self, *, timeout: float | None = None) -> None: ...
 
 
 class BackgroundLoop:
@@ -131,8 +132,9 @@ class BackgroundLoop:
 
     def close(self, timeout: float | None = 10.0) -> None:
         """Close the proxies bound to this loop, giving their accepted calls up to `timeout`
-        seconds to finish; then cancel what is left, stop the thread (waiting up to
-        `timeout` again) and close the loop. Idempotent."""
+        seconds to finish (their drain's deadline, `aclose(timeout=...)`: the calls
+        still waiting then get `DrainDeadline`); then cancel what is left, stop the
+        thread (waiting up to `timeout` again) and close the loop. Idempotent."""
         if self._on_loop_thread():
             raise RuntimeError(
                 f"BackgroundLoop {self.name!r}: close() was called on the loop's own thread, "
@@ -146,8 +148,9 @@ class BackgroundLoop:
             return
         if first:
             try:
-                closing = asyncio.run_coroutine_threadsafe(_close_proxies_of(self), loop)
-                if not _block_on(closing, timeout):
+                closing = asyncio.run_coroutine_threadsafe(_close_proxies_of(self, timeout), loop)
+                # (a margin: the drains' deadline settles their calls, then they return)
+                if not _block_on(closing, None if timeout is None else timeout + _CLOSE_MARGIN):
                     logger.warning(
                         "%r: calls still running %s s into close(); cancelling them", self, timeout
                     )
@@ -300,15 +303,29 @@ def _close_default() -> None:
         default.close()
 
 
-async def _close_proxies_of(background: BackgroundLoop) -> None:
-    """`aclose()` the proxies bound to its loop (a proxy is released when it moves on).
-    Run on that loop, after what was submitted before: those calls have bound theirs."""
+_CLOSE_MARGIN = 1.0
+"""Seconds `close()` waits past its `timeout` for the proxies' drains, cut at it, to return."""
+
+
+async def _close_proxies_of(background: BackgroundLoop, timeout: float | None) -> None:
+    """`aclose(timeout=timeout)` the proxies bound to its loop (a proxy is released when
+    it moves on). Run on that loop, after what was submitted before: those calls have
+    bound theirs."""
     with background._lock:
         proxies = list(background._proxies)
-    outcomes = await asyncio.gather(*(proxy.aclose() for proxy in proxies), return_exceptions=True)
+    outcomes = await asyncio.gather(
+        *(_aclose(proxy, timeout) for proxy in proxies), return_exceptions=True
+    )
     for proxy, outcome in zip(proxies, outcomes, strict=True):
         if isinstance(outcome, Exception):
             logger.error("closing %s raised %r", proxy.name, outcome)
+
+
+def _aclose(proxy: _Closable, timeout: float | None) -> Coroutine[Any, Any, None]:
+    """`proxy.aclose(timeout=timeout)`; without the timeout where a subclass's `aclose()`
+    takes none (it was written before it existed)."""
+    takes = "timeout" in inspect.signature(proxy.aclose).parameters
+    return proxy.aclose(timeout=timeout) if takes and timeout is not None else proxy.aclose()
 
 
 def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:

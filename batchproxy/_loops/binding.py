@@ -63,10 +63,12 @@ class Binding(Generic[In]):
     - `loop`, `clock`, `new_future`, `bridge`: set at construction, never changed.
     - `scheduler`: set by `Binder.bind` right after construction (the runner makes it:
       it starts this binding's batches), never changed.
-    - `batch_tasks`, `not_started`, `overran`: written by the runs (`_runs/batches.py`)
-      alone, which own a batch task from its start to its end; read here (`drain`),
-      by the binder (`_loop_ending`) and the proxy.
+    - `batch_tasks`, `not_started`, `overran`, `members`: written by the runs
+      (`_runs/batches.py`) alone, which own a batch task from its start to its end;
+      read here (`drain`), by the binder (`_loop_ending`), the proxy and the drain's
+      cut (`_runs.drain`).
     - `closing`: `close_after`. `left`: the binder, when the proxy leaves the loop.
+    - `deadline`, `cut`: `drain` (a drain with a deadline), alone.
     """
 
     __slots__ = (
@@ -74,8 +76,11 @@ class Binding(Generic[In]):
         "bridge",
         "clock",
         "closing",
+        "cut",
+        "deadline",
         "left",
         "loop",
+        "members",
         "new_future",
         "not_started",
         "overran",
@@ -109,6 +114,13 @@ class Binding(Generic[In]):
         # Invariant: the batches the watchdog gave up on (it failed their callers and
         # freed their slots), until their model call ends (`Runner.batch_ended`)
         self.overran: dict[asyncio.Future[Any], BatchTimeout] = {}
+        # Invariant: each task of `batch_tasks` with what gives its callers still in it
+        # (read only when a drain's deadline passes: `_runs.drain`)
+        self.members: dict[asyncio.Task[None], Callable[[], list[Any]]] = {}
+        # the earliest deadline of the drains under way (loop time), and its timer
+        self.deadline: tuple[float, asyncio.TimerHandle] | None = None
+        # set once a drain's deadline passed: the drains waiting return
+        self.cut: asyncio.Future[None] | None = None
         self.closing: asyncio.Task[None] | None = None  # an aclose() begun inside a batch
         self.left = False  # the proxy left this loop (it ended, or the proxy moved on)
 
@@ -135,15 +147,53 @@ class Binding(Generic[In]):
         """Requests waiting in the queue (read from any thread: an autoscaler's load)."""
         return self.scheduler.queue.live
 
-    async def drain(self) -> None:
+    async def drain(
+        self, timeout: float | None = None, cut: Callable[[float], None] | None = None
+    ) -> None:
         """`aclose()` on this loop: every queued request goes as soon as a slot is free;
-        return once every batch has ended (but those the watchdog gave up on)."""
+        return once every batch has ended (but those the watchdog gave up on).
+
+        With `timeout` (seconds, and `cut`): at the deadline, `cut(timeout)` settles
+        every call still queued or running (it abandons their batches) and the drain
+        returns. Drains under way together share the earliest deadline."""
         scheduler = self.scheduler
         scheduler.drain()
-        # a batch the watchdog abandoned may not end (a model ignoring cancellation)
+        if timeout is not None and cut is not None:
+            self._set_deadline(self.loop.time() + timeout, timeout, cut)
+        # a batch the watchdog abandoned may not end (a model ignoring cancellation);
+        # nor may one abandoned at the deadline
         while running := [t for t in self.batch_tasks if t not in self.overran]:
-            await asyncio.wait(running)
+            if self.cut is None:
+                await asyncio.wait(running)
+            elif self.cut.done():
+                break
+            else:
+                await asyncio.wait([*running, self.cut], return_when=asyncio.FIRST_COMPLETED)
         scheduler.close()
+
+    def _set_deadline(self, when: float, timeout: float, cut: Callable[[float], None]) -> None:
+        """Arm the drain's deadline at loop time `when`, unless an earlier one is armed."""
+        if self.cut is not None and self.cut.done():
+            return  # a deadline passed already: it cut everything
+        if self.deadline is not None:
+            if self.deadline[0] <= when:
+                return  # the earlier deadline wins
+            self.deadline[1].cancel()
+        if self.cut is None:
+            self.cut = self.loop.create_future()
+
+        def passed() -> None:
+            self.deadline = None
+            cut(timeout)
+            if self.cut is not None and not self.cut.done():
+                self.cut.set_result(None)
+
+        self.deadline = (when, self.loop.call_at(when, passed))
+
+    @property
+    def was_cut(self) -> bool:
+        """Whether a drain's deadline passed (batches may have been abandoned)."""
+        return self.cut is not None and self.cut.done()
 
     def apply(self, limits: Limits) -> None:
         """Hand new limits to the scheduler, on its loop, from any thread."""

@@ -131,6 +131,7 @@ async def run_batch(
         ended = clock() if finished is None else finished
         runner.batch_ended(binding, task, size, ended - started, error, released=released)
         binding.batch_tasks.discard(task)  # (`end_task`, inline: once per batch)
+        binding.members.pop(task, None)
 
 
 # -- the hooks every run kind uses ------------------------------------------------------
@@ -270,6 +271,7 @@ class Runner(Generic[In]):
         run = self.kind.run(self, binding, requests)
         task = new_task(binding.loop, run, self._task_name)
         binding.batch_tasks.add(task)
+        binding.members[task] = list if requests is None else requests.copy
         settle = functools.partial(self.never_started, binding, requests)
         binding.not_started[task] = settle  # until `claim` removes it, at the first step
         task.add_done_callback(settle)
@@ -295,6 +297,7 @@ class Runner(Generic[In]):
         """A batch task's run kind ends (its last line, however it ends): it leaves
         `binding.batch_tasks`."""
         binding.batch_tasks.discard(task)
+        binding.members.pop(task, None)
 
     def claim(
         self, binding: Binding[In], requests: list[Request[In]] | None
@@ -313,6 +316,7 @@ class Runner(Generic[In]):
             if not requests:
                 self.end_task(binding, task)
                 return None
+            binding.members[task] = requests.copy
         if self._holder.options.caller_context and not self.kind.admits_itself:
             hand_over(requests)  # (a batch of a generation engine changes at every step)
         if requests[0].key is not None:

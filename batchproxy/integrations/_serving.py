@@ -15,11 +15,13 @@ A `Serving` goes through these states, in this order (each moves only forward):
   answers in time. A proxy that closed while the service is READY (it stopped
   itself, `on_batch_timeout="stop"`, or someone closed it) fails readiness and
   liveness: it will not come back, so the process should be restarted.
-- FAILED: `load` or a start raised; readiness and liveness are 503 with the
-  error, so an orchestrator restarts the process.
-- DRAINING: `aclose()` began (the app is shutting down): readiness 503
-  ("draining"); each proxy is closed in turn, which answers every call it
-  accepted; then the executors given are closed.
+- FAILED: `load` or a start raised (logged at ERROR, with its traceback);
+  readiness and liveness are 503 with the error, without `Retry-After` (a retry
+  cannot help), so an orchestrator restarts the process.
+- DRAINING: `aclose()` began (the app is shutting down), or, with a
+  `drain_timeout`, the process got SIGTERM: readiness 503 ("draining"); each
+  proxy is closed in turn, which answers every call it accepted (by the drain's
+  deadline, with `drain_timeout`); then the executors given are closed.
 
 Only the owner of the `Serving` (the framework's startup and shutdown) calls
 `start` and `aclose`; the routes only read.
@@ -31,7 +33,10 @@ import asyncio
 import contextlib
 import enum
 import inspect
+import logging
 import math
+import signal
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, overload
@@ -51,6 +56,8 @@ from .. import (
 from .._reachable import check_callers
 
 __all__ = ["Answer", "NotReady", "Serving", "State", "answer_for"]
+
+logger = logging.getLogger("batchproxy")
 
 P = TypeVar("P", bound=Proxy[Any, Any])
 
@@ -88,6 +95,8 @@ def answer_for(error: BatchProxyError, *, retry_after: float = 1.0) -> Answer:
     cannot serve 422, any other 500. The body is `{"detail": message, "error": class
     name}`."""
     body = {"detail": str(error), "error": type(error).__name__}
+    if isinstance(error, NotReady) and error.state is State.FAILED:
+        return Answer(503, body)  # loading failed: a retry cannot help
     if isinstance(error, (QueueFull, ProxyClosed, NotReady, WorkerDied, PoolUnavailable)):
         return Answer(503, body, _retry(retry_after))
     if isinstance(error, (DeadlineExceeded, BatchTimeout)):
@@ -107,6 +116,14 @@ class Serving:
     `max_callers`: how many requests the server lets in at once (uvicorn's
     `--limit-concurrency`, say), if it bounds them: a proxy whose batch slots need
     more callers than that to fill gets a `BatchSizeUnreachable` warning.
+    `drain_timeout`: seconds (>= 0) the drain at shutdown may take, from its start:
+    at that deadline each proxy's calls still queued or running get `DrainDeadline`
+    (503) and the drain returns (see `Proxy.aclose(timeout=...)`). None (the
+    default): drain without a bound. With it, the drain starts as soon as the process
+    gets SIGTERM, if a server handles that signal (uvicorn, aiohttp's `run_app`) and
+    `start()` ran in the main thread: `Serving` chains its own handler in front of
+    the server's until `aclose()`. So the deadline holds for the requests the server
+    waits for before it runs the shutdown (see docs/serving.md for the settings).
     """
 
     def __init__(
@@ -116,6 +133,7 @@ class Serving:
         load: Callable[[], Awaitable[None]] | None = None,
         retry_after: float = 1.0,
         max_callers: int | None = None,
+        drain_timeout: float | None = None,
     ) -> None:
         for proxy in proxies:
             if not isinstance(proxy, Proxy):
@@ -139,6 +157,14 @@ class Serving:
             raise ValueError(f"two proxies share a name: {names}; give each a name=")
         if not math.isfinite(retry_after) or retry_after <= 0:
             raise ValueError(f"retry_after must be a positive number of seconds: {retry_after}")
+        if drain_timeout is not None:
+            if isinstance(drain_timeout, bool) or not isinstance(drain_timeout, (int, float)):
+                raise TypeError(f"drain_timeout must be a number or None, got {drain_timeout!r}")
+            if math.isnan(drain_timeout) or drain_timeout < 0:
+                raise ValueError(f"drain_timeout must be >= 0 seconds or None: {drain_timeout}")
+            if drain_timeout == math.inf:
+                drain_timeout = None
+        self.drain_timeout: float | None = drain_timeout
         self.proxies: tuple[Proxy[Any, Any], ...] = proxies
         self.executors: tuple[Executor, ...] = tuple(executors)
         self.retry_after = retry_after
@@ -147,6 +173,9 @@ class Serving:
         self.state = State.NEW
         self.error: BaseException | None = None  # why FAILED
         self._loading: asyncio.Task[None] | None = None
+        self._draining: asyncio.Task[None] | None = None  # the drain, once begun
+        self._signal_handler: Any = None  # ours, while installed, and the one it chains to
+        self._chained: Any = None
 
     # -- the owner's side: startup and shutdown ---------------------------------------------
 
@@ -156,9 +185,10 @@ class Serving:
         if self.state is not State.NEW:
             return
         self.state = State.LOADING
-        self._loading = asyncio.get_running_loop().create_task(
-            self._load_all(), name="batchproxy-serving-load"
-        )
+        loop = asyncio.get_running_loop()
+        self._loading = loop.create_task(self._load_all(), name="batchproxy-serving-load")
+        if self.drain_timeout is not None:
+            self._drain_on_sigterm(loop)
 
     async def _load_all(self) -> None:
         try:
@@ -175,6 +205,9 @@ class Serving:
             raise  # aclose() during loading
         except BaseException as exc:  # reported by the health routes, not raised
             self.error = exc
+            logger.error(
+                "the service failed to load: %s: %s", type(exc).__name__, exc, exc_info=exc
+            )
             if self.state is State.LOADING:
                 self.state = State.FAILED
             if not isinstance(exc, Exception):
@@ -193,22 +226,77 @@ class Serving:
 
     async def aclose(self) -> None:
         """Stop loading if it still runs, close every proxy (each answers every call it
-        accepted), then the executors given. Idempotent."""
-        if self.state in (State.DRAINING, State.CLOSED):
+        accepted; by the drain's deadline, with `drain_timeout`), then the executors
+        given. Idempotent: a second call waits for the first's drain (begun at SIGTERM,
+        maybe) to end."""
+        self._restore_sigterm()
+        if self.state is State.CLOSED:
+            return
+        self._begin_drain()
+        assert self._draining is not None
+        await asyncio.shield(self._draining)
+
+    def _begin_drain(self) -> None:
+        """Start the drain in the background (once), on the running loop."""
+        if self._draining is not None or self.state is State.CLOSED:
             return
         self.state = State.DRAINING
+        loop = asyncio.get_running_loop()
+        deadline = None if self.drain_timeout is None else loop.time() + self.drain_timeout
+        self._draining = loop.create_task(self._drain(deadline), name="batchproxy-serving-drain")
+
+    async def _drain(self, deadline: float | None) -> None:
+        loop = asyncio.get_running_loop()
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - loop.time())
+
         loading, self._loading = self._loading, None
         if loading is not None and not loading.done():
             loading.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await loading
         try:
-            for proxy in self.proxies:
-                await proxy.aclose()
+            for proxy in self.proxies:  # in turn: a proxy may call the ones after it
+                remaining = left()  # (none: a subclass's aclose() may take no timeout)
+                await (proxy.aclose() if remaining is None else proxy.aclose(timeout=remaining))
         finally:
             for executor in self.executors:
-                await executor.aclose()
+                closing = loop.create_task(executor.aclose())
+                done, _ = await asyncio.wait([closing], timeout=left())
+                if not done:
+                    logger.warning(
+                        "%r did not close by the drain's deadline; left closing", executor
+                    )
             self.state = State.CLOSED
+
+    def _drain_on_sigterm(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Chain a SIGTERM handler in front of the server's: it begins the drain (and its
+        deadline) at once, then calls the server's. Only in the main thread, and only
+        over a handler of the server's (a default handler would have ended the process:
+        there is no graceful shutdown to start the drain in)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+        if not callable(previous):
+            return
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(self._begin_drain)
+            previous(signum, frame)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        self._signal_handler, self._chained = on_sigterm, previous
+
+    def _restore_sigterm(self) -> None:
+        """Put the server's SIGTERM handler back, if ours is still the one installed."""
+        ours, self._signal_handler = self._signal_handler, None
+        if ours is None or threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is ours:
+            signal.signal(signal.SIGTERM, self._chained)
+        self._chained = None
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[Serving]:
@@ -273,7 +361,8 @@ class Serving:
         ready = self.state is State.READY and all(
             not proxy.closed and proxy.health.healthy for proxy in self.proxies
         )
-        headers = {} if ready else _retry(self.retry_after)
+        # a failed load does not come back: no Retry-After
+        headers = {} if ready or self.state is State.FAILED else _retry(self.retry_after)
         return Answer(200 if ready else 503, self._report(ready=ready), headers)
 
     def _report(self, **verdict: bool) -> dict[str, Any]:

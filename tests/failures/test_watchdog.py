@@ -9,35 +9,9 @@ import threading
 from typing import Any
 
 import pytest
-from _support import Recorder, ThreadRecorder, assert_settled, outcome, thread_alive
+from _support import Hangs, Recorder, ThreadRecorder, assert_settled, outcome, thread_alive
 
 import batchproxy
-
-
-class Hangs(batchproxy.Proxy[Any, Any]):
-    """Answers at once, except for items named "hang", which sleep for an hour.
-
-    With `stubborn`, a hanging call swallows its cancellation and goes on sleeping
-    until `release` is set."""
-
-    def __init__(self, *, stubborn: bool = False, **options: Any) -> None:
-        super().__init__(**options)
-        self.stubborn = stubborn
-        self.release = asyncio.Event()
-        self.cancelled = 0
-        self.finished = 0
-
-    async def _inference(self, items: list[Any]) -> list[Any]:
-        if "hang" in items:
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                self.cancelled += 1
-                if not self.stubborn:
-                    raise
-                await self.release.wait()
-            self.finished += 1
-        return [("out", item) for item in items]
 
 
 @pytest.mark.looptime

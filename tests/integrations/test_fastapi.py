@@ -305,7 +305,9 @@ async def test_while_loading_live_but_not_ready_and_calls_get_503() -> None:
         assert (await post(http, "now")).json() == {"text": "NOW"}
 
 
-async def test_a_failed_load_fails_both_probes_and_every_call() -> None:
+async def test_a_failed_load_fails_both_probes_and_every_call(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     async def load() -> None:
         raise RuntimeError("no weights here")
 
@@ -322,6 +324,12 @@ async def test_a_failed_load_fails_both_probes_and_every_call() -> None:
         assert probe.json()["error"] == "RuntimeError: no weights here"
     refused(call, 503, "NotReady")
     assert "no weights here" in call.json()["detail"]
+    for answer in (live, ready, call):  # a retry cannot help
+        assert "retry-after" not in answer.headers
+    # the server's log says why, with the traceback
+    (record,) = [r for r in caplog.records if r.name == "batchproxy" and r.levelname == "ERROR"]
+    assert "no weights here" in record.getMessage()
+    assert record.exc_info is not None
 
 
 async def test_draining_fails_readiness_and_answers_every_accepted_call() -> None:

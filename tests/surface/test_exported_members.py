@@ -27,6 +27,7 @@ PUBLIC = [
     "CostEstimate",
     "DeadlineExceeded",
     "Dedup",
+    "DrainDeadline",
     "Executor",
     "GenerationProxy",
     "Health",
