@@ -17,6 +17,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from ._client import client_gone
 from ._listeners import Listeners
 from ._stats import StatsRecorder
 
@@ -161,9 +162,16 @@ class Events:
             self.finished("succeeded", call)
 
     def cancelled(self, call: _Call) -> None:
-        """A call's caller left before its answer."""
-        self.stats.cancelled += 1
+        """A call's caller left before its answer; `disconnected` too when it left because
+        its HTTP client disconnected (`_client`: read here, on cancellation only)."""
+        stats = self.stats
+        stats.cancelled += 1
+        gone = client_gone()
+        if gone:
+            stats.disconnected += 1
         if self.listeners.on:
+            if gone:
+                self.listeners.request_disconnected()
             self.finished("cancelled", call)
 
     def recounted_as_cancelled(self, outcome: str) -> None:
@@ -178,6 +186,8 @@ class Events:
         else:
             stats.errors -= 1
         stats.cancelled += 1
+        if client_gone():
+            stats.disconnected += 1
 
     def finished(self, outcome: str, call: _Call) -> None:
         """Tell the listeners a call ended with `outcome` (counted by the caller of this:

@@ -44,6 +44,10 @@ class Listener:
         """A call (accepted, `request_queued` told) costs the model nothing (`dedup`): it
         joined an identical call in flight, or, `cached`, was answered from the cache."""
 
+    def request_disconnected(self, proxy: str) -> None:
+        """A call is cancelled because its HTTP client disconnected (the FastAPI and
+        aiohttp helpers tell); `request_finished` follows with "cancelled"."""
+
     def batch_started(self, proxy: str, size: int, queue_waits: Sequence[float]) -> None:
         """A batch of `size` items goes to the model; seconds each waited in the queue."""
 
@@ -105,6 +109,9 @@ class Listeners:
         self._each(
             "request_deduplicated", lambda hook: hook.request_deduplicated(self.proxy, cached)
         )
+
+    def request_disconnected(self) -> None:
+        self._each("request_disconnected", lambda hook: hook.request_disconnected(self.proxy))
 
     def batch_started(self, size: int, queue_waits: Sequence[float]) -> None:
         self._each("batch_started", lambda hook: hook.batch_started(self.proxy, size, queue_waits))

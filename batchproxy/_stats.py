@@ -130,6 +130,9 @@ class ProxyStats:
     (`batch_sizes`); they are not counted in `items` or `batch_sizes`."""
     tenant_rejected: int = 0
     """Calls refused with `QueueFull` by `max_queue_size_per_tenant` (also in `rejected`)."""
+    disconnected: int = 0
+    """Calls cancelled because their HTTP client disconnected (also in `cancelled`): the
+    FastAPI and aiohttp helpers cancel a request's calls when its connection is lost."""
     queued_by_tenant: Mapping[Hashable, int] = field(default_factory=lambda: MappingProxyType({}))
     """Requests waiting per tenant, for the tenants with any (empty until a call names
     a tenant; then calls without one are tenant None's)."""
@@ -179,6 +182,7 @@ class StatsRecorder:
         self.cache_hits = 0
         self.padded_rows = 0
         self.tenant_rejected = 0
+        self.disconnected = 0
         self.real_elements = 0
         self.padded_elements = 0
         self.tracks_padding = False
@@ -227,6 +231,7 @@ class StatsRecorder:
             cache_hits=self.cache_hits,
             padded_rows=self.padded_rows,
             tenant_rejected=self.tenant_rejected,
+            disconnected=self.disconnected,
             queued_by_tenant=MappingProxyType(dict(queued_by_tenant or {})),
         )
 

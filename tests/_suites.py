@@ -40,6 +40,7 @@ FULL_SUITE_ONLY = {
     "executors/test_ray_cluster.py": "Ray",
     "failures/test_fuzz.py": "torch",
     "integrations/test_aiohttp.py": "aiohttp",
+    "integrations/test_disconnect.py": "a server, aiohttp",
     "integrations/test_fastapi.py": "a server",
     "integrations/test_otel.py": "a server, the OpenTelemetry SDK",
     "integrations/test_prometheus.py": "prometheus-client",

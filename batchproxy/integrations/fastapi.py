@@ -29,6 +29,12 @@ async def embed(body: EmbedIn, proxy: Embedder = Depends(serving.provider(Embedd
   should be restarted (loading failed, a proxy closed while serving). Both
   answer the state and each proxy's health as JSON.
 
+- A request whose client disconnects before its response is complete is cancelled
+  (`cancel_on_disconnect`, on by default): each call it waits on leaves the
+  queue without reaching the model (a running one has its result dropped), a
+  stream ends, and `stats.disconnected` counts them. One waiter task per request
+  sleeps in ASGI's `receive()` for ``http.disconnect``; see docs/serving.md.
+
 Under uvicorn, shutdown first stops accepting connections and lets every request
 being handled finish (the proxies still serve them), then runs the lifespan exit,
 which closes each proxy (answering whatever it still holds) and the executors.
@@ -40,16 +46,28 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from .. import BatchProxyError
+from ._disconnect import CancelOnDisconnect
 from ._serving import Answer, NotReady, Serving, answer_for
 
 __all__ = ["NotReady", "Serving", "install"]
 
 
 def install(
-    app: FastAPI, serving: Serving, *, live_path: str = "/livez", ready_path: str = "/readyz"
+    app: FastAPI,
+    serving: Serving,
+    *,
+    live_path: str = "/livez",
+    ready_path: str = "/readyz",
+    cancel_on_disconnect: bool = True,
 ) -> None:
     """Add to `app` the handler that answers every `BatchProxyError` (see above) and the
-    routes ``GET live_path`` and ``GET ready_path`` (left out of the OpenAPI schema)."""
+    routes ``GET live_path`` and ``GET ready_path`` (left out of the OpenAPI schema).
+
+    `cancel_on_disconnect` (default True) adds the middleware that cancels a request's
+    handling when its client disconnects before the response is complete (see above);
+    False leaves disconnected requests to run, as Starlette does by itself."""
+    if cancel_on_disconnect:
+        app.add_middleware(CancelOnDisconnect)
 
     async def batchproxy_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, BatchProxyError)  # what it is registered for

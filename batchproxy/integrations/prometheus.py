@@ -35,6 +35,7 @@ replica gauge ``state`` too. With the default namespace:
 | `batchproxy_cache_hits_total` | counter | calls answered from the result cache (`cache_size`) |
 | `batchproxy_timed_out_total` | counter | calls whose deadline passed |
 | `batchproxy_cancelled_total` | counter | calls whose caller was cancelled |
+| `batchproxy_disconnected_total` | counter | calls cancelled: their HTTP client disconnected |
 | `batchproxy_timed_out_batches_total` | counter | batches that overran `batch_timeout` |
 | `batchproxy_oom_splits_total` | counter | batches split when out of memory (`oom_backoff`) |
 | `batchproxy_isolation_splits_total` | counter | batches split after raising (`isolate_errors`) |
@@ -155,6 +156,7 @@ class _Children:
     cache_hits: Counter
     timed_out: Counter
     cancelled: Counter
+    disconnected: Counter
     timed_out_batches: Counter
     oom_splits: Counter
     isolation_splits: Counter
@@ -219,6 +221,9 @@ class PrometheusMetrics(Listener):
         self._cache_hits = counter("cache_hits", "Calls answered from the result cache.")
         self._timed_out = counter("timed_out", "Calls whose deadline passed.")
         self._cancelled = counter("cancelled", "Calls whose caller was cancelled.")
+        self._disconnected = counter(
+            "disconnected", "Calls cancelled because their HTTP client disconnected."
+        )
         self._timed_out_batches = counter(
             "timed_out_batches", "Batches the watchdog stopped after batch_timeout."
         )
@@ -286,6 +291,7 @@ class PrometheusMetrics(Listener):
                 cache_hits=self._cache_hits.labels(proxy),
                 timed_out=self._timed_out.labels(proxy),
                 cancelled=self._cancelled.labels(proxy),
+                disconnected=self._disconnected.labels(proxy),
                 timed_out_batches=self._timed_out_batches.labels(proxy),
                 oom_splits=self._oom_splits.labels(proxy),
                 isolation_splits=self._isolation_splits.labels(proxy),
@@ -340,6 +346,10 @@ class PrometheusMetrics(Listener):
     def request_deduplicated(self, proxy: str, cached: bool) -> None:
         children = self._child(proxy)
         (children.cache_hits if cached else children.deduplicated).inc()
+
+    @override
+    def request_disconnected(self, proxy: str) -> None:
+        self._child(proxy).disconnected.inc()
 
     @override
     def batch_started(self, proxy: str, size: int, queue_waits: Sequence[float]) -> None:

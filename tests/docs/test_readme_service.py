@@ -46,14 +46,19 @@ def free_port() -> int:
         return port
 
 
-@pytest.fixture
-def service(tmp_path: Path) -> Iterator[str]:
-    """The README's service under uvicorn in a child process; its base URL once ready.
-    The child is always terminated (killed if it will not stop)."""
+@pytest.fixture(params=["asyncio", "uvloop"])
+def service(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
+    """The README's service under uvicorn in a child process, on asyncio's loop and on
+    uvloop (`uvicorn --loop uvloop`, what `uvicorn[standard]` runs by default); its base
+    URL once ready. The child is always terminated (killed if it will not stop)."""
+    loop = request.param
+    if loop == "uvloop":
+        pytest.importorskip("uvloop")
     (tmp_path / "app.py").write_text(service_code(), encoding="utf-8")
     port = free_port()
     log_path = tmp_path / "uvicorn.log"
-    command = [sys.executable, "-m", "uvicorn", "app:app", "--host", "127.0.0.1", "--port"]
+    command = [sys.executable, "-m", "uvicorn", "app:app", "--loop", loop, "--host", "127.0.0.1"]
+    command.append("--port")
     with log_path.open("w") as log:
         server = subprocess.Popen(
             [*command, str(port)],

@@ -48,7 +48,7 @@ def value(samples: Samples, name: str, proxy: str, **labels: str) -> float | Non
 COUNTERS = (
     *("requests", "batches", "failed_batches", "errors", "rejected", "shed", "timed_out"),
     *("cancelled", "timed_out_batches", "oom_splits", "isolation_splits"),
-    *("deduplicated", "cache_hits"),
+    *("deduplicated", "cache_hits", "disconnected"),
 )
 
 

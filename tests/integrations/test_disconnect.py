@@ -1,0 +1,312 @@
+"""A client that disconnects cancels its calls: real uvicorn (FastAPI) and aiohttp
+servers on 127.0.0.1, driven with raw sockets that send a request and close.
+
+The model is held by an event, so the calls queue behind a running batch; the
+clients then hang up. Their calls must leave the queue (never reaching the
+model, freeing their places under `max_queue_size`), be counted as
+`disconnected`, and leave nothing behind; the opt-out keeps today's behaviour.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import socket
+import struct
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager, suppress
+from typing import Any
+
+import pytest
+from _support import on_uvicorn, wait_until
+from typing_extensions import override
+
+import batchproxy
+from batchproxy import GenerationProxy, Step
+
+pytest.importorskip("uvicorn")
+fastapi = pytest.importorskip("fastapi")
+web = pytest.importorskip("aiohttp.web")
+from fastapi import Request  # noqa: E402
+from fastapi.responses import StreamingResponse  # noqa: E402
+
+from batchproxy.integrations import aiohttp as bp_aiohttp  # noqa: E402
+from batchproxy.integrations import fastapi as bp_fastapi  # noqa: E402
+
+KINDS = ["fastapi", "aiohttp"]
+
+
+class Held(batchproxy.Proxy[str, str]):
+    """Records every item it is given; answers only once `release` is set."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.seen: list[str] = []
+        self.release = asyncio.Event()
+
+    @override
+    async def _inference(self, items: list[str]) -> list[str]:
+        self.seen.extend(items)
+        await self.release.wait()
+        return [f"<{item}>" for item in items]
+
+
+class Endless(GenerationProxy[str, str]):
+    """Each sequence streams "name0", "name1", ... until its consumer leaves; records
+    the names in every step."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.steps: list[list[str]] = []
+
+    @override
+    async def _step(self, step: Step[str]) -> Sequence[Any]:
+        self.steps.append([slot.item for slot in step.active])
+        await asyncio.sleep(0.01)
+        out = []
+        for slot in step.active:
+            slot.state = 0 if slot.state is None else slot.state + 1
+            out.append(f"{slot.item}{slot.state}")
+        return out
+
+
+def fastapi_app(serving: Any, proxy: Any, stream: Any, cancel_on_disconnect: bool) -> Any:
+    app = fastapi.FastAPI(lifespan=serving.lifespan)
+    bp_fastapi.install(app, serving, cancel_on_disconnect=cancel_on_disconnect)
+
+    @app.post("/run")
+    async def run(request: Request) -> dict[str, str]:
+        return {"out": await proxy.inference((await request.json())["x"])}
+
+    @app.get("/stream")
+    async def sse(x: str) -> StreamingResponse:
+        async def events() -> AsyncIterator[str]:
+            async for chunk in stream.stream(x):
+                yield f"data: {chunk}\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def aiohttp_app(serving: Any, proxy: Any, stream: Any, cancel_on_disconnect: bool) -> Any:
+    app = web.Application()
+    bp_aiohttp.install(app, serving, cancel_on_disconnect=cancel_on_disconnect)
+
+    async def run(request: Any) -> Any:
+        return web.json_response({"out": await proxy.inference((await request.json())["x"])})
+
+    async def sse(request: Any) -> Any:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        async for chunk in stream.stream(request.query["x"]):
+            await response.write(f"data: {chunk}\n\n".encode())
+        await response.write_eof()
+        return response
+
+    app.router.add_post("/run", run)
+    app.router.add_get("/stream", sse)
+    return app
+
+
+@asynccontextmanager
+async def served(
+    kind: str, proxy: Any, stream: Any = None, *, cancel_on_disconnect: bool = True
+) -> AsyncIterator[int]:
+    """The app on 127.0.0.1 on a free port, in this loop: yield the port; stopped on exit."""
+    stream = stream if stream is not None else Endless(batch_size=4)
+    serving = bp_fastapi.Serving(proxy, stream)
+    if kind == "fastapi":
+        app = fastapi_app(serving, proxy, stream, cancel_on_disconnect)
+        async with on_uvicorn(app) as (_, port):
+            await asyncio.wait_for(serving.wait_ready(), 10)
+            yield port
+        return
+    runner = web.AppRunner(aiohttp_app(serving, proxy, stream, cancel_on_disconnect))
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        await asyncio.wait_for(serving.wait_ready(), 10)
+        yield runner.addresses[0][1]
+    finally:
+        proxy.release.set()  # nothing left waiting on the model
+        await runner.cleanup()
+
+
+class Client:
+    """One raw HTTP/1.1 connection."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def post(cls, port: int, x: str) -> Client:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = json.dumps({"x": x}).encode()
+        writer.write(
+            b"POST /run HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        await writer.drain()
+        return cls(reader, writer)
+
+    @classmethod
+    async def get_stream(cls, port: int, x: str) -> Client:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /stream?x=%s HTTP/1.1\r\nHost: test\r\n\r\n" % x.encode())
+        await writer.drain()
+        return cls(reader, writer)
+
+    async def status(self) -> int:
+        line = await asyncio.wait_for(self.reader.readline(), 10)
+        return int(line.split()[1])
+
+    async def hang_up(self, *, reset: bool = False) -> None:
+        if reset:  # RST rather than FIN
+            sock = self.writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.writer.close()
+        with suppress(ConnectionError):
+            await self.writer.wait_closed()
+
+
+async def hold_the_model(port: int, proxy: Held) -> Client:
+    """A live call in a running batch (alone: the first call leaves at once) that
+    waits for `proxy.release`: the calls after it queue."""
+    blocker = await Client.post(port, "live-block")
+    await wait_until(lambda: proxy.stats.in_flight == 1)
+    return blocker
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_queued_calls_of_disconnected_clients_never_reach_the_model(kind: str) -> None:
+    proxy = Held(batch_size=8, max_concurrent_batches=1, max_queue_size=64)
+    async with served(kind, proxy) as port:
+        blocker = await hold_the_model(port, proxy)
+        dead = [await Client.post(port, f"dead-{i}") for i in range(64)]
+        await wait_until(lambda: proxy.stats.queue_depth == 64)
+        await asyncio.gather(*(c.hang_up(reset=i % 2 == 1) for i, c in enumerate(dead)))
+        await wait_until(lambda: proxy.stats.disconnected == 64)
+        assert proxy.stats.queue_depth == 0  # their places are free again
+        live = [await Client.post(port, f"live-{i}") for i in range(64)]
+        await wait_until(lambda: proxy.stats.queue_depth == 64)  # none refused
+        proxy.release.set()
+        statuses = await asyncio.gather(*(c.status() for c in [blocker, *live]))
+        assert statuses == [200] * 65  # no 503: the dead did not hold the queue
+        stats = proxy.stats
+        for c in [blocker, *live]:
+            await c.hang_up()
+    assert not [item for item in proxy.seen if item.startswith("dead")]
+    assert sorted(proxy.seen) == sorted(["live-block"] + [f"live-{i}" for i in range(64)])
+    assert (stats.cancelled, stats.disconnected, stats.rejected) == (64, 64, 0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_call_in_a_running_batch_has_its_result_dropped(kind: str) -> None:
+    proxy = Held(batch_size=2, max_concurrent_batches=1)
+    async with served(kind, proxy) as port:
+        gone = await Client.post(port, "dead")
+        await wait_until(lambda: proxy.seen == ["dead"])  # its batch runs
+        await gone.hang_up()
+        await wait_until(lambda: proxy.stats.disconnected == 1)
+        live = await Client.post(port, "live")
+        await wait_until(lambda: proxy.stats.queue_depth == 1)
+        proxy.release.set()
+        assert await live.status() == 200
+        await wait_until(lambda: proxy.stats.succeeded == 1)
+        stats = proxy.stats
+        await live.hang_up()
+    assert (stats.succeeded, stats.cancelled, stats.disconnected) == (1, 1, 1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_dedup_slot_answers_the_caller_still_connected(kind: str) -> None:
+    proxy = Held(batch_size=4, max_concurrent_batches=1, dedup=True)
+    async with served(kind, proxy) as port:
+        blocker = await hold_the_model(port, proxy)
+        gone = await Client.post(port, "same")
+        stays = await Client.post(port, "same")
+        await wait_until(lambda: proxy.stats.deduplicated == 1)
+        await gone.hang_up()
+        await wait_until(lambda: proxy.stats.disconnected == 1)
+        assert proxy.stats.queue_depth == 1  # the slot stays for the caller still there
+        proxy.release.set()
+        assert await stays.status() == 200
+        body = await asyncio.wait_for(stays.reader.read(4096), 10)
+        assert b"<same>" in body
+        for c in [stays, blocker]:
+            await c.hang_up()
+    assert proxy.seen.count("same") == 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_disconnected_stream_stops_its_sequence(kind: str) -> None:
+    proxy = Held(batch_size=1)
+    stream = Endless(batch_size=4)
+    async with served(kind, proxy, stream) as port:
+        stays = await Client.get_stream(port, "stays")
+        gone = await Client.get_stream(port, "gone")
+        assert await gone.status() == 200
+        await wait_until(lambda: sum("gone" in step for step in stream.steps) >= 3)
+        await gone.hang_up()
+        await wait_until(lambda: stream.stats.disconnected == 1)
+        steps = len(stream.steps)
+        await wait_until(lambda: len(stream.steps) >= steps + 5)  # the other goes on
+        assert not any("gone" in step for step in stream.steps[steps + 1 :])
+        assert all("stays" in step for step in stream.steps[steps:])
+        await stays.hang_up()
+        await wait_until(lambda: stream.stats.disconnected == 2)
+    assert stream.stats.cancelled == 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_the_opt_out_leaves_disconnected_calls_queued(kind: str) -> None:
+    proxy = Held(batch_size=8, max_concurrent_batches=1, max_queue_size=16)
+    async with served(kind, proxy, cancel_on_disconnect=False) as port:
+        blocker = await hold_the_model(port, proxy)
+        dead = [await Client.post(port, f"dead-{i}") for i in range(16)]
+        await wait_until(lambda: proxy.stats.queue_depth == 16)
+        await asyncio.gather(*(c.hang_up() for c in dead))
+        await asyncio.sleep(0.2)
+        assert (proxy.stats.queue_depth, proxy.stats.disconnected) == (16, 0)
+        late = await Client.post(port, "late")
+        assert await late.status() == 503  # the queue is full of calls nobody waits for
+        proxy.release.set()
+        await wait_until(lambda: len(proxy.seen) == 17)  # the dead ones reach the model
+        for c in [late, blocker]:
+            await c.hang_up()
+    assert proxy.stats.disconnected == 0
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_ten_thousand_disconnects_leave_memory_flat(kind: str) -> None:
+    proxy = Held(batch_size=1, max_concurrent_batches=1)
+    async with served(kind, proxy) as port:
+        blocker = await hold_the_model(port, proxy)
+        tasks = len(asyncio.all_tasks())
+        rss = 0
+        for wave in range(100):
+            dead = await asyncio.gather(*(Client.post(port, f"d{i}") for i in range(100)))
+            await wait_until(lambda: proxy.stats.queue_depth == 100)
+            await asyncio.gather(*(c.hang_up() for c in dead))
+            gone = 100 * (wave + 1)
+            await wait_until(lambda: proxy.stats.disconnected == gone)  # noqa: B023
+            if wave == 9:  # warmed up
+                gc.collect()
+                rss = _rss()
+        await wait_until(lambda: len(asyncio.all_tasks()) <= tasks)
+        gc.collect()
+        grown = _rss() - rss
+        assert proxy.stats.queue_depth == 0
+        proxy.release.set()
+        await blocker.hang_up()
+    assert proxy.stats.disconnected == 10_000
+    assert proxy.seen == ["live-block"]
+    assert grown < 16 * 2**20, f"RSS grew by {grown / 2**20:.1f} MiB over 9,000 disconnects"
