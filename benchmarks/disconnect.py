@@ -10,7 +10,9 @@ so what is measured is the HTTP path. Rounds alternate on and off:
 1. latency at 1 client: sequential POSTs on one keep-alive connection, the median
    of each round's median;
 2. throughput at 32 clients: 32 keep-alive connections posting back to back for a
-   fixed time, requests per second, the median over rounds.
+   fixed time, requests per second, the median over rounds; and the server
+   process's CPU time per request meanwhile (from /proc), which the client's
+   share of the 2 cores does not blur.
 
 The client is raw asyncio sockets in this process. On a small shared machine the
 numbers are noisy: compare on and off of the same run only.
@@ -19,6 +21,7 @@ numbers are noisy: compare on and off of the same run only.
 import asyncio
 import json
 import multiprocessing
+import os
 import socket
 import statistics
 import sys
@@ -118,8 +121,16 @@ async def latency(port: int, requests: int) -> float:
     return statistics.median(times)
 
 
-async def throughput(port: int, clients: int, seconds: float) -> float:
-    """Requests per second, `clients` keep-alive connections back to back."""
+def _cpu_seconds(pid: int) -> float:
+    """The CPU time process `pid` has used (user + system, from /proc)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def throughput(port: int, clients: int, seconds: float) -> tuple[float, int]:
+    """Requests per second, `clients` keep-alive connections back to back; and how
+    many requests that was."""
     connections = [await _connect(port) for _ in range(clients)]
     done = 0
     end = time.perf_counter() + seconds
@@ -135,25 +146,34 @@ async def throughput(port: int, clients: int, seconds: float) -> float:
     elapsed = time.perf_counter() - start
     for _, writer in connections:
         writer.close()
-    return done / elapsed
+    return done / elapsed, done
 
 
-async def measure(kind: str, ports: dict[bool, int], config: dict[str, Any]) -> dict[str, Any]:
+async def measure(
+    kind: str, ports: dict[bool, int], pids: dict[bool, int], config: dict[str, Any]
+) -> dict[str, Any]:
     lat: dict[bool, list[float]] = {True: [], False: []}
     thr: dict[bool, list[float]] = {True: [], False: []}
+    cpu: dict[bool, list[float]] = {True: [], False: []}
     for round_ in range(config["rounds"]):
         order = (True, False) if round_ % 2 == 0 else (False, True)
         for on in order:
             lat[on].append(await latency(ports[on], config["latency_requests"]))
         for on in order:
-            thr[on].append(await throughput(ports[on], config["clients"], config["seconds"]))
+            used = _cpu_seconds(pids[on])
+            rate, done = await throughput(ports[on], config["clients"], config["seconds"])
+            thr[on].append(rate)
+            cpu[on].append((_cpu_seconds(pids[on]) - used) / done * 1e6)
     on_us, off_us = (statistics.median(lat[on]) * 1e6 for on in (True, False))
     on_rps, off_rps = (statistics.median(thr[on]) for on in (True, False))
+    on_cpu, off_cpu = (statistics.median(cpu[on]) for on in (True, False))
     return {
         "latency_1_client_us": {"on": round(on_us, 1), "off": round(off_us, 1)},
         "added_latency_us": round(on_us - off_us, 1),
         "throughput_32_clients_rps": {"on": round(on_rps), "off": round(off_rps)},
         "throughput_change": round(on_rps / off_rps - 1, 4),
+        "server_cpu_us_per_request_32_clients": {"on": round(on_cpu, 1), "off": round(off_cpu, 1)},
+        "added_server_cpu_us": round(on_cpu - off_cpu, 1),
     }
 
 
@@ -173,7 +193,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         for process in servers:
             process.start()
         try:
-            results[kind] = asyncio.run(measure(kind, ports, config))
+            pids = {on: process.pid for on, process in zip((True, False), servers, strict=True)}
+            results[kind] = asyncio.run(measure(kind, ports, pids, config))
         finally:
             for process in servers:
                 process.terminate()
@@ -184,7 +205,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{row['latency_1_client_us']['on']} us (+{row['added_latency_us']} us); "
             f"32 clients {row['throughput_32_clients_rps']['off']} -> "
             f"{row['throughput_32_clients_rps']['on']} req/s "
-            f"({row['throughput_change']:+.1%})"
+            f"({row['throughput_change']:+.1%}); server CPU per request at 32 clients "
+            f"{row['server_cpu_us_per_request_32_clients']['off']} -> "
+            f"{row['server_cpu_us_per_request_32_clients']['on']} us "
+            f"(+{row['added_server_cpu_us']} us)"
         )
     write_report(
         cli.output,

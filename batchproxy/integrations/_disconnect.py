@@ -4,9 +4,13 @@ Starlette, any ASGI app); the aiohttp side is in `aiohttp`.
 An ASGI server tells an app its client is gone by answering `receive()` with
 ``{"type": "http.disconnect"}``, but only to an app that calls `receive()` after
 reading its body, and a FastAPI route does not. `CancelOnDisconnect` does, once
-per request, in one waiter task: it starts when the app has read the whole body
-(at once for a request without one) and waits on `receive()`, which costs
-nothing until the server wakes it. When the client disconnects before the
+per request, in one waiter task: it starts `WATCH_AFTER` seconds after the app
+has read the whole body (after the request came, for a request without one), if
+the response is not complete by then, and waits on `receive()`, which costs
+nothing until the server wakes it. A request answered sooner never makes the task
+(a timer, armed and cancelled, is all it pays): so the watch costs nothing
+measurable where requests are fast, and where they wait in a queue, which is where
+a client that leaves costs a model its time, it is there. When the client disconnects before the
 response is complete, the waiter marks the request's `Client` gone and cancels
 the task that handles the request: every batchproxy call it waits on is
 cancelled like any cancelled call (a queued one leaves the queue and never
@@ -34,6 +38,9 @@ Send = Callable[[Message], Awaitable[None]]
 App = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
 
 _DISCONNECT: Message = {"type": "http.disconnect"}
+
+WATCH_AFTER = 0.05
+"""Seconds a request runs, its body read, before its disconnect waiter starts."""
 
 
 class CancelOnDisconnect:
@@ -88,6 +95,7 @@ class _Watch:
         "_receive",
         "_send",
         "_task",
+        "_timer",
         "_waiter",
         "_waiting",
         "cancelled",
@@ -104,11 +112,18 @@ class _Watch:
         self._pending: list[Message] = []  # what the waiter received for the app
         self._waiting: list[asyncio.Future[None]] = []  # the app's receive() calls waiting
         self._waiter: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
         if bodiless:
-            self._start()
+            self._arm()
+
+    def _arm(self) -> None:
+        """The body is read: start the waiter in `WATCH_AFTER` s unless answered."""
+        self._timer = asyncio.get_running_loop().call_later(WATCH_AFTER, self._start)
 
     def _start(self) -> None:
-        self._waiter = asyncio.get_running_loop().create_task(self._wait())
+        self._timer = None
+        if not self._complete:
+            self._waiter = asyncio.get_running_loop().create_task(self._wait())
 
     async def _wait(self) -> None:
         """The waiter: sleep in the server's `receive()` until the client is gone."""
@@ -130,10 +145,15 @@ class _Watch:
 
     async def receive(self) -> Message:
         waiter = self._waiter
-        if waiter is None:  # the app reads its body: straight from the server
+        if waiter is None:  # the app reads its body (or reads on before the waiter starts)
+            if self._timer is not None:  # the body is read: the waiter reads from now on
+                self._timer.cancel()
+                self._start()  # (no waiter if the response is complete: read on below)
+                if self._waiter is not None:
+                    return await self.receive()
             message = await self._receive()
             if message["type"] == "http.request" and not message.get("more_body", False):
-                self._start()  # the body is read: from now on, wait for the disconnect
+                self._arm()  # the body is read: soon, wait for the disconnect
             return message
         while not self._pending:
             if waiter.done():
@@ -143,12 +163,15 @@ class _Watch:
             await future
         return self._pending.pop(0)
 
-    async def send(self, message: Message) -> None:
+    def send(self, message: Message) -> Awaitable[None]:
+        # (a plain function handing on the server's awaitable: no coroutine of its own)
         if message["type"] == "http.response.body" and not message.get("more_body", False):
             self._complete = True
-        await self._send(message)
+        return self._send(message)
 
     def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.cancel()

@@ -82,12 +82,35 @@ def install(
         async with serving.running():
             yield
 
+    def error(exc: BatchProxyError) -> web.Response:
+        return _json(answer_for(exc, retry_after=serving.retry_after))
+
     @web.middleware
     async def batchproxy_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
         except BatchProxyError as exc:
-            return _json(answer_for(exc, retry_after=serving.retry_after))
+            return error(exc)
+
+    @web.middleware
+    async def batchproxy_errors_and_disconnects(
+        request: web.Request, handler: Handler
+    ) -> web.StreamResponse:
+        # (one middleware for both: a layer of aiohttp's middleware chain costs more
+        # per request than the watch itself)
+        watched = _Watched(request)
+        token = current_client.set(watched.client)
+        try:
+            return await handler(request)
+        except BatchProxyError as exc:
+            return error(exc)
+        except asyncio.CancelledError:
+            if watched.left():
+                return web.Response(status=499)  # the client is gone: nobody reads this
+            raise
+        finally:
+            watched.release()
+            current_client.reset(token)
 
     async def liveness(request: web.Request) -> web.Response:
         return _json(serving.liveness())
@@ -96,45 +119,57 @@ def install(
         return _json(serving.readiness())
 
     app.cleanup_ctx.append(serve)
-    if cancel_on_disconnect:
-        app.middlewares.append(cancel_when_disconnected)
-    app.middlewares.append(batchproxy_errors)
+    app.middlewares.append(
+        batchproxy_errors_and_disconnects if cancel_on_disconnect else batchproxy_errors
+    )
     app.router.add_get(live_path, liveness)
     app.router.add_get(ready_path, readiness)
 
 
-@web.middleware
-async def cancel_when_disconnected(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Cancel the handler (its task) when the server loses the request's connection.
+class _Watched:
+    """One request's watch: cancel its handler (its task) when the server loses the
+    request's connection.
 
     aiohttp calls `_cancel(exc)` on the request being handled from its protocol's
     `connection_lost` (and with a `CancelledError` when a graceful shutdown runs out
     of time: not a disconnect); this request's own `_cancel` also marks its `Client`
-    gone and cancels the handler's task. One closure per request, no task, no wait."""
-    task = asyncio.current_task()
-    assert task is not None
-    client = Client()
-    handling = True
-    cancel = request._cancel
+    gone and cancels the handler's task. One object and one bound method per request:
+    no task, no wait."""
 
-    def connection_lost(exc: BaseException) -> None:
-        cancel(exc)
-        if handling and not client.gone and not isinstance(exc, asyncio.CancelledError):
+    __slots__ = ("_cancel", "_request", "client", "handling", "task")
+
+    def __init__(self, request: web.Request) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self.client = Client()
+        self.handling = True  # the handler runs (`release` clears it)
+        self._request = request
+        self._cancel = request._cancel
+        object.__setattr__(request, "_cancel", self._lost)  # (its __setattr__ warns)
+
+    def release(self) -> None:
+        """The handler is done: the request's `_cancel` is its class's again. (Left
+        set, or set back to the request's own bound method, the request would hold
+        itself, a reference cycle per request left to the cyclic garbage collector:
+        measured, 15 µs of server CPU per request, a quarter of aiohttp's own.)"""
+        self.handling = False
+        object.__delattr__(self._request, "_cancel")
+
+    def _lost(self, exc: BaseException) -> None:
+        self._cancel(exc)
+        client = self.client
+        if self.handling and not client.gone and not isinstance(exc, asyncio.CancelledError):
             client.gone = True
-            task.cancel()
+            self.task.cancel()
 
-    object.__setattr__(request, "_cancel", connection_lost)  # (its __setattr__ warns)
-    token = current_client.set(client)
-    try:
-        return await handler(request)
-    except asyncio.CancelledError:
-        uncancel = getattr(task, "uncancel", None)  # (Python 3.11+)
-        if not client.gone or (uncancel is not None and uncancel()):
-            raise  # (someone else cancelled it too)
-        return web.Response(status=499)  # the client is gone: nobody reads this
-    finally:
-        handling = False
-        current_client.reset(token)
+    def left(self) -> bool:
+        """Whether the handler's cancellation was the client leaving, and nobody
+        else's (their cancel requests stand: Python 3.11+ counts them)."""
+        if not self.client.gone:
+            return False
+        uncancel = getattr(self.task, "uncancel", None)
+        return not (uncancel is not None and uncancel())
 
 
 @overload

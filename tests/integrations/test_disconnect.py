@@ -33,6 +33,7 @@ from fastapi.responses import StreamingResponse  # noqa: E402
 
 from batchproxy.integrations import aiohttp as bp_aiohttp  # noqa: E402
 from batchproxy.integrations import fastapi as bp_fastapi  # noqa: E402
+from batchproxy.integrations._disconnect import WATCH_AFTER  # noqa: E402
 
 KINDS = ["fastapi", "aiohttp"]
 
@@ -290,6 +291,7 @@ async def test_ten_thousand_disconnects_leave_memory_flat(kind: str) -> None:
     proxy = Held(batch_size=1, max_concurrent_batches=1)
     async with served(kind, proxy) as port:
         blocker = await hold_the_model(port, proxy)
+        await asyncio.sleep(4 * WATCH_AFTER)  # the blocker's disconnect waiter is up
         tasks = len(asyncio.all_tasks())
         rss = 0
         for wave in range(100):
@@ -310,3 +312,36 @@ async def test_ten_thousand_disconnects_leave_memory_flat(kind: str) -> None:
     assert proxy.stats.disconnected == 10_000
     assert proxy.seen == ["live-block"]
     assert grown < 16 * 2**20, f"RSS grew by {grown / 2**20:.1f} MiB over 9,000 disconnects"
+
+
+@pytest.mark.parametrize("seconds", [0.0, 4 * WATCH_AFTER])
+async def test_only_a_request_that_waits_pays_for_a_disconnect_waiter(seconds: float) -> None:
+    """The ASGI watch's cost where requests are fast: a request answered within
+    `WATCH_AFTER` of its body never starts the waiter (no task, no `receive()` past
+    the body); one that takes longer has it, and is cancelled when its client goes."""
+    from batchproxy.integrations._disconnect import CancelOnDisconnect
+
+    reads = 0
+    gone = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        nonlocal reads
+        reads += 1
+        if reads == 1:
+            return {"type": "http.request", "body": b"x", "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await asyncio.sleep(seconds)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    scope = {"type": "http", "headers": [(b"content-length", b"1")]}
+    await CancelOnDisconnect(app)(scope, receive, send)
+    await asyncio.sleep(3 * WATCH_AFTER)
+    assert reads == (1 if seconds == 0.0 else 2)
