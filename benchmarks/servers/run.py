@@ -417,7 +417,12 @@ def plot(rows: Sequence[dict[str, Any]], ceiling: float | None, output: Path, ti
             continue
         color, marker = styles[name]
         x = [r["clients"] for r in mine]
-        for axis, key in ((left, "throughput"), (right, "p99_ms")):
+        # (the floor's throughput, tens of times the model's, would flatten the others: it
+        # is given in the left panel's title instead)
+        panels = (
+            ((right, "p99_ms"),) if name == "floor" else ((left, "throughput"), (right, "p99_ms"))
+        )
+        for axis, key in panels:
             points = [(xi, r[key]) for xi, r in zip(x, mine, strict=True) if r[key] is not None]
             if not points:
                 continue
@@ -436,15 +441,20 @@ def plot(rows: Sequence[dict[str, Any]], ceiling: float | None, output: Path, ti
             )
     if ceiling is not None:
         left.axhline(ceiling, color="black", linestyle=":", label="ceiling (in process)")
+    floor = [r["throughput"]["median"] for r in rows if r["stack"] == "floor"]
+    heading = "Throughput (median, min-max over rounds)"
+    if floor:
+        heading += f"\nthe HTTP floor: {min(floor):.0f}-{max(floor):.0f} req/s, off the scale"
     client_axes(
         levels,
-        (left, "throughput (requests/s)", "Throughput (median, min-max over rounds)"),
+        (left, "throughput (requests/s)", heading),
         (right, "p99 latency (ms)", "p99 latency"),
         xlabel="concurrent clients (closed loop)",
     )
-    left.set_yscale("log")
+    left.set_ylim(bottom=0)
     right.set_yscale("log")
     left.legend(loc="best", fontsize=8)
+    right.legend(loc="upper left", fontsize=8)
     figure.suptitle(title)
     figure.tight_layout()
     output.parent.mkdir(parents=True, exist_ok=True)
