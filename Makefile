@@ -6,7 +6,7 @@ BIN     = $(VENV)/bin
 # takes the CPU build on this machine and never resolves a newer torch with CUDA packages
 TORCH   = torch==2.13.0
 
-.PHONY: demo demo-publish test lint typecheck unit unit-uvloop package test-pythons docs docs-check bench bench-tensors bench-suite bench-scheduling bench-scaleout bench-autoscale bench-dedup bench-soak bench-soak-deadlines bench-generation bench-keys bench-fairness bench-sizes bench-scale bench-ab bench-gpu bench-gpu-quick clean
+.PHONY: demo demo-publish test lint typecheck unit unit-uvloop package test-pythons docs docs-check bench bench-tensors bench-suite bench-servers bench-scheduling bench-scaleout bench-autoscale bench-dedup bench-soak bench-soak-deadlines bench-generation bench-keys bench-fairness bench-sizes bench-scale bench-ab bench-gpu bench-gpu-quick clean
 
 # the real model over HTTP, regular vs batched: the table, and demo.{json,png} in
 # benchmarks/results/runs/ (git-ignored: a run changes no tracked file)
@@ -81,6 +81,13 @@ bench-tensors: $(VENV)/.installed-dev
 # batchproxy beside the peers that install here (batched), on every workload
 bench-suite: $(VENV)/.installed-dev
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/suite.py
+
+# all-MiniLM-L6-v2 over HTTP: batchproxy's kind of service, the regular way, LitServe and mosec
+# (each in a virtualenv the script builds, torch pinned, in benchmarks/servers/.venvs/,
+# git-ignored), the HTTP floor and the in-process ceiling; servers.{json,png} in
+# benchmarks/results/ (`python benchmarks/servers/run.py --quick` by hand: a smoke run)
+bench-servers: $(VENV)/.installed-dev
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/servers/run.py
 
 # scheduling policies on a virtual clock, and the scheduler's cost on a real one
 bench-scheduling: $(VENV)/.installed-dev

@@ -146,12 +146,25 @@ def serve_app(app: Any, **options: Any) -> None:
 class Service:
     """A service in a child process (`command`, which runs `serve_app`), on 127.0.0.1,
     started and stopped here. `start()` is `launch()` (returns once the port is known)
-    then `ready()` (once `/readyz` answers 200: the model loaded); apart, several
-    services can load at the same time."""
+    then `ready()` (once `is_ready()`: `/readyz` answers 200, the model loaded); apart,
+    several services can load at the same time.
 
-    def __init__(self, command: list[str], startup_timeout: float = STARTUP_TIMEOUT) -> None:
+    `env`: variables added to the child's environment. `own_group`: the child leads a
+    process group of its own, and `stop()` kills whatever is left in that group once the
+    child is gone (a server that starts processes of its own)."""
+
+    def __init__(
+        self,
+        command: list[str],
+        startup_timeout: float = STARTUP_TIMEOUT,
+        *,
+        env: Mapping[str, str] | None = None,
+        own_group: bool = False,
+    ) -> None:
         self.command = command
         self.startup_timeout = startup_timeout
+        self.env = dict(env or {})
+        self.own_group = own_group
         self.process: subprocess.Popen[str] | None = None
         self.base_url = ""
         self.launched = 0.0
@@ -162,9 +175,14 @@ class Service:
 
     def launch(self) -> Service:
         self.launched = time.perf_counter()
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **self.env}
         self.process = subprocess.Popen(
-            self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+            self.command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=self.own_group,
         )
         assert self.process.stdout is not None
         line = self.process.stdout.readline()  # the child prints its port before the model loads
@@ -181,11 +199,8 @@ class Service:
         while True:  # /readyz turns 200 once the model is loaded and the proxy started
             if self.process.poll() is not None:
                 raise RuntimeError(f"the service exited with code {self.process.returncode}")
-            try:
-                if httpx.get(f"{self.base_url}/readyz", timeout=5.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
+            if self.is_ready():
+                break
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"the service was not ready after {self.startup_timeout:.0f} s")
@@ -193,7 +208,22 @@ class Service:
         self.startup_seconds = time.perf_counter() - self.launched
         return self
 
+    def is_ready(self) -> bool:
+        """Whether the service answers yet: `GET /readyz` is 200."""
+        try:
+            return httpx.get(f"{self.base_url}/readyz", timeout=5.0).status_code == 200
+        except httpx.TransportError:
+            return False
+
     def stop(self) -> None:
+        try:
+            self._stop_child()
+        finally:
+            if self.own_group and self.process is not None:
+                with contextlib.suppress(ProcessLookupError):  # (none left: nothing to kill)
+                    os.killpg(self.process.pid, signal.SIGKILL)
+
+    def _stop_child(self) -> None:
         if self.process is None or self.process.poll() is not None:
             return
         self.process.send_signal(signal.SIGTERM)  # uvicorn: graceful, the lifespan closes
@@ -532,6 +562,22 @@ def target_lines(results: Sequence[tuple[Measurement, Measurement]], spread: Spr
     return lines
 
 
+def client_axes(
+    levels: Sequence[int], *panels: tuple[Any, str, str], xlabel: str = "concurrent clients"
+) -> None:
+    """Each panel (a matplotlib axis, its y label, its title): the client counts on a log
+    x axis, a tick at each of `levels`, a light grid."""
+    for axis, ylabel, heading in panels:
+        axis.set_xscale("log")
+        axis.set_xticks(levels)
+        axis.set_xticklabels([str(level) for level in levels])
+        axis.minorticks_off()
+        axis.set_xlabel(xlabel)
+        axis.set_ylabel(ylabel)
+        axis.set_title(heading)
+        axis.grid(True, alpha=0.3)
+
+
 def plot(
     results: Sequence[tuple[Measurement, Measurement]], spread: Spread, output: Path, title: str
 ) -> None:
@@ -568,19 +614,13 @@ def plot(
             fontsize=9,
             color="tab:blue",
         )
-    for axis, ylabel, heading in (
+    client_axes(
+        levels,
         (left, "throughput (requests/s)", "Throughput (labels: batched speedup)"),
         (right, "p99 latency (ms)", "p99 latency"),
-    ):
-        axis.set_xscale("log")
-        axis.set_xticks(levels)
-        axis.set_xticklabels([str(level) for level in levels])
-        axis.minorticks_off()
-        axis.set_xlabel("concurrent clients")
-        axis.set_ylabel(ylabel)
-        axis.set_title(heading)
-        axis.grid(True, alpha=0.3)
-        axis.legend(loc="lower right" if axis is left else "upper left")
+    )
+    left.legend(loc="lower right")
+    right.legend(loc="upper left")
     left.set_ylim(bottom=0)
     right.set_yscale("log")
     figure.suptitle(title)

@@ -28,11 +28,13 @@ _WORD_LIST = (
 WORDS = _WORD_LIST.split()
 
 
-def make_sentences(count: int, seed: int = 0) -> list[str]:
-    """`count` sentences of MIN_WORDS..MAX_WORDS words, the same on every run."""
+def make_sentences(
+    count: int, seed: int = 0, min_words: int = MIN_WORDS, max_words: int = MAX_WORDS
+) -> list[str]:
+    """`count` sentences of `min_words`..`max_words` words, the same on every run."""
     rng = random.Random(seed)
     sentences = []
     for _ in range(count):
-        words = [rng.choice(WORDS) for _ in range(rng.randint(MIN_WORDS, MAX_WORDS))]
+        words = [rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words))]
         sentences.append(" ".join(words).capitalize() + ".")
     return sentences

@@ -30,6 +30,7 @@ TESTS = Path(__file__).resolve().parent
 
 FULL_SUITE_ONLY = {
     "docs/test_bert_app.py": "torch, transformers, a server",
+    "docs/test_bench_servers.py": "a server, aiohttp",
     "docs/test_demo.py": "the demo's model and server",
     "docs/test_docs.py": "the guides' examples: FastAPI, torch",
     "docs/test_examples_pipeline.py": "torch, transformers",

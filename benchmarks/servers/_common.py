@@ -1,0 +1,99 @@
+"""What every server of the benchmark shares: the settings, the model, the port, the exit.
+
+Each server module runs in a child process that `run.py` starts (with its stack's
+Python: the project's, or a peer's own virtual environment, which holds torch,
+transformers and the model package but not batchproxy's extras). It imports this
+module first: it puts the repository's root and `examples/` on `sys.path`, so every
+stack loads the model through `examples/minilm.py` (the same weights, tokenizer,
+pooling and normalisation), and sets torch to THREADS threads.
+
+The servers' protocol is the one of `examples/demo.py`'s `serve_app`: the first line on
+stdout is `PORT n` (a free port on 127.0.0.1), and the server stops when its stdin
+closes (the driver closed it, or died). A server whose framework starts processes of
+its own is started as the leader of a process group, and takes that group down.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+for _path in (str(ROOT / "examples"), str(ROOT)):  # (this checkout's batchproxy first)
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+THREADS = 2  # torch's intra-op threads, in every stack and the ceiling
+BATCH_SIZE = 64  # the largest batch, where a stack batches
+WINDOW_MS = 5.0  # how long a stack may wait to fill a batch, where it has such a window
+REQUEST_TIMEOUT_S = 120.0  # a stack's own per-request deadline, where it has one
+LOG_VARIABLE = "BENCH_SERVER_LOG"  # where the server writes its stderr (the driver sets it)
+
+
+def log_to_file() -> None:
+    """Send this process's stderr (and its children's) to `$BENCH_SERVER_LOG`, if set."""
+    path = os.environ.get(LOG_VARIABLE)
+    if path:
+        log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log, 2)
+        os.close(log)
+
+
+def set_threads() -> None:
+    import torch
+
+    torch.set_num_threads(THREADS)
+
+
+def load() -> tuple[Any, Any]:
+    """The tokenizer and the model (`examples/minilm.py`), torch on THREADS threads."""
+    set_threads()
+    from minilm import load_minilm
+
+    return load_minilm()
+
+
+def encode_texts(tokenizer: Any, model: Any, texts: list[str]) -> Any:
+    """A batch of texts, tokenized together (padded on the right, as the proxy pads):
+    an (n, 384) tensor of unit vectors."""
+    from minilm import MAX_TOKENS, encode
+
+    batch = tokenizer(
+        texts, padding=True, truncation=True, max_length=MAX_TOKENS, return_tensors="pt"
+    )
+    return encode(model, batch["input_ids"], batch["attention_mask"])
+
+
+def announce_port() -> int:
+    """For a server that binds its own socket: pick a free port on 127.0.0.1, print
+    `PORT n` (the one line the driver reads), then send stdout to stderr. Watches stdin:
+    at its end, SIGTERM to this process's group (the driver started it as its leader)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    print(f"PORT {port}", flush=True)
+    os.dup2(2, 1)  # the driver reads one line; the frameworks' own output goes to the log
+    # the pipe is read on a descriptor of its own, unbuffered, and stdin becomes /dev/null:
+    # a thread blocked in sys.stdin.read() holds its lock, and a child that multiprocessing
+    # forks closes sys.stdin first thing: it would wait on that lock for ever
+    pipe = os.dup(0)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+
+    def stop_when_the_parent_goes() -> None:
+        while os.read(pipe, 4096):
+            pass
+        os.killpg(os.getpgrp(), signal.SIGTERM)
+
+    threading.Thread(target=stop_when_the_parent_goes, daemon=True).start()
+    return port

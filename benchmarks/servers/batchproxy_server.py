@@ -1,0 +1,46 @@
+"""batchproxy: the README's kind of service in front of all-MiniLM-L6-v2.
+
+A `TensorProxy` (`examples/minilm.py`'s `MiniLMEmbedder`: length-aware, the adaptive
+window of WINDOW_MS at most, batches of BATCH_SIZE at most, `offload=True`: the model
+runs on the proxy's worker thread) behind `Serving` and `install`; each handler
+tokenizes its own text and awaits its own vector.
+"""
+
+from __future__ import annotations
+
+from _common import BATCH_SIZE, REQUEST_TIMEOUT_S, WINDOW_MS, load
+from _http import EmbedIn, EmbedOut, serve
+from fastapi import Depends, FastAPI
+from minilm import MiniLMEmbedder
+
+from batchproxy.integrations.fastapi import Serving, install
+
+
+def create_app() -> FastAPI:
+    tokenizer, model = load()
+    embedder = MiniLMEmbedder(
+        tokenizer,
+        model,
+        BATCH_SIZE,
+        max_delay_ms=WINDOW_MS,
+        length_aware=True,
+        offload=True,
+        timeout=REQUEST_TIMEOUT_S,
+    )
+    serving = Serving(embedder)
+    app = FastAPI(lifespan=serving.lifespan)
+    install(app, serving)
+
+    @app.post("/embed")
+    async def embed(
+        body: EmbedIn,
+        proxy: MiniLMEmbedder = Depends(serving.provider(MiniLMEmbedder)),  # noqa: B008
+    ) -> EmbedOut:
+        vector = await proxy.inference(proxy.tokenize(body.text))
+        return EmbedOut(embedding=vector.tolist())
+
+    return app
+
+
+if __name__ == "__main__":
+    serve(create_app())

@@ -1,0 +1,40 @@
+"""The regular way: FastAPI, one forward pass per request.
+
+Each request's text runs alone through the model (batch of one, no padding:
+`examples/embeddings.py`'s `OneAtATime`), on one model thread, in arrival order, as a
+server that calls the model from its handler does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from _common import load
+from _http import EmbedIn, EmbedOut, serve
+from embeddings import OneAtATime
+from fastapi import FastAPI
+
+
+def create_app() -> FastAPI:
+    tokenizer, model = load()
+    regular = OneAtATime(tokenizer, model)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            regular.close()
+
+    app = FastAPI(lifespan=lifespan)
+
+    @app.post("/embed")
+    async def embed(body: EmbedIn) -> EmbedOut:
+        return EmbedOut(embedding=(await regular.embed(body.text)).tolist())
+
+    return app
+
+
+if __name__ == "__main__":
+    serve(create_app())
