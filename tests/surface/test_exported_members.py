@@ -3,11 +3,11 @@ added to or dropped from `batchproxy` is a decision, made here too."""
 
 from __future__ import annotations
 
-import ast
 import re
 import types
 from pathlib import Path
 
+from _imports import PACKAGE, find_cycle, relative_imports
 from _support import modules_after
 
 import batchproxy
@@ -93,9 +93,6 @@ def test_importing_batchproxy_loads_no_numpy() -> None:
     assert "numpy" in modules_after("import batchproxy; batchproxy.TensorProxy")
 
 
-PACKAGE = Path(batchproxy.__file__).parent
-
-
 def modules() -> dict[str, Path]:
     """Every module of the library, by dotted name (without `batchproxy.`)."""
     found = {}
@@ -121,34 +118,12 @@ def test_the_modules_import_each_other_without_a_cycle() -> None:
     known = modules()
     graph: dict[str, set[str]] = {name: set() for name in known}
     for name, path in known.items():
-        package = name.rsplit(".", 1)[0] if "." in name else ""
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level:
-                base = (
-                    package.split(".")[: len(package.split(".")) - node.level + 1]
-                    if package
-                    else []
-                )
-                target = ".".join([*base, node.module] if node.module else base)
-                names = [target] if node.module else [alias.name for alias in node.names]
-                for candidate in names:
-                    if candidate in known and name not in (candidate, "__init__"):
-                        graph[name].add(candidate)
-    visiting: list[str] = []
-    done: set[str] = set()
-
-    def visit(node: str) -> None:
-        assert node not in visiting, " -> ".join([*visiting[visiting.index(node) :], node])
-        if node in done:
-            return
-        visiting.append(node)
-        for dependency in sorted(graph[node]):
-            visit(dependency)
-        visiting.pop()
-        done.add(node)
-
-    for node in sorted(graph):
-        visit(node)
+        for target in relative_imports(path):
+            candidate = ".".join(target)
+            if candidate in known and name not in (candidate, "__init__"):
+                graph[name].add(candidate)
+    cycle = find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle or [])
 
 
 def test_the_version_is_written_in_one_place() -> None:
