@@ -53,6 +53,12 @@ def _overhead(tree: Path, quick: bool, output: Path) -> dict[str, Any]:
     return document
 
 
+def _short(ref: str) -> str:
+    """`ref`'s abbreviated commit."""
+    command = ["git", "-C", str(ROOT), "rev-parse", "--short", ref]
+    return subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip()
+
+
 def _worktree(base: str, folder: Path) -> Path:
     tree = folder / "base"
     subprocess.run(
@@ -70,14 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = arguments("ab", (__doc__ or "").splitlines()[0], argv, extra=extra)
     base: str = run.args.base
     rounds: int = run.args.rounds or (2 if run.quick else 5)
-    commit = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", base],
-        check=True, capture_output=True, text=True,
-    ).stdout.strip()  # fmt: skip
-    head = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-        check=True, capture_output=True, text=True,
-    ).stdout.strip()  # fmt: skip
+    commit, head = _short(base), _short("HEAD")
     env = environment(base=commit, head=head)
     print(headline(f"A/B {head} against {commit}", env, quick=run.quick))
     samples: dict[str, dict[str, list[float]]] = {"base": {}, "head": {}}
