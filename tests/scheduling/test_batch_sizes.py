@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _sized_models import ALLOWED, WrongSize, check, strict
+from _support import wait_until
 from typing_extensions import override
 
 import batchproxy
@@ -170,7 +171,7 @@ async def test_configure_batch_size_rounds_down_to_an_allowed_size() -> None:
 async def test_a_cut_leftover_cancelled_while_queued_never_reaches_the_model() -> None:
     async with Strict(batch_size=8, delay=0.01) as proxy:
         calls = [asyncio.create_task(proxy.inference(i)) for i in range(6)]
-        await asyncio.sleep(0.001)  # the first 4 run; 4 and 5 wait
+        await wait_until(lambda: proxy.sizes != [])  # the first 4 run; 4 and 5 wait
         assert proxy.sizes == [4]
         calls[5].cancel()
         assert await asyncio.gather(*calls[:5]) == [0, 2, 4, 6, 8]
@@ -182,8 +183,8 @@ async def test_a_cut_leftover_cancelled_while_queued_never_reaches_the_model() -
 async def test_a_caller_cancelled_in_a_running_cut_batch_loses_only_its_result() -> None:
     async with Strict(batch_size=8, delay=0.01) as proxy:
         calls = [asyncio.create_task(proxy.inference(i)) for i in range(5)]
-        await asyncio.sleep(0.001)
-        calls[1].cancel()
+        await wait_until(lambda: proxy.sizes != [])  # the first 4 run (a fixed 1 ms was
+        calls[1].cancel()  # not always enough on a loaded machine)
         results = await asyncio.gather(*calls, return_exceptions=True)
         assert isinstance(results[1], asyncio.CancelledError)
         assert [r for i, r in enumerate(results) if i != 1] == [0, 4, 6, 8]
