@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import threading
 from abc import abstractmethod
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -60,9 +61,10 @@ class TensorProxy(Proxy[In, Out]):
       last position.
     - `pad_to_multiple_of`: round the padded length up to a multiple of this.
     - `device`: a torch device (`"cuda:0"`, `"cpu"`) the collated batch and its
-      mask are moved to before `_forward`, through pinned memory when the target
-      is a CUDA device. Applies to torch data only: NumPy items with a `device`
-      set fail their batch with `TypeError`. Outputs stay where `_forward` put
+      mask are moved to before `_forward` (a non-blocking copy; a pageable
+      tensor is not pinned on the fly, which costs more than it saves). Applies
+      to torch data only: NumPy items with a `device` set fail their batch with
+      `TypeError`. Outputs stay where `_forward` put
       them; each caller gets its own slice of them. A malformed device
       (`"cuda:zz"`) is a `ValueError` here; a valid one this machine lacks
       (`"cuda:0"` without CUDA) is accepted, and each batch then fails with
@@ -197,12 +199,15 @@ class _Stages(StagedModel):
         batch = self._proxy._prepare(items)
         if batch.padded is not None and _on_cuda(self._proxy._device):
             batch.ready = _record_event()
+            batch.prepared_on = threading.get_ident()
         return batch
 
     def compute(self, batch: _Batch, /) -> _Batch:
         if batch.padded is None:
             return batch
-        if batch.ready is not None:
+        # prepared on this thread (the stages in a row), the copies are already queued
+        # ahead of the model on this thread's stream: nothing to wait for
+        if batch.ready is not None and batch.prepared_on != threading.get_ident():
             _wait_on_this_stream(batch.ready, batch.padded)
         proxy = self._proxy
         with batch.callers():
@@ -235,6 +240,8 @@ class _Batch:
     """What `_forward` returned (moved to `output_device`), until split."""
     ready: torch.cuda.Event | None = None
     """Recorded after the copies to the device (a CUDA device only)."""
+    prepared_on: int | None = None
+    """The thread that made the copies (and so the stream they were queued on)."""
     done: torch.cuda.Event | None = None
     """Recorded after the model and the copy back (a CUDA device only)."""
 
@@ -311,12 +318,24 @@ def _move_outputs(outputs: Any, device: torch.device | None) -> Any:
     return _map_leaves(outputs, lambda tensor: tensor.to(device, non_blocking=True))
 
 
+PIN_INPUTS = False
+"""Whether `_move` copies a pageable CPU tensor into pinned memory before its copy to a
+CUDA device. Off: pinning on the fly is one more allocation and host copy, which costs
+more than the pageable copy it would speed up (PyTorch's `non_blocking` guide; measured
+in `benchmarks/_gpu_lone.py`). An item already in pinned memory is copied without one."""
+
+
 def _move(data: Any, device: torch.device) -> Any:
-    """`data` with every torch tensor on `device` (pinned first for a CUDA target)."""
+    """`data` with every torch tensor on `device` (a non-blocking copy; see PIN_INPUTS)."""
     import torch
 
     def move(tensor: torch.Tensor) -> torch.Tensor:
-        if device.type == "cuda" and tensor.device.type == "cpu" and torch.cuda.is_available():
+        if (
+            PIN_INPUTS
+            and device.type == "cuda"
+            and tensor.device.type == "cpu"
+            and torch.cuda.is_available()
+        ):
             tensor = tensor.pin_memory()
         return tensor.to(device, non_blocking=True)
 

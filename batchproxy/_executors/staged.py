@@ -1,7 +1,7 @@
 """`StagedModel`: a model call in three parts that an executor may overlap.
 
 A batch on an accelerator spends time on the CPU before the device sees it
-(collate, pad, copy into pinned memory, start the copy) and after (wait for the
+(collate, pad, start the copy to the device) and after (wait for the
 device, copy back, split per caller). Run one batch after another on one
 thread and the device idles through both. A `StagedModel` names the parts:
 

@@ -23,7 +23,7 @@ does not queue behind other threads' on the default stream. With `overlap=True`
 (off by default, device or not) a `StagedModel` (what a `TensorProxy` with a
 plain `def _forward` runs) is pipelined: while the model thread computes one
 batch, a second thread of its own (with its own stream) prepares the next
-(collate, pad, pinned copy to the device) and finishes the one before (waits
+(collate, pad, copy to the device) and finishes the one before (waits
 for the device, splits the outputs), so the GPU does not wait for Python
 between batches. A batch that finds the thread idle runs its stages in a row on
 the model thread: a lone request pays no extra hand-off.

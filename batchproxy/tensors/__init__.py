@@ -32,6 +32,7 @@ May import: `_validate`.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from collections.abc import Mapping, Sequence
@@ -114,42 +115,50 @@ def _check_pad_value(value: object, leaf: Any, path: _Path) -> None:
     where = f" for key {path[0]!r}" if path and isinstance(path[0], str) else ""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.number, np.bool_)):
         raise TypeError(f"pad_value{where} must be a number, got {type(value).__name__} {value!r}")
+    kind: Any = type(value)  # (a key of the cache below: 1, 1.0 and True differ)
+    problem = _pad_value_problem(kind, value, _is_tensor(leaf), leaf.dtype)
+    if problem is not None:
+        raise ValueError(f"pad_value{where} {value!r} {problem}")
+
+
+@functools.lru_cache(maxsize=256)  # one answer per (number, dtype): asked once per batch
+def _pad_value_problem(kind: type, value: Any, tensor: bool, dtype: Any) -> str | None:
+    """Why the number `value` (of type `kind`: 1, 1.0 and True are not one key) does not
+    fit `dtype` (a torch dtype if `tensor`, else a NumPy one), or None if it does."""
+    name = str(dtype).removeprefix("torch.")
     largest: float | None = None  # a floating dtype's largest finite value
-    if _is_tensor(leaf):
-        if leaf.dtype.is_complex:
-            return
+    if tensor:
+        if dtype.is_complex:
+            return None
         import torch
 
-        if leaf.dtype.is_floating_point:
-            largest = float(torch.finfo(leaf.dtype).max)
-    elif np.issubdtype(leaf.dtype, np.complexfloating):
-        return
-    elif np.issubdtype(leaf.dtype, np.floating):
-        largest = float(np.finfo(leaf.dtype).max)
+        if dtype.is_floating_point:
+            largest = float(torch.finfo(dtype).max)
+    elif np.issubdtype(dtype, np.complexfloating):
+        return None
+    elif np.issubdtype(dtype, np.floating):
+        largest = float(np.finfo(dtype).max)
     if largest is not None:
         try:
             number = float(value)
             fits = not math.isfinite(number) or abs(number) <= largest
         except OverflowError:  # an int beyond any float
             fits = False
-        if not fits:
-            raise ValueError(f"pad_value{where} {value!r} does not fit dtype {_dtype_name(leaf)}")
-        return
-    if _is_tensor(leaf):
+        return None if fits else f"does not fit dtype {name}"
+    if tensor:
         try:
-            held: object = torch.tensor(value, dtype=leaf.dtype).item()
+            held: object = torch.tensor(value, dtype=dtype).item()
         except (RuntimeError, OverflowError, ValueError, TypeError):
             held = None
     else:
         try:
             with np.errstate(invalid="ignore", over="ignore"):  # NaN, inf: refused below
-                held = np.asarray(value).astype(leaf.dtype).item()
+                held = np.asarray(value).astype(dtype).item()
         except (OverflowError, ValueError, TypeError):
             held = None
     if held is None or held != value:
-        raise ValueError(
-            f"pad_value{where} {value!r} does not fit dtype {_dtype_name(leaf)} exactly"
-        )
+        return f"does not fit dtype {name} exactly"
+    return None
 
 
 def _region(own: _Shape, padded: _Shape, side: PaddingSide) -> tuple[slice, ...]:

@@ -113,6 +113,30 @@ async def test_round_trip_results_on_the_cpu_or_kept_on_the_device(
 
 
 @needs_cuda
+@pytest.mark.parametrize("pin_inputs", [False, True])
+async def test_inputs_are_pinned_on_the_fly_only_when_asked(
+    monkeypatch: pytest.MonkeyPatch, pin_inputs: bool
+) -> None:
+    from batchproxy import _tensor_proxy
+
+    monkeypatch.setattr(_tensor_proxy, "PIN_INPUTS", pin_inputs)
+    pinned = []
+    pin_memory = torch.Tensor.pin_memory
+
+    def counted(tensor: torch.Tensor, *args: Any) -> torch.Tensor:
+        pinned.append(tensor.shape)
+        return pin_memory(tensor, *args)
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", counted)
+    model = linear()
+    async with Encoder(copy.deepcopy(model).cuda(), batch_size=8, device="cuda") as proxy:
+        results = await asyncio.gather(*(proxy.inference(rows(i)) for i in range(8)))
+    for i, result in enumerate(results):
+        assert close(result, reference(model, rows(i))), i
+    assert bool(pinned) == pin_inputs  # each batch's data and mask, or nothing
+
+
+@needs_cuda
 async def test_overlapped_bursts_give_every_caller_its_own_result() -> None:
     model = linear(1)
     worker = WorkerThread("gpu", device="cuda", overlap=True)
