@@ -227,7 +227,9 @@ def create_app(
         """Batched: the text is one request on the proxy, padded into a batch."""
         return answer(await classifier.inference(classifier.tokenize(body.text)))
 
-    @app.post("/classify/regular", dependencies=[Depends(serving.check_ready)])
+    ready = Depends(serving.provider(BertClassifier))  # 503 while loading, as the batched route
+
+    @app.post("/classify/regular", dependencies=[ready])
     async def classify_regular(body: ClassifyRequest) -> Classification:
         """The regular way: one forward pass for this text alone."""
         return answer(await regular.run(body.text))

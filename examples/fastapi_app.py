@@ -113,7 +113,9 @@ def create_app(
         tensors = await embedder.inference_many([embedder.tokenize(text) for text in texts])
         return answer([tensor.tolist() for tensor in tensors], single)
 
-    @app.post("/embed/regular", dependencies=[Depends(serving.check_ready)])
+    ready = Depends(serving.provider(MiniLMEmbedder))  # 503 while loading, as the batched route
+
+    @app.post("/embed/regular", dependencies=[ready])
     async def embed_regular(body: EmbedRequest) -> Embedding | Embeddings:
         """The regular way, one forward pass per text: the same body and answer."""
         texts, single = service.parse(body.model_dump(exclude_none=True))

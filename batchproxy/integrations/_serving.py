@@ -334,10 +334,13 @@ class Serving:
     def provider(self, key: str) -> Callable[[], Proxy[Any, Any]]: ...
     def provider(self, key: type[P] | str) -> Callable[[], Proxy[Any, Any]]:
         """A function that returns the proxy `key` (see `proxy`), or raises `NotReady`
-        while the service loads: FastAPI's `Depends(serving.provider(Embedder))`."""
+        while the service loads: FastAPI's `Depends(serving.provider(Embedder))`.
+
+        It is a coroutine function, so FastAPI runs it on the event loop: a plain `def`
+        dependency would cost every request a hop to its thread pool and back."""
         proxy = self.proxy(key)  # an unknown key fails here, at import, not per request
 
-        def ready_proxy() -> Proxy[Any, Any]:
+        async def ready_proxy() -> Proxy[Any, Any]:
             self.check_ready()
             return proxy
 

@@ -186,6 +186,30 @@ async def test_a_batch_with_a_bad_item_answers_it_422_and_the_others_200() -> No
     assert "cannot echo 'bad'" in answers[2].json()["detail"]
 
 
+async def test_the_provider_dependency_runs_on_the_event_loop_not_in_a_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A plain `def` dependency costs FastAPI a hop to its thread pool and back on every
+    request (measured on the GPU's BERT app: a lone client's request about 0.1-0.3 ms
+    slower); the provider is a coroutine function, so it costs none."""
+    import fastapi.dependencies.utils as dependencies
+
+    hops = []
+    to_thread = dependencies.run_in_threadpool
+
+    async def counted(call: Any, *args: Any, **kwargs: Any) -> Any:
+        hops.append(getattr(call, "__qualname__", repr(call)))
+        return await to_thread(call, *args, **kwargs)
+
+    monkeypatch.setattr(dependencies, "run_in_threadpool", counted)
+    proxy = Echo(batch_size=3)
+    async with serve(make_app(Serving(proxy))) as running:
+        answer = await post(running.http, "hi")
+    assert answer.status_code == 200
+    assert answer.json() == {"text": "HI"}
+    assert hops == []
+
+
 async def test_a_full_queue_answers_503_with_retry_after() -> None:
     proxy = Echo(batch_size=1, max_queue_size=1)
     serving = Serving(proxy, retry_after=2.5)
