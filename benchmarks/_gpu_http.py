@@ -107,6 +107,10 @@ def serve(config: dict[str, Any]) -> None:
         overlap=config["overlap"],
         timeout=REQUEST_TIMEOUT,
     )
+    if config.get("timed"):  # the lone-client section's server: where its time goes
+        from _gpu_lone import TimedApp
+
+        app = TimedApp(app)
     serve_app(app, timeout_keep_alive=300, backlog=4096)
 
 

@@ -7,6 +7,9 @@ run cut short still leaves what it measured):
   tests/executors/test_overlap.py and tests/tensors/test_tensor_proxy.py) under pytest:
   the device thread and its stream, round trips, overlap, a real out-of-memory batch,
   captured graphs;
+- `lone` (`_gpu_lone.py`): one client in process on BERT-base, the regular way
+  against the proxy (inputs pinned on the fly or not), interleaved, with the mean
+  time of each stage of a call;
 - `http` (`_gpu_http.py`): BERT-base and BERT-large classification over HTTP
   (the examples' FastAPI app, `examples/bert_app.py`), the regular way against
   the batched way at 1, 5, 100 and 150 clients, beside the HTTP floor and the
@@ -46,8 +49,13 @@ BENCHMARKS = Path(__file__).resolve().parent
 ROOT = BENCHMARKS.parent
 sys.path[:0] = [str(BENCHMARKS), str(ROOT / "examples"), str(ROOT)]
 
-SECTIONS = ("tests", "http", "generation", "graphs")
-MODULES = {"http": "_gpu_http", "generation": "_gpu_generation", "graphs": "_gpu_graphs"}
+SECTIONS = ("tests", "lone", "http", "generation", "graphs")
+MODULES = {
+    "lone": "_gpu_lone",
+    "http": "_gpu_http",
+    "generation": "_gpu_generation",
+    "graphs": "_gpu_graphs",
+}
 CUDA_TESTS = (
     "tests/tensors/test_cuda.py",
     "tests/executors/test_overlap.py",
@@ -62,6 +70,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated")
     parser.add_argument("--models", default=None, help="http: bert-base,bert-large")
+    parser.add_argument(
+        "--lone-parts", default=None, help="lone: some of interleaved,back_to_back,launch,..."
+    )
     parser.add_argument("--out", type=Path, default=BENCHMARKS / "results" / "runs")
     parser.add_argument("--server-cpus", default=None, help="http: CPUs for the server, e.g. 0-5")
     parser.add_argument("--client-cpus", default=None, help="http: CPUs for the load")
@@ -70,6 +81,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     args.sections = [s for s in args.sections.split(",") if s]
+    args.lone_parts = args.lone_parts.split(",") if args.lone_parts else None
     unknown = set(args.sections) - set(SECTIONS)
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")

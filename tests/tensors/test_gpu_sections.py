@@ -1,7 +1,7 @@
-"""The GPU benchmark's sections (`benchmarks/_gpu_generation.py`, `benchmarks/_gpu_graphs.py`)
-run end to end in their quick CPU mode, so the one run on a rented GPU does not fail on
-something a CPU would have shown. Numbers are not checked, only that each section
-returns its result (the CPU has no graphs) and that float32 streams match."""
+"""The GPU benchmark's sections (`benchmarks/_gpu_generation.py`, `_gpu_graphs.py`,
+`_gpu_lone.py`) run end to end in their quick CPU mode, so the one run on a rented GPU
+does not fail on something a CPU would have shown. Numbers are not checked, only that
+each section returns its result (the CPU has no graphs) and that float32 streams match."""
 
 from __future__ import annotations
 
@@ -50,3 +50,27 @@ def test_graphs_section_captures_on_cuda(tmp_path: Path) -> None:
     section = importlib.import_module("_gpu_graphs")
     result = section.run(arguments(tmp_path, "cuda"))
     assert result["graphs"] is True, result["capture_errors"]
+
+
+def test_lone_section_runs_on_the_cpu(tmp_path: Path) -> None:
+    """Every part of the one-client section, the HTTP one (a server and a client
+    process) included."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("aiohttp")
+    section = importlib.import_module("_gpu_lone")
+    args = arguments(tmp_path)
+    args.models = ["bert-tiny"]
+    result = section.run(args)
+    json.dumps(result)
+    for key in ("interleaved", "back_to_back"):
+        paths = result[key]["paths"]
+        assert set(paths) == set(section.PATHS)
+        assert result[key]["departures"] == {"idle": sum(result[key]["departures"].values())}
+        stages = paths["batched"]["stages_ms"]
+        assert {"thread_prepare", "thread_compute", "thread_finish"} <= set(stages)
+        assert all(numbers["mean_ms"] > 0 for numbers in paths.values())
+    assert set(result["launch"]) >= {"pool_thread", "worker_thread_device"}
+    for mode in ("back_to_back", "back_to_back_after_load", "interleaved"):
+        assert result["http"][mode]["speedup"] > 0
+        assert set(result["http"][mode]["on_server"]["ms"]) >= {"/classify", "/classify/regular"}
+    assert len(result["under_load"]["pinned"]["items_s"]) == 2
