@@ -64,8 +64,8 @@ class TensorProxy(Proxy[In, Out]):
       mask are moved to before `_forward` (a non-blocking copy; a pageable
       tensor is not pinned on the fly, which costs more than it saves). Applies
       to torch data only: NumPy items with a `device` set fail their batch with
-      `TypeError`. Outputs stay where `_forward` put
-      them; each caller gets its own slice of them. A malformed device
+      `TypeError`. Outputs stay where `_forward` put them; each caller gets its
+      own slice of them. A malformed device
       (`"cuda:zz"`) is a `ValueError` here; a valid one this machine lacks
       (`"cuda:0"` without CUDA) is accepted, and each batch then fails with
       torch's error when it is moved there.
