@@ -329,10 +329,10 @@ class Serving:
         raise LookupError(f"no proxy {key!r} in this service (it has: {have})")
 
     @overload
-    def provider(self, key: type[P]) -> Callable[[], P]: ...
+    def provider(self, key: type[P]) -> Callable[[], Awaitable[P]]: ...
     @overload
-    def provider(self, key: str) -> Callable[[], Proxy[Any, Any]]: ...
-    def provider(self, key: type[P] | str) -> Callable[[], Proxy[Any, Any]]:
+    def provider(self, key: str) -> Callable[[], Awaitable[Proxy[Any, Any]]]: ...
+    def provider(self, key: type[P] | str) -> Callable[[], Awaitable[Proxy[Any, Any]]]:
         """A function that returns the proxy `key` (see `proxy`), or raises `NotReady`
         while the service loads: FastAPI's `Depends(serving.provider(Embedder))`.
 
