@@ -6,7 +6,7 @@ BIN     = $(VENV)/bin
 # takes the CPU build on this machine and never resolves a newer torch with CUDA packages
 TORCH   = torch==2.13.0
 
-.PHONY: demo demo-publish test lint typecheck unit unit-uvloop package test-pythons docs docs-check bench bench-tensors bench-suite bench-servers bench-scheduling bench-scaleout bench-autoscale bench-dedup bench-soak bench-soak-deadlines bench-generation bench-keys bench-fairness bench-sizes bench-scale bench-ab bench-gpu bench-gpu-quick clean
+.PHONY: demo demo-publish test lint typecheck unit unit-uvloop package test-pythons docs docs-check bench bench-tensors bench-suite bench-servers bench-scheduling bench-scaleout bench-autoscale bench-dedup bench-soak bench-soak-deadlines bench-generation bench-keys bench-fairness bench-sizes bench-scale bench-host bench-ab bench-gpu bench-gpu-quick clean
 
 # the real model over HTTP, regular vs batched: the table, and demo.{json,png} in
 # benchmarks/results/runs/ (git-ignored: a run changes no tracked file)
@@ -132,6 +132,9 @@ bench-sizes: $(VENV)/.installed
 # 100,000 distinct tenants, keys and dedup keys: time per place, memory after the drain
 bench-scale: $(VENV)/.installed
 	$(BIN)/python benchmarks/scale.py
+
+bench-host: $(VENV)/.installed
+	$(BIN)/python benchmarks/host.py
 
 # the hot path (overhead.py: CPU per request, the lone request's latency) against an
 # earlier commit, side by side in one run: make bench-ab BASE=<git ref>

@@ -11,6 +11,7 @@ __all__ = [
     "BatchTimeout",
     "DeadlineExceeded",
     "DrainDeadline",
+    "HostUnavailable",
     "InferenceError",
     "InvalidItem",
     "PoolUnavailable",
@@ -225,6 +226,20 @@ class PoolUnavailable(BatchProxyError, RuntimeError):
         )
         self.executor = executor
         self.waited = waited
+        self.detail = detail
+
+
+class HostUnavailable(BatchProxyError, ConnectionError):
+    """A `RemoteProxy` could not reach its `ModelHost`, or lost it with the call in
+    flight: the host process is not running, or stopped or died before it answered.
+
+    Nothing is retried: the call may or may not have reached the model. The next call
+    connects again, so calls succeed once the host is back.
+    """
+
+    def __init__(self, path: str, detail: str) -> None:
+        super().__init__(f"model host at {path}: {detail}")
+        self.path = path
         self.detail = detail
 
 

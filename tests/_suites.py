@@ -46,6 +46,7 @@ FULL_SUITE_ONLY = {
     "integrations/test_otel.py": "a server, the OpenTelemetry SDK",
     "integrations/test_prometheus.py": "prometheus-client",
     "integrations/test_servers.py": "servers, torch",
+    "integrations/test_workers_example.py": "torch, transformers, servers",
     "streaming/test_generation_example.py": "torch, transformers, a server",
     "tensors/test_causal_padding.py": "torch, transformers",
     "tensors/test_cuda.py": "torch",

@@ -46,6 +46,7 @@ from .. import (
     BatchTimeout,
     DeadlineExceeded,
     Executor,
+    HostUnavailable,
     InvalidItem,
     PoolUnavailable,
     Proxy,
@@ -97,7 +98,8 @@ def answer_for(error: BatchProxyError, *, retry_after: float = 1.0) -> Answer:
     body = {"detail": str(error), "error": type(error).__name__}
     if isinstance(error, NotReady) and error.state is State.FAILED:
         return Answer(503, body)  # loading failed: a retry cannot help
-    if isinstance(error, (QueueFull, ProxyClosed, NotReady, WorkerDied, PoolUnavailable)):
+    unavailable = (QueueFull, ProxyClosed, NotReady, WorkerDied, PoolUnavailable, HostUnavailable)
+    if isinstance(error, unavailable):
         return Answer(503, body, _retry(retry_after))
     if isinstance(error, (DeadlineExceeded, BatchTimeout)):
         return Answer(504, body)

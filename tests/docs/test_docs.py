@@ -123,7 +123,7 @@ def test_every_public_name_is_in_the_api_reference() -> None:
     entries = reference_entries()
     missing = [name for name in batchproxy.__all__ if f"batchproxy.{name}" not in entries]
     assert not missing, f"no `::: batchproxy.<name>` entry in docs/reference/ for {missing}"
-    modules = ["tensors", "simulation"] + [
+    modules = ["tensors", "simulation", "host"] + [
         f"integrations.{name}" for name in ("fastapi", "aiohttp", "prometheus", "otel", "ray")
     ]
     missing = [name for name in modules if f"batchproxy.{name}" not in entries]

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from _support import Recorder
 
-from batchproxy import Health, PoolUnavailable, Proxy, WorkerThread
+from batchproxy import Health, HostUnavailable, PoolUnavailable, Proxy, WorkerThread
 from batchproxy._executors.base import LoopExecutor
 from batchproxy.integrations._serving import NotReady, Serving, State, answer_for
 
@@ -131,6 +131,15 @@ def test_pool_unavailable_is_answered_503_with_retry_after() -> None:
     assert answer.body == {
         "detail": "pool: no replica ready to run a batch after 60 s (2 pending)",
         "error": "PoolUnavailable",
+    }
+
+
+def test_host_unavailable_is_answered_503_with_retry_after() -> None:
+    answer = answer_for(HostUnavailable("/run/m.sock", "cannot connect"), retry_after=1.0)
+    assert (answer.status, answer.headers) == (503, {"Retry-After": "1"})
+    assert answer.body == {
+        "detail": "model host at /run/m.sock: cannot connect",
+        "error": "HostUnavailable",
     }
 
 

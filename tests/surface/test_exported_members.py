@@ -31,6 +31,7 @@ PUBLIC = [
     "Executor",
     "GenerationProxy",
     "Health",
+    "HostUnavailable",
     "InferenceError",
     "InvalidItem",
     "Last",
@@ -71,7 +72,7 @@ def test_the_public_names_are_exactly_these() -> None:
 def test_every_public_name_is_exported_and_nothing_else_is_public() -> None:
     for name in PUBLIC:
         assert getattr(batchproxy, name) is not None
-    public_modules = {"tensors", "simulation", "integrations"}
+    public_modules = {"tensors", "simulation", "integrations", "host"}
     exposed = {
         name
         for name, value in vars(batchproxy).items()

@@ -1,0 +1,21 @@
+"""One model, many processes: a proxy served over a Unix domain socket to callers in
+other processes of the same machine and user (`uvicorn --workers 4`, gunicorn), so
+that they share one copy of the model and batch together.
+
+- `ModelHost(proxy, path)`: in the process that holds the model, serves `proxy`'s
+  calls from every connected process (`python -m batchproxy.host module:factory
+  --socket PATH` runs one on its own);
+- `RemoteProxy(path)`: in each web worker, `await remote.inference(x)` with the
+  proxy's call options, answered by the host.
+
+Messages (`_wire`) are the worker pipes' frames (pickle protocol 5, large buffers out
+of band) on the socket, which only this user can open, and the host checks each
+peer's user (`SO_PEERCRED`).
+
+May import: `_errors`, `_executors`.
+"""
+
+from ._host import ModelHost
+from ._remote import RemoteProxy
+
+__all__ = ["ModelHost", "RemoteProxy"]

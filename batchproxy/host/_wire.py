@@ -1,0 +1,98 @@
+"""The messages between a `RemoteProxy` and its `ModelHost`, on a Unix domain socket.
+
+A message is a tuple, encoded as the worker pipes' frames (`_executors.ipc`: a
+header, the pickle (protocol 5), each large buffer out of band, never copied into
+the pickle); on the socket it is the frame count, then each frame's length and bytes.
+
+- client to host: `("call", id, item, options)` and `("cancel", id)`;
+- host to client: `("result", id, value)` and `("error", id, packed exception)`.
+
+`options` holds the call's `priority`, `tenant` and `key` as given, and for a call
+with a timeout its `timeout` and its `deadline` on `time.monotonic()` (the system's
+monotonic clock, the same in every process of the machine).
+
+Who may send what is unpickled: only processes of the host's own user can open the
+socket (mode 0600) and be heard (the host checks `SO_PEERCRED`), as with the pipes to
+worker processes this library starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import importlib
+import pickle
+import struct
+from typing import Any
+
+from .._executors.ipc import decode, encode
+
+__all__ = ["message_bytes", "pack_error", "read_message", "unpack_error"]
+
+_COUNT = struct.Struct("<I")
+_SIZE = struct.Struct("<Q")
+
+
+def message_bytes(message: tuple[Any, ...]) -> list[Any]:
+    """The parts to write for `message`: raises what pickling raises, before anything
+    is written (so a message that cannot be sent leaves the socket in step)."""
+    frames = encode(message)
+    parts: list[Any] = [_COUNT.pack(len(frames))]
+    for frame in frames:
+        parts.append(_SIZE.pack(memoryview(frame).nbytes))
+        parts.append(frame)
+    return parts
+
+
+async def read_message(reader: asyncio.StreamReader) -> Any:
+    """The next message (raises `asyncio.IncompleteReadError` at the end of the stream)."""
+    (count,) = _COUNT.unpack(await reader.readexactly(_COUNT.size))
+    frames: list[Any] = []
+    for _ in range(count):
+        (size,) = _SIZE.unpack(await reader.readexactly(_SIZE.size))
+        # writable, so that NumPy arrays made from out-of-band buffers are too
+        frames.append(bytearray(await reader.readexactly(size)) if size else bytearray())
+    return decode(frames)
+
+
+def pack_error(exc: BaseException) -> tuple[str, str, tuple[Any, ...], dict[str, Any], str]:
+    """`exc` as plain values: its class's module and name, `args`, the attributes that
+    can be pickled, and its text. An exception is not pickled whole: most of
+    batchproxy's take other arguments than their message, which `pickle` cannot
+    replay."""
+    kind = type(exc)
+    state = {}
+    for name, value in vars(exc).items():
+        try:
+            pickle.dumps(value, protocol=5)
+        except Exception:  # an attribute that cannot travel stays behind
+            continue
+        state[name] = value
+    try:
+        pickle.dumps(exc.args, protocol=5)
+        args = exc.args
+    except Exception:
+        args = (str(exc),)
+    return kind.__module__, kind.__qualname__, args, state, str(exc)
+
+
+def unpack_error(packed: tuple[str, str, tuple[Any, ...], dict[str, Any], str]) -> BaseException:
+    """The exception `pack_error` packed, of the same class when this process can import
+    it (without calling its `__init__`), else a `RuntimeError` naming it."""
+    module, qualname, args, state, text = packed
+    kind: Any = None
+    try:
+        kind = builtins if module == "builtins" else importlib.import_module(module)
+        for part in qualname.split("."):
+            kind = getattr(kind, part)
+    except Exception:
+        kind = None
+    if isinstance(kind, type) and issubclass(kind, Exception):
+        try:
+            exc = kind.__new__(kind)
+            exc.args = args
+            exc.__dict__.update(state)
+            return exc
+        except Exception:
+            pass
+    return RuntimeError(f"{module}.{qualname} in the model host: {text}")

@@ -1,0 +1,201 @@
+"""`make bench-host`: what a model host costs and whether it keeps everything (issue 32).
+
+The model is a stand-in with a fixed cost, so that the numbers are the transport's
+and the batching's, not a model's: `_host_models.Tagged` with a `delay` per batch
+(an `asyncio.sleep`, no CPU), answering each item with its own tag.
+
+1. **A lone call**: LONE_CALLS calls one after another, interleaved call by call,
+   to one proxy in this process and to the same proxy in a host process (`python -m
+   batchproxy.host`) through `RemoteProxy`: p50 and p99, and what the host adds.
+2. **150 callers**: closed loops of 150 callers for SECONDS, all in this process on
+   one in-process proxy, then split over 1, 2 and 4 client processes sending to one
+   host: calls/s, the mean batch, and every answer checked (its own item back,
+   none lost, no error).
+
+Writes `benchmarks/results/host.json` (`--quick`: `host-quick.json`, git-ignored).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT), str(HERE)]
+
+from _host_models import Tagged  # noqa: E402
+from _report import arguments, environment, no_targets, write_report  # noqa: E402
+
+from batchproxy.host import RemoteProxy  # noqa: E402
+
+LONE_CALLS = 2000
+QUICK_LONE_CALLS = 200
+CALLERS = 150
+PROCESSES = (1, 2, 4)
+SECONDS = 5.0
+QUICK_SECONDS = 1.0
+DELAY = 0.005  # the model's cost per batch
+
+
+def _env() -> dict[str, str]:
+    paths = [str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+
+
+class Host:
+    def __init__(self, path: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "batchproxy.host", "_host_models:tagged", "--socket", path],
+            env={**_env(), "HOST_MODEL_DELAY": str(DELAY)},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert self.process.stderr is not None
+        line = self.process.stderr.readline()
+        if "serving" not in line:
+            raise RuntimeError(f"the host did not start: {line!r}")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def percentile_ms(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def lone(path: str, calls: int) -> dict[str, Any]:
+    local: dict[str, list[float]] = {"in_process": [], "host": []}
+    async with Tagged(delay=DELAY) as proxy, RemoteProxy(path) as remote:
+        paths = {"in_process": proxy.inference, "host": remote.inference}
+        for index in range(calls + 20):
+            order = list(paths) if index % 2 == 0 else list(paths)[::-1]
+            for name in order:
+                started = time.perf_counter()
+                await paths[name](index)
+                if index >= 20:  # after a warm-up
+                    local[name].append(time.perf_counter() - started)
+    result = {
+        name: {"p50_ms": percentile_ms(v, 0.5), "p99_ms": percentile_ms(v, 0.99)}
+        for name, v in local.items()
+    }
+    result["added_p50_ms"] = result["host"]["p50_ms"] - result["in_process"]["p50_ms"]
+    added = statistics.fmean(local["host"]) - statistics.fmean(local["in_process"])
+    result["added_mean_ms"] = 1000 * added
+    return result
+
+
+async def closed_loop(call: Any, tag: str, callers: int, seconds: float) -> dict[str, Any]:
+    """`callers` callers each sending its next call as soon as the last is answered."""
+    right = wrong = failed = shared = 0
+    stop_at = time.monotonic() + seconds
+
+    async def caller(number: int) -> None:
+        nonlocal right, wrong, failed, shared
+        sent = 0
+        while time.monotonic() < stop_at:
+            item = (tag, number, sent)
+            try:
+                answer = await call(item)
+            except Exception:
+                failed += 1
+            else:
+                if tuple(answer[0]) == item:
+                    right += 1
+                    shared += answer[2]  # the size of the batch it was in
+                else:
+                    wrong += 1
+            sent += 1
+
+    await asyncio.gather(*(caller(n) for n in range(callers)))
+    return {"right": right, "wrong": wrong, "failed": failed, "batch_sum": shared}
+
+
+def client_main(path: str, tag: str, callers: int, seconds: float) -> None:
+    async def run() -> dict[str, Any]:
+        async with RemoteProxy(path) as remote:
+            return await closed_loop(remote.inference, tag, callers, seconds)
+
+    print(json.dumps(asyncio.run(run())), flush=True)
+
+
+async def in_process(callers: int, seconds: float) -> dict[str, Any]:
+    async with Tagged(delay=DELAY) as proxy:
+        counts = await closed_loop(proxy.inference, "local", callers, seconds)
+    return _rates(counts, callers, seconds)
+
+
+def _rates(counts: dict[str, Any], callers: int, seconds: float) -> dict[str, Any]:
+    """The counts with calls/s and the batch a call was in, on average."""
+    batch = counts.pop("batch_sum") / max(1, counts["right"])
+    return {**counts, "callers": callers, "calls_s": counts["right"] / seconds,
+            "batch_per_call": batch}  # fmt: skip
+
+
+def through_host(path: str, processes: int, seconds: float) -> dict[str, Any]:
+    share = CALLERS // processes
+    command = [sys.executable, __file__, "--client", path]
+    clients = [
+        subprocess.Popen(
+            [*command, f"p{i}", str(share), str(seconds)],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(processes)
+    ]
+    totals = {"right": 0, "wrong": 0, "failed": 0, "batch_sum": 0}
+    for client in clients:
+        out, _ = client.communicate(timeout=seconds + 120)
+        for key, value in json.loads(out).items():
+            totals[key] += value
+    return _rates(totals, share * processes, seconds)
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--client"]:
+        path, tag, callers, seconds = sys.argv[2:6]
+        client_main(path, tag, int(callers), float(seconds))
+        return
+    run = arguments("host", __doc__.splitlines()[0] if __doc__ else None, None)
+    seconds = QUICK_SECONDS if run.quick else SECONDS
+    folder = tempfile.mkdtemp(prefix="bp-bench-host-", dir="/tmp")
+    path = os.path.join(folder, "model.sock")
+    host = Host(path)
+    try:
+        lone_result = asyncio.run(lone(path, QUICK_LONE_CALLS if run.quick else LONE_CALLS))
+        print(f"lone call: {lone_result}", flush=True)
+        loads: dict[str, Any] = {"in_process": asyncio.run(in_process(CALLERS, seconds))}
+        print(f"150 callers in process: {loads['in_process']}", flush=True)
+        for processes in PROCESSES:
+            loads[f"{processes}_processes"] = through_host(path, processes, seconds)
+            print(f"150 callers over {processes} processes: {loads[f'{processes}_processes']}")
+    finally:
+        host.stop()
+        os.rmdir(folder)
+    write_report(
+        run.output,
+        environment(),
+        quick=run.quick,
+        config={"model_delay_s": DELAY, "callers": CALLERS, "seconds": seconds},
+        targets=no_targets("issue 32 on 2 cores: nothing lost, the added latency small"),
+        results={"lone": lone_result, "load": loads},
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""Proxies for the model-host tests, importable by a host process started with
+`python -m batchproxy.host _host_models:NAME --socket PATH` (tests/ on its path).
+
+`Tagged` answers each item `(item, batch id, batch size, host pid)`: a caller can
+check it got its own item back and see which calls shared a batch. Its `delay`
+(seconds per batch, `$HOST_MODEL_DELAY` for the factory) makes calls queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from typing import Any
+
+from typing_extensions import override
+
+import batchproxy
+
+
+class Tagged(batchproxy.Proxy[Any, Any]):
+    def __init__(self, delay: float = 0.0, **options: Any) -> None:
+        options.setdefault("max_delay_ms", 2.0)
+        super().__init__(64, **options)
+        self.delay = delay
+        self.seen: list[list[Any]] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self._batches = itertools.count()
+
+    @override
+    async def _inference(self, items: list[Any]) -> list[Any]:
+        self.seen.append(list(items))
+        await self.gate.wait()
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        batch = next(self._batches)
+        out: list[Any] = []
+        for item in items:
+            if item == "bad":
+                out.append(batchproxy.InvalidItem("cannot tag 'bad'"))
+            elif item == "boom":
+                out.append(ValueError("the model refused 'boom'"))
+            elif item == "unsendable":
+                out.append(lambda: None)  # a result that cannot be pickled
+            else:
+                out.append((item, batch, len(items), os.getpid()))
+        return out
+
+
+def tagged() -> Tagged:
+    """The factory `python -m batchproxy.host` calls."""
+    return Tagged(delay=float(os.environ.get("HOST_MODEL_DELAY", "0")))

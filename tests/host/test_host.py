@@ -1,0 +1,344 @@
+"""One model, many processes: `ModelHost` and `RemoteProxy` over a Unix domain socket.
+
+In one process first (the host and its callers on one loop: the wire, the options,
+errors, cancellation, deadlines, permissions), then with real processes: a host
+started with `python -m batchproxy.host`, client processes that each send 1,000
+calls at once, a host killed under load, a client killed under load."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from _host_models import Tagged
+from _support import wait_until
+
+import batchproxy
+from batchproxy.host import ModelHost, RemoteProxy
+from batchproxy.host import _host as host_module
+
+pytestmark = [
+    pytest.mark.skipif(sys.platform == "win32", reason="Unix domain sockets"),
+    pytest.mark.usefixtures("no_leftovers"),  # no task or thread left behind
+]
+
+TESTS = Path(__file__).resolve().parents[1]
+ROOT = TESTS.parent
+
+
+@pytest.fixture
+def socket_path() -> Iterator[str]:
+    """A short path (a Unix socket's path has ~100 bytes at most), removed after."""
+    folder = tempfile.mkdtemp(prefix="bp-host-", dir="/tmp")
+    try:
+        yield os.path.join(folder, "model.sock")
+    finally:
+        for name in os.listdir(folder):
+            os.unlink(os.path.join(folder, name))
+        os.rmdir(folder)
+
+
+@pytest.fixture
+async def served(socket_path: str) -> AsyncIterator[tuple[Tagged, ModelHost, RemoteProxy]]:
+    proxy = Tagged()
+    async with ModelHost(proxy, socket_path) as host, RemoteProxy(socket_path) as remote:
+        yield proxy, host, remote
+    assert not _exists(socket_path)  # removed when the host closed
+
+
+def _exists(path: str) -> bool:
+    return os.path.exists(path)
+
+
+def _write(path: str, text: str) -> None:
+    Path(path).write_text(text)
+
+
+# -- in one process ---------------------------------------------------------------------
+
+
+async def test_each_caller_gets_its_own_result_and_the_calls_share_batches(
+    served: tuple[Tagged, ModelHost, RemoteProxy],
+) -> None:
+    proxy, _, remote = served
+    items = [("a", i) for i in range(200)]
+    answers = await asyncio.gather(*(remote.inference(item) for item in items))
+    assert [answer[0] for answer in answers] == items
+    assert len(proxy.seen) < 200  # batched in the host
+    assert sum(len(batch) for batch in proxy.seen) == 200
+    many = await remote.inference_many(["x", "y"])
+    assert [answer[0] for answer in many] == ["x", "y"]
+
+
+async def test_the_socket_is_the_owners_only(
+    served: tuple[Tagged, ModelHost, RemoteProxy], socket_path: str
+) -> None:
+    mode = os.stat(socket_path).st_mode
+    assert stat.S_ISSOCK(mode)
+    assert stat.S_IMODE(mode) == 0o600
+
+
+async def test_errors_come_back_as_the_same_exceptions(
+    served: tuple[Tagged, ModelHost, RemoteProxy],
+) -> None:
+    _, _, remote = served
+    with pytest.raises(batchproxy.InvalidItem, match="cannot tag 'bad'"):
+        await remote.inference("bad")
+    with pytest.raises(ValueError, match="refused 'boom'"):
+        await remote.inference("boom")
+    with pytest.raises(TypeError, match="could not send the call's result"):
+        await remote.inference("unsendable")
+    answers = await remote.inference_many(["ok", "bad", "boom"], return_exceptions=True)
+    assert answers[0][0] == "ok"
+    assert isinstance(answers[1], batchproxy.InvalidItem)
+    assert isinstance(answers[2], ValueError)
+
+
+async def test_an_item_that_cannot_travel_fails_its_own_call_only(
+    served: tuple[Tagged, ModelHost, RemoteProxy],
+) -> None:
+    _, _, remote = served
+    with pytest.raises(TypeError, match="cannot be sent to the model host"):
+        await remote.inference(lambda: None)
+    assert (await remote.inference("after"))[0] == "after"
+
+
+async def test_a_full_queue_is_queue_full_in_the_caller(socket_path: str) -> None:
+    proxy = Tagged(max_queue_size=2)
+    proxy.gate.clear()
+    async with ModelHost(proxy, socket_path), RemoteProxy(socket_path) as remote:
+        first = asyncio.ensure_future(remote.inference("running"))
+        await wait_until(lambda: bool(proxy.seen))
+        queued = [asyncio.ensure_future(remote.inference(i)) for i in range(2)]
+        await wait_until(lambda: proxy.stats.queue_depth >= 2)
+        with pytest.raises(batchproxy.QueueFull):
+            await remote.inference("one too many")
+        proxy.gate.set()
+        assert (await first)[0] == "running"
+        assert [answer[0] for answer in await asyncio.gather(*queued)] == [0, 1]
+
+
+async def test_a_timeout_travels_as_a_deadline(socket_path: str) -> None:
+    proxy = Tagged()
+    proxy.gate.clear()
+    async with ModelHost(proxy, socket_path), RemoteProxy(socket_path) as remote:
+        running = asyncio.ensure_future(remote.inference("running"))
+        await wait_until(lambda: bool(proxy.seen))
+        with pytest.raises(batchproxy.DeadlineExceeded) as caught:
+            await remote.inference("late", timeout=0.05)
+        assert isinstance(caught.value, TimeoutError)
+        assert proxy.stats.timed_out == 1
+        proxy.gate.set()
+        await running
+    assert all("late" not in batch for batch in proxy.seen)  # left the queue unrun
+
+
+async def test_a_cancelled_caller_cancels_its_call_in_the_host(socket_path: str) -> None:
+    proxy = Tagged()
+    proxy.gate.clear()
+    async with ModelHost(proxy, socket_path) as host, RemoteProxy(socket_path) as remote:
+        running = asyncio.ensure_future(remote.inference("running"))
+        await wait_until(lambda: bool(proxy.seen))
+        queued = asyncio.ensure_future(remote.inference("cancelled"))
+        await wait_until(lambda: proxy.stats.queue_depth >= 1)
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        await wait_until(lambda: proxy.stats.queue_depth == 0)
+        assert proxy.stats.cancelled == 1
+        proxy.gate.set()
+        assert (await running)[0] == "running"
+        assert (await remote.inference("after"))[0] == "after"
+        assert not any(connection.calls for connection in host._connections)
+    assert all("cancelled" not in batch for batch in proxy.seen)
+
+
+async def test_priority_and_timeout_are_checked_in_the_caller(
+    served: tuple[Tagged, ModelHost, RemoteProxy],
+) -> None:
+    _, _, remote = served
+    for bad in (0, -1.0, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="timeout must be a positive number"):
+            await remote.inference("x", timeout=bad)
+    assert (await remote.inference("x", timeout=5, priority=3))[0] == "x"
+
+
+async def test_no_host_is_host_unavailable_and_a_host_that_comes_back_serves(
+    socket_path: str,
+) -> None:
+    remote = RemoteProxy(socket_path, connect_timeout=1.0)
+    with pytest.raises(batchproxy.HostUnavailable, match="cannot connect") as caught:
+        await remote.inference("x")
+    assert isinstance(caught.value, ConnectionError)
+    async with ModelHost(Tagged(), socket_path):
+        assert (await remote.inference("x"))[0] == "x"
+    with pytest.raises(batchproxy.HostUnavailable):
+        await remote.inference("y")  # the host went away: the connection is gone too
+    async with ModelHost(Tagged(), socket_path):
+        assert (await remote.inference("z"))[0] == "z"  # connects again
+    await remote.aclose()
+
+
+async def test_a_closing_host_drains_calls_in_flight(socket_path: str) -> None:
+    proxy = Tagged(delay=0.1)
+    host = ModelHost(proxy, socket_path)
+    await host.start()
+    async with RemoteProxy(socket_path) as remote:
+        calls = [asyncio.ensure_future(remote.inference(i)) for i in range(20)]
+        await wait_until(lambda: proxy.stats.requests >= 20)
+        await host.aclose()
+        assert [answer[0] for answer in await asyncio.gather(*calls)] == list(range(20))
+        with pytest.raises(batchproxy.HostUnavailable):
+            await remote.inference("after")
+    assert proxy.closed
+    assert not _exists(socket_path)
+
+
+async def test_a_peer_of_another_user_is_refused(
+    socket_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    proxy = Tagged()
+    async with ModelHost(proxy, socket_path) as host:
+        monkeypatch.setattr(host_module.os, "getuid", lambda: os.geteuid() + 1)
+        async with RemoteProxy(socket_path) as remote:
+            with pytest.raises(batchproxy.HostUnavailable):
+                await remote.inference("x")
+        assert host.refused == 1
+    assert proxy.seen == []
+
+
+async def test_a_stale_socket_is_replaced_and_a_live_one_refused(socket_path: str) -> None:
+    import socket
+
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(socket_path)
+    stale.close()  # the file stays, nobody listens: a host that died
+    async with ModelHost(Tagged(), socket_path), RemoteProxy(socket_path) as remote:
+        assert (await remote.inference("x"))[0] == "x"
+        with pytest.raises(FileExistsError, match="already listening"):
+            await ModelHost(Tagged(), socket_path).start()
+        assert (await remote.inference("still"))[0] == "still"
+    _write(socket_path, "not a socket")
+    with pytest.raises(FileExistsError, match="not a socket"):
+        await ModelHost(Tagged(), socket_path).start()
+
+
+def test_a_host_needs_a_proxy() -> None:
+    with pytest.raises(TypeError, match="inference"):
+        ModelHost(object(), "/tmp/x.sock")
+
+
+# -- with processes -------------------------------------------------------------------
+
+
+def _environment(**extra: str) -> dict[str, str]:
+    paths = [str(TESTS), str(ROOT), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p), **extra}
+
+
+class HostProcess:
+    """`python -m batchproxy.host _host_models:tagged --socket PATH`, started and
+    stopped here (killed on failure)."""
+
+    def __init__(self, path: str, delay: float = 0.0) -> None:
+        self.path = path
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "batchproxy.host", "_host_models:tagged", "--socket", path],
+            env=_environment(HOST_MODEL_DELAY=str(delay)),
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert self.process.stderr is not None
+        line = self.process.stderr.readline()  # "serving ... on PATH" once listening
+        assert "serving" in line, line
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=30)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+def _client(path: str, ident: str, count: int, *flags: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(TESTS / "_host_client.py"), path, ident, str(count), *flags],
+        env=_environment(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.mark.parametrize("clients", [2, 4])
+def test_client_processes_share_one_host_and_its_batches(socket_path: str, clients: int) -> None:
+    host = HostProcess(socket_path, delay=0.01)
+    try:
+        processes = [_client(socket_path, f"c{i}", 1000) for i in range(clients)]
+        summaries = []
+        for process in processes:
+            out, _ = process.communicate(timeout=120)
+            assert process.returncode == 0
+            summaries.append(json.loads(out))
+    finally:
+        assert host.stop() == 0
+    for summary in summaries:
+        assert summary == {**summary, "right": 1000, "wrong": 0, "failed": {}}
+    # a batch id seen by more than one process: their calls were batched together
+    seen_by = [set(summary["batches"]) for summary in summaries]
+    shared = set.union(*[a & b for i, a in enumerate(seen_by) for b in seen_by[i + 1 :]])
+    assert shared
+    assert not _exists(socket_path)
+
+
+def test_a_host_killed_under_load_fails_every_call_and_none_hangs(socket_path: str) -> None:
+    host = HostProcess(socket_path, delay=0.05)
+    try:
+        process = _client(socket_path, "c", 500)
+        time.sleep(0.3)  # the calls are queued or running in the host
+        host.kill()
+        out, _ = process.communicate(timeout=60)
+    finally:
+        host.stop()
+    summary = json.loads(out)
+    assert summary["wrong"] == 0
+    assert summary["right"] + sum(summary["failed"].values()) == 500
+    assert set(summary["failed"]) == {"HostUnavailable"}
+    assert summary["failed"]["HostUnavailable"] > 0
+
+
+async def test_a_client_killed_under_load_leaves_nothing_and_the_others_are_served(
+    socket_path: str,
+) -> None:
+    proxy = Tagged(delay=0.02)
+    async with ModelHost(proxy, socket_path) as host, RemoteProxy(socket_path) as remote:
+        process = _client(socket_path, "doomed", 200, "--forever")
+        try:
+            await wait_until(lambda: proxy.stats.requests >= 400)
+            mine = asyncio.ensure_future(remote.inference_many(range(50)))
+            process.kill()
+        finally:
+            process.kill()
+            process.wait()
+        assert [answer[0] for answer in await mine] == list(range(50))
+        # its connection is seen closed, its calls cancelled
+        await wait_until(lambda: host.connections == 1 and proxy.stats.queue_depth == 0)
+        assert not any(
+            connection.calls for connection in host._connections
+        )  # the doomed one's calls are gone with it
