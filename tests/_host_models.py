@@ -18,6 +18,17 @@ from typing_extensions import override
 import batchproxy
 
 
+def refuse_to_unpickle() -> Any:
+    raise RuntimeError("this object cannot be unpickled here")
+
+
+class Unreadable:
+    """Pickles fine; unpickling it raises (as a class one side cannot import does)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return refuse_to_unpickle, ()
+
+
 class Tagged(batchproxy.Proxy[Any, Any]):
     def __init__(self, delay: float = 0.0, **options: Any) -> None:
         options.setdefault("max_delay_ms", 2.0)
@@ -43,6 +54,8 @@ class Tagged(batchproxy.Proxy[Any, Any]):
                 out.append(ValueError("the model refused 'boom'"))
             elif item == "unsendable":
                 out.append(lambda: None)  # a result that cannot be pickled
+            elif item == "unreadable":
+                out.append(Unreadable())  # a result the caller cannot unpickle
             else:
                 out.append((item, batch, len(items), os.getpid()))
         return out

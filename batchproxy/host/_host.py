@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import DeadlineExceeded, HostUnavailable
-from ._wire import message_bytes, pack_error, read_message
+from ._wire import message_bytes, open_sealed, pack_error, read_message, seal
 
 __all__ = ["ModelHost"]
 
@@ -127,7 +127,7 @@ class ModelHost:
                 message = await read_message(reader)
                 if message[0] == "call" and self._closing:
                     closing = HostUnavailable(self.path, "the host is shutting down")
-                    await connection.send(("error", message[1], pack_error(closing)))
+                    await connection.send_error(message[1], closing)
                 elif message[0] == "call":
                     _, ident, item, options = message
                     connection.start(ident, item, options)
@@ -158,8 +158,12 @@ class _Connection:
         if task is not None:
             task.cancel()
 
-    async def _call(self, ident: int, item: Any, options: dict[str, Any]) -> None:
+    async def _call(self, ident: int, sealed: list[Any], options: dict[str, Any]) -> None:
         try:
+            try:
+                item = open_sealed(sealed)
+            except Exception as exc:
+                raise TypeError(f"the model host could not read the call's item: {exc!r}") from exc
             call = dict(options)
             deadline = call.pop("deadline", None)
             if deadline is not None:  # the time left of the caller's own timeout
@@ -172,18 +176,23 @@ class _Connection:
         except asyncio.CancelledError:
             return  # the caller cancelled (or left): nobody waits for an answer
         except Exception as exc:
-            await self.send(("error", ident, pack_error(exc)))
+            await self.send_error(ident, exc)
         else:
-            await self.send(("result", ident, value))
+            try:
+                message = ("result", ident, seal(value))
+            except Exception as exc:  # a result that cannot travel fails its own call only
+                error = TypeError(f"the model host could not send the call's result: {exc!r}")
+                await self.send_error(ident, error)
+            else:
+                await self.send(message)
         finally:
             self.calls.pop(ident, None)
 
+    async def send_error(self, ident: int, error: BaseException) -> None:
+        await self.send(("error", ident, seal(pack_error(error))))  # (its parts all pickle)
+
     async def send(self, message: tuple[Any, ...]) -> None:
-        try:
-            parts = message_bytes(message)
-        except Exception as exc:  # a result that cannot travel fails its own call only
-            error = TypeError(f"the model host could not send the call's result: {exc!r}")
-            parts = message_bytes(("error", message[1], pack_error(error)))
+        parts = message_bytes(message)
         async with self._lock:
             if self.writer.is_closing():
                 return

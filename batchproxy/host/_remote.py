@@ -21,7 +21,7 @@ from collections.abc import Hashable, Iterable
 from typing import Any
 
 from .._errors import HostUnavailable
-from ._wire import message_bytes, read_message, unpack_error
+from ._wire import message_bytes, open_sealed, read_message, seal, unpack_error
 
 __all__ = ["RemoteProxy"]
 
@@ -135,7 +135,7 @@ class _Connection:
         self.loop = loop
         self.writer = writer
         self.open = True
-        self.waiting: dict[int, asyncio.Future[Any]] = {}
+        self.waiting: dict[int, asyncio.Future[tuple[str, list[Any]]]] = {}
         self._ids = itertools.count()
         self._lock = asyncio.Lock()
         self._reader = loop.create_task(self._read(reader))
@@ -143,12 +143,12 @@ class _Connection:
     async def call(self, item: Any, options: dict[str, Any]) -> Any:
         ident = next(self._ids)
         try:
-            parts = message_bytes(("call", ident, item, options))
+            parts = message_bytes(("call", ident, seal(item), options))
         except Exception as exc:  # an item that cannot travel fails here, alone
             raise TypeError(
                 f"the call cannot be sent to the model host at {self.path}: {exc!r}"
             ) from exc
-        future: asyncio.Future[Any] = self.loop.create_future()
+        future: asyncio.Future[tuple[str, list[Any]]] = self.loop.create_future()
         self.waiting[ident] = future
         try:
             try:
@@ -161,7 +161,7 @@ class _Connection:
                 raise
             except ConnectionError as exc:
                 raise HostUnavailable(self.path, f"the connection broke ({exc!r})") from exc
-            return await future  # settled by _read only
+            kind, sealed = await future  # settled by _read only
         except asyncio.CancelledError:
             if self.waiting.pop(ident, None) is not None and self.open:
                 with contextlib.suppress(Exception):  # the host drops the call
@@ -169,19 +169,23 @@ class _Connection:
             raise
         finally:
             self.waiting.pop(ident, None)
+        try:
+            answer = open_sealed(sealed)
+        except Exception as exc:  # fails this call alone
+            raise TypeError(f"the model host's answer cannot be read here: {exc!r}") from exc
+        if kind == "error":
+            raise unpack_error(answer)
+        return answer
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         why = "the host closed the connection"
         try:
             while True:
-                kind, ident, payload = await read_message(reader)
+                kind, ident, sealed = await read_message(reader)
                 future = self.waiting.pop(ident, None)
                 if future is None or future.done():
                     continue  # a call cancelled meanwhile
-                if kind == "result":
-                    future.set_result(payload)
-                else:
-                    future.set_exception(unpack_error(payload))
+                future.set_result((kind, sealed))  # opened by the call itself
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             if not isinstance(exc, asyncio.IncompleteReadError):
                 why = f"the connection to the host broke ({exc!r})"

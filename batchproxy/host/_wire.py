@@ -7,6 +7,11 @@ the pickle); on the socket it is the frame count, then each frame's length and b
 - client to host: `("call", id, item, options)` and `("cancel", id)`;
 - host to client: `("result", id, value)` and `("error", id, packed exception)`.
 
+The item, the value and the packed exception travel sealed (`seal`: pickled on their
+own, their buffers still out of band) and are opened (`open_sealed`) by the call they
+belong to: one that cannot be unpickled at the other end (a class only one side can
+import, a `__reduce__` that raises) fails that call alone, not the connection.
+
 `options` holds the call's `priority`, `tenant` and `key` as given, and for a call
 with a timeout its `timeout` and its `deadline` on `time.monotonic()` (the system's
 monotonic clock, the same in every process of the machine).
@@ -27,7 +32,7 @@ from typing import Any
 
 from .._executors.ipc import decode, encode
 
-__all__ = ["message_bytes", "pack_error", "read_message", "unpack_error"]
+__all__ = ["message_bytes", "open_sealed", "pack_error", "read_message", "seal", "unpack_error"]
 
 _COUNT = struct.Struct("<I")
 _SIZE = struct.Struct("<Q")
@@ -42,6 +47,17 @@ def message_bytes(message: tuple[Any, ...]) -> list[Any]:
         parts.append(_SIZE.pack(memoryview(frame).nbytes))
         parts.append(frame)
     return parts
+
+
+def seal(value: Any) -> list[pickle.PickleBuffer]:
+    """`value` pickled on its own, to travel inside a message (raises what pickling
+    raises)."""
+    return [pickle.PickleBuffer(frame) for frame in encode(value)[1:]]
+
+
+def open_sealed(parts: list[Any]) -> Any:
+    """What `seal` sealed (raises what unpickling raises)."""
+    return decode([b"", *parts])
 
 
 async def read_message(reader: asyncio.StreamReader) -> Any:

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from _host_models import Tagged
+from _host_models import Tagged, Unreadable
 from _support import wait_until
 
 import batchproxy
@@ -111,6 +111,24 @@ async def test_an_item_that_cannot_travel_fails_its_own_call_only(
     with pytest.raises(TypeError, match="cannot be sent to the model host"):
         await remote.inference(lambda: None)
     assert (await remote.inference("after"))[0] == "after"
+
+
+async def test_what_cannot_be_unpickled_at_the_other_end_fails_its_own_call_only(
+    served: tuple[Tagged, ModelHost, RemoteProxy],
+) -> None:
+    """An item the host cannot unpickle, a result the caller cannot: each fails its
+    own call, and the connection and the calls beside it carry on."""
+    proxy, host, remote = served
+    answers = await remote.inference_many(
+        ["before", Unreadable(), "beside", "unreadable", "after"], return_exceptions=True
+    )
+    assert [answers[i][0] for i in (0, 2, 4)] == ["before", "beside", "after"]
+    assert isinstance(answers[1], TypeError)
+    assert "could not read the call's item" in str(answers[1])
+    assert isinstance(answers[3], TypeError)
+    assert "answer cannot be read here" in str(answers[3])
+    assert host.connections == 1  # the same connection all along
+    assert all(not isinstance(item, Unreadable) for batch in proxy.seen for item in batch)
 
 
 async def test_a_full_queue_is_queue_full_in_the_caller(socket_path: str) -> None:
