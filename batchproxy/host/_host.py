@@ -118,7 +118,7 @@ class ModelHost:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if not _same_user(writer):
             self.refused += 1
-            writer.close()
+            writer.transport.abort()
             return
         connection = _Connection(self, writer)
         self._connections.add(connection)
@@ -192,11 +192,11 @@ class _Connection:
         await self.send(("error", ident, seal(pack_error(error))))  # (its parts all pickle)
 
     async def send(self, message: tuple[Any, ...]) -> None:
-        parts = message_bytes(message)
+        data = message_bytes(message)
         async with self._lock:
             if self.writer.is_closing():
                 return
-            self.writer.writelines(parts)
+            self.writer.write(data)
             with contextlib.suppress(ConnectionError):
                 await self.writer.drain()
 

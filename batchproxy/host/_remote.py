@@ -143,7 +143,7 @@ class _Connection:
     async def call(self, item: Any, options: dict[str, Any]) -> Any:
         ident = next(self._ids)
         try:
-            parts = message_bytes(("call", ident, seal(item), options))
+            data = message_bytes(("call", ident, seal(item), options))
         except Exception as exc:  # an item that cannot travel fails here, alone
             raise TypeError(
                 f"the call cannot be sent to the model host at {self.path}: {exc!r}"
@@ -155,7 +155,7 @@ class _Connection:
                 async with self._lock:
                     if not self.open:
                         raise HostUnavailable(self.path, "the connection to the host was lost")
-                    self.writer.writelines(parts)
+                    self.writer.write(data)
                     await self.writer.drain()
             except HostUnavailable:
                 raise
@@ -165,7 +165,7 @@ class _Connection:
         except asyncio.CancelledError:
             if self.waiting.pop(ident, None) is not None and self.open:
                 with contextlib.suppress(Exception):  # the host drops the call
-                    self.writer.writelines(message_bytes(("cancel", ident)))
+                    self.writer.write(message_bytes(("cancel", ident)))
             raise
         finally:
             self.waiting.pop(ident, None)
