@@ -60,6 +60,8 @@ for folder in (ROOT, ROOT / "examples", ROOT / "benchmarks"):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
+from _gpu_http import OVERLAP_CLIENTS, Clients, InProcess, launch_server, log, percentile_ms  # noqa: E402
+from _gpu_http import PATHS as ROUTES  # noqa: E402
 from sample_text import make_sentences  # noqa: E402  (light: no torch)
 
 PATHS = ("regular", "batched", "batched_pinned")
@@ -152,11 +154,6 @@ def regular_alone(stages: Stages) -> Callable[[Any, Any, str], Any]:
         return result
 
     return run
-
-
-def percentile_ms(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def interleaved(count: int) -> list[tuple[int, str]]:
@@ -271,9 +268,9 @@ def summarize(
         mean_ms = 1000 * statistics.fmean(values)
         stage_ms["hand_offs"] = mean_ms - inside - stage_ms.get("tokenize", 0.0)
         paths[path] = {
-            "p50_ms": percentile_ms(values, 0.5),
+            "p50_ms": percentile_ms(values, "p50"),
             "mean_ms": mean_ms,
-            "p99_ms": percentile_ms(values, 0.99),
+            "p99_ms": percentile_ms(values, "p99"),
             "stages_ms": stage_ms,
         }
     speedups = {}
@@ -288,8 +285,6 @@ def summarize(
 
 
 def report(key: str, measured: dict[str, Any]) -> None:
-    from _gpu_http import log
-
     for path, numbers in measured["paths"].items():
         stages = ", ".join(f"{k} {v:.3f}" for k, v in numbers["stages_ms"].items())
         log(
@@ -347,8 +342,6 @@ def timings(base_url: str) -> dict[str, Any]:
 def over_http(args: argparse.Namespace, name: str, quick: bool) -> dict[str, Any]:
     """The app (`bert_app`, overlap off) in a child process and one client process: a
     lone client's closed loops, the two paths taking turns, then interleaved pairs."""
-    from _gpu_http import PATHS as ROUTES
-    from _gpu_http import Clients, launch_server, log
     from demo import spread_of
 
     seconds = QUICK_HTTP_LOOP_SECONDS if quick else HTTP_LOOP_SECONDS
@@ -389,8 +382,8 @@ def over_http(args: argparse.Namespace, name: str, quick: bool) -> dict[str, Any
     compared = [(phase, loops["regular"], loops["batched"]) for phase, loops in phases.items()]
     for mode, regular, batched in [*compared, ("interleaved", pairs["first"], pairs["second"])]:
         result[mode] = {
-            "regular_p50_ms": percentile_ms(regular, 0.5),
-            "batched_p50_ms": percentile_ms(batched, 0.5),
+            "regular_p50_ms": percentile_ms(regular, "p50"),
+            "batched_p50_ms": percentile_ms(batched, "p50"),
             "regular_mean_ms": 1000 * statistics.fmean(regular),
             "batched_mean_ms": 1000 * statistics.fmean(batched),
             "speedup": statistics.fmean(regular) / statistics.fmean(batched),
@@ -491,7 +484,7 @@ async def launch_by_thread(model: Any, tokenizer: Any, device: str, calls: int) 
         name: {
             "launch_ms": 1000 * statistics.fmean(t[0] for t in times),
             "total_ms": 1000 * statistics.fmean(t[1] for t in times),
-            "launch_p50_ms": percentile_ms([t[0] for t in times], 0.5),
+            "launch_p50_ms": percentile_ms([t[0] for t in times], "p50"),
         }
         for name, times in seconds.items()
     }
@@ -499,8 +492,6 @@ async def launch_by_thread(model: Any, tokenizer: Any, device: str, calls: int) 
 
 def under_load(runs: Any, seconds: float) -> dict[str, Any]:
     """The proxy at OVERLAP_CLIENTS closed-loop callers, inputs pinned or not."""
-    from _gpu_http import OVERLAP_CLIENTS
-
     asyncio.run(runs.through_proxy(False, min(0.5, seconds)))  # warm-up
     result: dict[str, Any] = {"clients": OVERLAP_CLIENTS}
     for pinned in (False, True, False, True):  # twice each, alternating
@@ -515,8 +506,6 @@ def under_load(runs: Any, seconds: float) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The section: see the module docstring. Returns its numbers (JSON-able)."""
-    from _gpu_http import InProcess, log
-
     started = time.perf_counter()
     quick = bool(args.quick)
     name = "bert-tiny" if quick and args.device != "cuda" else args.models[0]

@@ -35,6 +35,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT), str(HERE)]
 from _host_models import Tagged  # noqa: E402
 from _report import arguments, environment, no_targets, write_report  # noqa: E402
 
+from batchproxy import Percentiles  # noqa: E402
 from batchproxy.host import RemoteProxy  # noqa: E402
 
 LONE_CALLS = 2000
@@ -73,11 +74,6 @@ class Host:
             self.process.wait()
 
 
-def percentile_ms(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 async def lone(path: str, calls: int) -> dict[str, Any]:
     local: dict[str, list[float]] = {"in_process": [], "host": []}
     async with Tagged(delay=DELAY) as proxy, RemoteProxy(path) as remote:
@@ -89,9 +85,10 @@ async def lone(path: str, calls: int) -> dict[str, Any]:
                 await paths[name](index)
                 if index >= 20:  # after a warm-up
                     local[name].append(time.perf_counter() - started)
-    result = {
-        name: {"p50_ms": percentile_ms(v, 0.5), "p99_ms": percentile_ms(v, 0.99)}
-        for name, v in local.items()
+    spreads = {name: Percentiles.of(v) for name, v in local.items()}
+    result: dict[str, Any] = {
+        name: {"p50_ms": 1000 * spread.p50, "p99_ms": 1000 * spread.p99}
+        for name, spread in spreads.items()
     }
     result["added_p50_ms"] = result["host"]["p50_ms"] - result["in_process"]["p50_ms"]
     added = statistics.fmean(local["host"]) - statistics.fmean(local["in_process"])
