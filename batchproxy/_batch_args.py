@@ -12,7 +12,8 @@ so they never clash with `f`'s own parameter names.
 from __future__ import annotations
 
 import copy
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+import inspect
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, overload
 
 from typing_extensions import Unpack
@@ -41,6 +42,11 @@ class BatchedArgs(Batched[T, U], Generic[P, T, U]):
     ) -> None:
         if options.get("key") is not None:
             raise TypeError("@batch_args takes no key= option: the arguments are the batch key")
+        if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+            raise TypeError(
+                f"@batch_args: {getattr(fn, '__qualname__', fn)!r} is a generator, and a "
+                f"stream's steps take its items only: use @batch"
+            )
         self._arguments = arguments = Arguments.of(fn, skip=instance is not None)
         self._per_call: UnkeyedCallOptions = {}
 
@@ -50,9 +56,39 @@ class BatchedArgs(Batched[T, U], Generic[P, T, U]):
     def __call__(  # type: ignore[override]  # f's own arguments, not the options
         self, item: T, /, *args: P.args, **kwargs: P.kwargs
     ) -> Coroutine[Any, Any, U]:
-        item, rest = self._arguments.item(item, args)
-        key = self._arguments.key(rest, kwargs)
+        item, key = self._item_and_key(item, args, kwargs)
         return self.proxy.inference(item, key=key, **self._per_call)
+
+    def stream(  # type: ignore[override]
+        self, item: T, /, *args: P.args, **kwargs: P.kwargs
+    ) -> AsyncGenerator[U, None]:
+        """`Proxy.stream`, for a generator `f`: `f.stream(item, *args, **kwargs)`."""
+        item, key = self._item_and_key(item, args, kwargs)
+        return self.proxy.stream(item, key=key, **self._per_call)
+
+    def inference_sync(  # type: ignore[override]
+        self, item: T, /, *args: P.args, **kwargs: P.kwargs
+    ) -> U:
+        """`Proxy.inference_sync`: `f.inference_sync(item, *args, **kwargs)` blocks a
+        plain thread for the result."""
+        item, key = self._item_and_key(item, args, kwargs)
+        result: U = self.proxy.inference_sync(item, key=key, **self._per_call)
+        return result
+
+    def sync(  # type: ignore[override]
+        self, item: T, /, *args: P.args, **kwargs: P.kwargs
+    ) -> U:
+        """Deprecated: `f.inference_sync(item, ...)`."""
+        warn_renamed("f.sync()", "f.inference_sync()")
+        return self.inference_sync(item, *args, **kwargs)
+
+    def _item_and_key(
+        self, item: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, Any]:
+        """The call's item (one value per item parameter) and its batch key (`f`'s
+        other arguments), checked against `f`'s signature."""
+        item, rest = self._arguments.item(item, args)
+        return item, self._arguments.key(rest, kwargs)
 
     async def inference_many(  # type: ignore[override]
         self, items: Iterable[T], /, *args: P.args, **kwargs: P.kwargs

@@ -65,6 +65,45 @@ async def test_many_and_per_call_options() -> None:
     await embed.aclose()
 
 
+async def test_a_thread_calls_with_its_arguments_and_per_call_options() -> None:
+    """`inference_sync` takes `f`'s own arguments as `f(...)` does, and keeps the
+    `with_call_options` ones (issue 27: it took neither, and dropped the timeout)."""
+    calls: list[tuple[list[str], bool, str]] = []
+    embed = make_embed(calls)
+    answer = await asyncio.to_thread(embed.inference_sync, "a", True, unit="y")
+    assert answer == "a:True:y"
+    with pytest.raises(TimeoutError):
+        await asyncio.to_thread(embed.with_call_options(timeout=0.05).inference_sync, "slow")
+    assert embed.stats.timed_out == 1
+    with pytest.raises(TypeError, match="nope"):
+        await asyncio.to_thread(embed.inference_sync, "a", nope=1)
+    await embed.aclose()
+
+
+@looptime
+async def test_a_stream_takes_its_arguments_and_per_call_options() -> None:
+    """`f.stream(item, ...)` (its one result, `f` not being a generator) takes `f`'s
+    arguments and keeps the `with_call_options` ones, as `f(...)` does."""
+    calls: list[tuple[list[str], bool, str]] = []
+    embed = make_embed(calls)
+    assert [chunk async for chunk in embed.stream("a", True, unit="y")] == ["a:True:y"]
+    with pytest.raises(TimeoutError):
+        async for _ in embed.with_call_options(timeout=0.5).stream("slow"):
+            pass
+    assert calls[0] == (["a"], True, "y")
+    await embed.aclose()
+
+
+def test_a_generator_is_refused_at_decoration() -> None:
+    """A stream's steps take no arguments (as for a `Proxy`'s `_inference`): refused
+    when decorated, not with a puzzling error at the first call."""
+    with pytest.raises(TypeError, match="items only"):
+
+        @batch_args(batch_size=8)
+        async def count(texts: list[str], /, *, upto: int = 2) -> Any:
+            yield [f"{t}{upto}" for t in texts]
+
+
 async def test_bad_calls_are_refused_before_queueing() -> None:
     calls: list[tuple[list[str], bool, str]] = []
     embed = make_embed(calls)
