@@ -173,6 +173,31 @@ class Streaming(batchproxy.Proxy[Hashable, Any]):
         yield [r if isinstance(r, Exception) else Last(r) for r in results]
 
 
+def decorated(model: str, log: Log, delay: float, **options: Any) -> Any:
+    """The same models as decorated functions: `@batch` ("batch", like `Plain`) and
+    `@batch_args` ("args", like `Tagged`: the per-batch argument `tag`)."""
+    contexts = bool(options.get("caller_context"))
+    if model == "batch":
+
+        @batchproxy.batch(**options)
+        async def plain(items: list[Hashable]) -> Sequence[Any]:
+            call = log.record(items, "", contexts)
+            if delay:
+                await asyncio.sleep(delay)
+            return log.answer(call)
+
+        return plain
+
+    @batchproxy.batch_args(**options)
+    async def tagged(items: list[Hashable], /, *, tag: str = "") -> Sequence[Any]:
+        call = log.record(items, tag, contexts, arguments=True)
+        if delay:
+            await asyncio.sleep(delay)
+        return log.answer(call)
+
+    return tagged
+
+
 def process_model() -> Callable[[list[Hashable]], list[Any]]:
     """A `ProcessWorkers` factory: `answer` in a worker process (which sees no batch
     key, so such runs use none)."""
@@ -183,19 +208,34 @@ def process_model() -> Callable[[list[Hashable]], list[Any]]:
 class Config:
     """The proxy's options and how it is made."""
 
-    model: str  # "plain", "tagged" (with_args), "streaming" or "process" (ProcessWorkers)
+    model: str  # "plain", "tagged" (with_args), "streaming", "process" (ProcessWorkers),
+    # "batch" (@batch) or "args" (@batch_args)
     options: dict[str, Any]
     keys: bool  # calls may pass key=
     offload: bool  # a WorkerThread runs the model
     delay: float  # the model's own time per call
 
-    def make(self, log: Log) -> batchproxy.Proxy[Hashable, Any]:
+    @property
+    def arguments(self) -> bool:
+        """Whether the model takes the per-batch argument `tag` (its batch key)."""
+        return self.model in ("tagged", "args")
+
+    def make(self, log: Log) -> tuple[batchproxy.Proxy[Hashable, Any], Any]:
+        """The proxy, and what the calls go through: the proxy, or the decorated
+        function."""
         if self.model == "process":
             workers = batchproxy.ProcessWorkers(process_model, 1, name="combinations")
-            return batchproxy.Proxy(offload=workers, name="combo", **self.options)
-        cls = {"plain": Plain, "tagged": Tagged, "streaming": Streaming}[self.model]
+            proxy = batchproxy.Proxy(offload=workers, name="combo", **self.options)
+            return proxy, proxy
         offload = batchproxy.WorkerThread(name="combinations") if self.offload else False
-        return cls(log, self.delay, offload=offload, name="combo", **self.options)
+        if self.model in ("batch", "args"):
+            front = decorated(
+                self.model, log, self.delay, offload=offload, name="combo", **self.options
+            )
+            return front.proxy, front
+        cls = {"plain": Plain, "tagged": Tagged, "streaming": Streaming}[self.model]
+        proxy = cls(log, self.delay, offload=offload, name="combo", **self.options)
+        return proxy, proxy
 
     @property
     def limited(self) -> bool:
@@ -222,7 +262,7 @@ class Call:
         key = self.key
         if key is None and config.options.get("key") is not None:
             key = key_option(item)
-        if config.model == "tagged":  # the batch key is the arguments: the tag
+        if config.arguments:  # the batch key is the arguments: the tag
             return item, None, self.tag
         return item, key, self.tag
 
@@ -240,9 +280,8 @@ class Program:
 
 @st.composite
 def configs(draw: st.DrawFn, *, threads: bool = False, processes: bool = False) -> Config:
-    model = (
-        "process" if processes else draw(st.sampled_from(["plain", "plain", "tagged", "streaming"]))
-    )
+    models = ["plain", "plain", "tagged", "streaming", "batch", "args"]
+    model = "process" if processes else draw(st.sampled_from(models))
     batch_size = draw(st.integers(1, 8))
     options: dict[str, Any] = {
         "batch_size": batch_size,
@@ -270,10 +309,11 @@ def configs(draw: st.DrawFn, *, threads: bool = False, processes: bool = False) 
         elif sizes == "pad":
             padded = (2, 4, 8) if batch_size >= 2 else (1, 4, 8)
             options["batch_sizes"] = batchproxy.BatchSizes(padded, pad_item=PAD)
-    keys = model not in ("tagged", "process") and draw(st.booleans())
-    if model not in ("tagged", "process") and draw(st.booleans()):
+    keyable = model not in ("tagged", "args", "process")  # (the arguments are the key)
+    keys = keyable and draw(st.booleans())
+    if keyable and draw(st.booleans()):
         options["key"] = key_option
-    offload = threads and model in ("plain", "tagged") and draw(st.booleans())
+    offload = threads and model not in ("streaming", "process") and draw(st.booleans())
     delay = draw(st.sampled_from([0.0, 0.001, 0.01]))
     return Config(model, options, keys, offload, delay)
 
@@ -283,6 +323,10 @@ def programs(draw: st.DrawFn, config: Config, horizon: float, *, threads: bool =
     forms = ["inference", "inference", "many"]
     if config.model == "streaming":
         forms = ["stream"]
+    elif config.model == "args":  # (its inference_many has no return_exceptions)
+        forms = ["inference"] + ["sync"] * threads
+    elif config.model == "batch":  # (a decorated function has no submit)
+        forms += ["sync"] * threads
     elif threads:  # (a stream is read on the loop)
         forms += ["submit", "sync"]
     n = draw(st.integers(1, 24))
@@ -297,7 +341,7 @@ def programs(draw: st.DrawFn, config: Config, horizon: float, *, threads: bool =
                 form=form,
                 items=tuple(draw(st.lists(st.sampled_from(ITEMS), min_size=count, max_size=count))),
                 key=draw(st.sampled_from(KEYS)) if config.keys else None,
-                tag=draw(st.sampled_from(TAGS)) if config.model == "tagged" else "",
+                tag=draw(st.sampled_from(TAGS)) if config.arguments else "",
                 tenant=draw(st.sampled_from(TENANTS)),
                 priority=draw(st.sampled_from([0, 0, 1])),
                 timeout=draw(st.none() | st.sampled_from([0.002, horizon])),
@@ -389,7 +433,7 @@ class Queued:
 async def run(config: Config, program: Program) -> Run:
     """Run `program` against a proxy made from `config`, in the running loop; close it."""
     log = Log()
-    proxy = config.make(log)
+    proxy, front = config.make(log)
     await proxy.start()  # here: a thread's first call would start it on a loop of its own
     result = Run(config, program, proxy, log, {})
     result.max_batch_size = config.options["batch_size"]
@@ -415,7 +459,7 @@ async def run(config: Config, program: Program) -> Run:
         if dedup:
             queued.calling(call, identities)
         try:
-            await one_call(proxy, call, settle)
+            await one_call(front, call, settle)
         except batchproxy.QueueFull as exc:
             if joinable:
                 result.joinable_refused.append(f"call {call.id} ({call.form}): {exc}")
@@ -469,24 +513,31 @@ async def close(result: Run, at: float) -> None:
 
 
 async def one_call(
-    proxy: batchproxy.Proxy[Hashable, Any],
+    front: Any,
     call: Call,
     settle: Callable[[Call, Any, int | None], None],
 ) -> None:
-    """Make `call` in its form; record each item's outcome (an exception, or a result)."""
-    target: Any = proxy
+    """Make `call` in its form through `front` (a proxy, or a decorated function);
+    record each item's outcome (an exception, or a result)."""
+    target: Any = front
     keywords: dict[str, Any] = {
         "timeout": call.timeout,
         "priority": call.priority,
         "tenant": call.tenant,
     }
-    if call.tag:
-        target = proxy.with_args(tag=call.tag)
+    arguments: dict[str, Any] = {}
+    if isinstance(front, batchproxy.BatchedArgs):  # f(item, tag=...), options apart
+        target = front.with_call_options(**keywords)
+        keywords, arguments = {}, {"tag": call.tag}
+    elif call.tag:
+        target = front.with_args(tag=call.tag)
     elif call.key is not None:
         keywords["key"] = call.key
     item = call.items[0]
     try:
-        if call.form == "inference":
+        if call.form == "inference" and isinstance(front, batchproxy.Batched):
+            settle(call, await target(item, **keywords, **arguments), None)
+        elif call.form == "inference":
             settle(call, await target.inference(item, **keywords), None)
         elif call.form == "many":
             results = await target.inference_many(call.items, return_exceptions=True, **keywords)
@@ -494,7 +545,7 @@ async def one_call(
                 settle(call, outcome, index)
         elif call.form == "stream":
             chunks = []
-            async with contextlib.aclosing(proxy.stream(item, **keywords)) as stream:
+            async with contextlib.aclosing(front.stream(item, **keywords)) as stream:
                 async for chunk in stream:
                     chunks.append(chunk)
             settle(call, tuple(chunks), None)
@@ -502,7 +553,8 @@ async def one_call(
             future = await asyncio.to_thread(target.submit, item, **keywords)  # from a thread
             settle(call, await asyncio.wrap_future(future), None)
         elif call.form == "sync":
-            settle(call, await asyncio.to_thread(target.inference_sync, item, **keywords), None)
+            answer = await asyncio.to_thread(target.inference_sync, item, **keywords, **arguments)
+            settle(call, answer, None)
         else:
             raise AssertionError(call.form)
     except Exception as exc:
@@ -596,7 +648,7 @@ def stats_problems(result: Run, counts: dict[str, int]) -> Iterator[str]:
     if stats.rejected != counts["rejected"]:
         yield f"stats: rejected {stats.rejected}, callers saw {counts['rejected']}"
     items = sum(1 for c in log.calls for i in c.items if i != PAD)
-    if result.config.model in ("plain", "tagged") and stats.items > items:
+    if result.config.model not in ("streaming", "process") and stats.items > items:
         yield f"stats: {stats.items} items, the model saw {items}"
     total = sum(len(call.items) for call in result.program.calls)
     accepted = total - counts["refused"] - counts["rejected"]

@@ -3,7 +3,8 @@
 Hypothesis draws a configuration (dedup and the cache, tenants, their weights and
 queue limits, batch keys as an option and per call, allowed batch sizes cut or
 padded, per-batch arguments, caller contexts, `isolate_errors`, `oom_backoff`,
-priorities, aging, queue limits, the executor, a unary or a streaming model) and a
+priorities, aging, queue limits, the executor, a unary or a streaming model, a
+`Proxy` subclass or a decorated function: `@batch`, `@batch_args`) and a
 program of calls (`inference`, `inference_many`, `stream`, `submit` and
 `inference_sync` from threads, with deadlines, cancellations, `configure()` under
 load and `aclose()` mid-flight), runs it, and checks (tests/_combinations.py):
@@ -20,7 +21,9 @@ load and `aclose()` mid-flight), runs it, and checks (tests/_combinations.py):
 The loop's examples run on looptime's virtual clock; those with threads in real time.
 In CI the file takes one to two minutes: 2,000 examples on the virtual clock, 200
 with threads, 5 on worker processes. `BATCHPROXY_COMBINATIONS=20000` runs ten times as
-many of each. What it found (`FOUND`) stays as regression tests.
+many of each. What it found (`FOUND`) stays as regression tests; what it found in
+threads (`@batch_args`' `inference_sync`, which took neither the function's arguments
+nor the `with_call_options` ones) is covered in tests/calls/test_batch_args.py.
 """
 
 from __future__ import annotations
