@@ -64,3 +64,44 @@ class Tagged(batchproxy.Proxy[Any, Any]):
 def tagged() -> Tagged:
     """The factory `python -m batchproxy.host` calls."""
     return Tagged(delay=float(os.environ.get("HOST_MODEL_DELAY", "0")))
+
+
+class Counting(batchproxy.Proxy[Any, Any]):
+    """A streaming model: each item's chunks `(item, 0)`, `(item, 1)`, ... up to its
+    `steps` (an int item is its own step count, else 3); "boom" fails at step 1. Each
+    step waits for `gate`, so a test can hold a stream mid-way; `steps_run` counts
+    the steps taken."""
+
+    def __init__(self, **options: Any) -> None:
+        options.setdefault("max_delay_ms", 2.0)
+        super().__init__(64, **options)
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.seen: list[list[Any]] = []
+        self.steps_run = 0
+
+    @override
+    async def _inference(self, items: list[Any]) -> Any:
+        self.seen.append(list(items))
+        live = list(items)
+        step = 0
+        while live:
+            await self.gate.wait()
+            self.steps_run += 1
+            chunks: list[Any] = []
+            for item in live:
+                last = (item if isinstance(item, int) else 3) - 1
+                if item == "boom" and step == 1:
+                    chunks.append(ValueError("the model refused 'boom' at step 1"))
+                elif step >= last:
+                    chunks.append(batchproxy.Last((item, step)))
+                else:
+                    chunks.append((item, step))
+            keep = yield chunks
+            live = [live[i] for i in keep]
+            step += 1
+
+
+def counting() -> Counting:
+    """The factory `python -m batchproxy.host` calls for a streaming model."""
+    return Counting()

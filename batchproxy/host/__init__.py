@@ -5,14 +5,15 @@ that they share one copy of the model and batch together.
 - `ModelHost(proxy, path)`: in the process that holds the model, serves `proxy`'s
   calls from every connected process (`python -m batchproxy.host module:factory
   --socket PATH` runs one on its own);
-- `RemoteProxy(path)`: in each web worker, `await remote.inference(x)` with the
-  proxy's call options, answered by the host.
+- `RemoteProxy(path)`: in each web worker, the proxy's call methods (`await
+  remote.inference(x)`, `inference_many`, `stream`, and `submit`/`inference_sync`
+  from threads) with its call options, answered by the host.
 
 Messages (`_wire`) are the worker pipes' frames (pickle protocol 5, large buffers out
 of band) on the socket, which only this user can open, and the host checks each
 peer's user (`SO_PEERCRED`).
 
-May import: `_errors`, `_executors`.
+May import: `_errors`, `_executors`, `_loops`, `_option_values`, `_validate`.
 """
 
 from ._host import ModelHost

@@ -1,9 +1,11 @@
 """`ModelHost`: a proxy served over a Unix domain socket to other processes.
 
 Each connection is one client process (a `RemoteProxy` on one event loop). Each
-`("call", ...)` message becomes a task awaiting `proxy.inference(...)`, so the
-calls of every connected process queue in the one proxy and share its batches; the
-answer goes back on the connection it came from. A `("cancel", id)` cancels that
+`("call", ...)` message becomes a task awaiting `proxy.inference(...)`, and each
+`("stream", ...)` one a task reading `proxy.stream(...)`, so the calls of every
+connected process queue in the one proxy and share its batches; the answers go
+back on the connection they came from (a stream's chunks as they come, then its
+end or its error). A `("cancel", id)` cancels that
 task (a queued request leaves the queue, a running one's result is dropped), and a
 connection that ends (its process exited or died) cancels all of its calls:
 nothing of a departed client is left in the host.
@@ -39,7 +41,8 @@ class ModelHost:
     is replaced, a live one refused with `FileExistsError`), and on exit stops
     listening, lets the calls in flight finish for up to `drain_timeout` seconds
     (None: no bound), closes every connection (their callers' calls still pending
-    fail with `HostUnavailable`), closes the proxy and removes the socket file.
+    fail with `HostUnavailable`), closes the proxy (its drain by the same deadline:
+    a model that hangs holds no close) and removes the socket file.
     Peers of another user are refused (`SO_PEERCRED`) and counted in `refused`.
     """
 
@@ -98,6 +101,8 @@ class ModelHost:
             return
         self._closing = True  # calls that arrive from now on are refused
         server.close()  # no new connections
+        loop = asyncio.get_running_loop()
+        deadline = None if self.drain_timeout is None else loop.time() + self.drain_timeout
         connections = list(self._connections)
         calls = [task for connection in connections for task in connection.calls.values()]
         if calls:  # the calls in flight finish, up to drain_timeout
@@ -106,14 +111,24 @@ class ModelHost:
             await connection.close()
         with contextlib.suppress(Exception):
             await server.wait_closed()
-        await self._close_proxy()
+        # the proxy's own drain by the same deadline: a hung model holds no close
+        await self._close_proxy(None if deadline is None else max(0.0, deadline - loop.time()))
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
-    async def _close_proxy(self) -> None:
-        if self._entered:
-            self._entered = False
+    async def _close_proxy(self, timeout: float | None = None) -> None:
+        """Close the proxy entered at start: `aclose(timeout=...)` where it has one (a
+        `Proxy`, a `@batch` function), else its `__aexit__`."""
+        if not self._entered:
+            return
+        self._entered = False
+        aclose = getattr(self.proxy, "aclose", None)
+        if aclose is None:
             await self.proxy.__aexit__(None, None, None)
+        elif timeout is None:
+            await aclose()
+        else:
+            await aclose(timeout=timeout)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if not _same_user(writer):
@@ -125,12 +140,12 @@ class ModelHost:
         try:
             while True:
                 message = await read_message(reader)
-                if message[0] == "call" and self._closing:
+                if message[0] in ("call", "stream") and self._closing:
                     closing = HostUnavailable(self.path, "the host is shutting down")
                     await connection.send_error(message[1], closing)
-                elif message[0] == "call":
-                    _, ident, item, options = message
-                    connection.start(ident, item, options)
+                elif message[0] in ("call", "stream"):
+                    kind, ident, item, options = message
+                    connection.start(ident, item, options, stream=kind == "stream")
                 elif message[0] == "cancel":
                     connection.cancel(message[1])
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -149,8 +164,8 @@ class _Connection:
         self.calls: dict[int, asyncio.Task[None]] = {}
         self._lock = asyncio.Lock()  # one message written at a time
 
-    def start(self, ident: int, item: Any, options: dict[str, Any]) -> None:
-        task = asyncio.get_running_loop().create_task(self._call(ident, item, options))
+    def start(self, ident: int, item: Any, options: dict[str, Any], *, stream: bool) -> None:
+        task = asyncio.get_running_loop().create_task(self._call(ident, item, options, stream))
         self.calls[ident] = task
 
     def cancel(self, ident: int) -> None:
@@ -158,35 +173,52 @@ class _Connection:
         if task is not None:
             task.cancel()
 
-    async def _call(self, ident: int, sealed: list[Any], options: dict[str, Any]) -> None:
+    async def _call(
+        self, ident: int, sealed: list[Any], options: dict[str, Any], stream: bool
+    ) -> None:
+        """Answer call `ident`: its result, or each chunk of its stream then its end;
+        or its error (the first, for a stream: it ends there)."""
         try:
             try:
                 item = open_sealed(sealed)
             except Exception as exc:
                 raise TypeError(f"the model host could not read the call's item: {exc!r}") from exc
-            call = dict(options)
-            deadline = call.pop("deadline", None)
-            if deadline is not None:  # the time left of the caller's own timeout
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    name = getattr(self.host.proxy, "name", type(self.host.proxy).__name__)
-                    raise DeadlineExceeded(str(name), float(call["timeout"]))
-                call["timeout"] = left
-            value = await self.host.proxy.inference(item, **call)
+            call = self._call_options(options)
+            if not stream:
+                await self._answer(ident, "result", await self.host.proxy.inference(item, **call))
+                return
+            async with contextlib.aclosing(self.host.proxy.stream(item, **call)) as chunks:
+                async for chunk in chunks:
+                    await self._answer(ident, "chunk", chunk)
+            await self.send(("end", ident, seal(None)))
         except asyncio.CancelledError:
             return  # the caller cancelled (or left): nobody waits for an answer
         except Exception as exc:
             await self.send_error(ident, exc)
-        else:
-            try:
-                message = ("result", ident, seal(value))
-            except Exception as exc:  # a result that cannot travel fails its own call only
-                error = TypeError(f"the model host could not send the call's result: {exc!r}")
-                await self.send_error(ident, error)
-            else:
-                await self.send(message)
         finally:
             self.calls.pop(ident, None)
+
+    def _call_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        """The proxy's call options for a call: its deadline back to the time it has
+        left (on the machine's monotonic clock), or `DeadlineExceeded` if none."""
+        call = dict(options)
+        deadline = call.pop("deadline", None)
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                name = getattr(self.host.proxy, "name", type(self.host.proxy).__name__)
+                raise DeadlineExceeded(str(name), float(call["timeout"]))
+            call["timeout"] = left
+        return call
+
+    async def _answer(self, ident: int, kind: str, value: Any) -> None:
+        """Send a result or chunk; one that cannot travel raises `TypeError` (which
+        fails its own call only)."""
+        try:
+            message = (kind, ident, seal(value))
+        except Exception as exc:
+            raise TypeError(f"the model host could not send the call's {kind}: {exc!r}") from exc
+        await self.send(message)
 
     async def send_error(self, ident: int, error: BaseException) -> None:
         await self.send(("error", ident, seal(pack_error(error))))  # (its parts all pickle)

@@ -15,10 +15,9 @@ import signal
 import stat
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _host_models import Tagged, Unreadable
@@ -35,26 +34,6 @@ pytestmark = [
 
 TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
-
-
-@pytest.fixture
-def socket_path() -> Iterator[str]:
-    """A short path (a Unix socket's path has ~100 bytes at most), removed after."""
-    folder = tempfile.mkdtemp(prefix="bp-host-", dir="/tmp")
-    try:
-        yield os.path.join(folder, "model.sock")
-    finally:
-        for name in os.listdir(folder):
-            os.unlink(os.path.join(folder, name))
-        os.rmdir(folder)
-
-
-@pytest.fixture
-async def served(socket_path: str) -> AsyncIterator[tuple[Tagged, ModelHost, RemoteProxy]]:
-    proxy = Tagged()
-    async with ModelHost(proxy, socket_path) as host, RemoteProxy(socket_path) as remote:
-        yield proxy, host, remote
-    assert not _exists(socket_path)  # removed when the host closed
 
 
 def _exists(path: str) -> bool:
@@ -182,14 +161,39 @@ async def test_a_cancelled_caller_cancels_its_call_in_the_host(socket_path: str)
     assert all("cancelled" not in batch for batch in proxy.seen)
 
 
-async def test_priority_and_timeout_are_checked_in_the_caller(
+BAD_OPTIONS: list[dict[str, Any]] = [
+    {"timeout": 0},
+    {"timeout": -1.0},
+    {"timeout": float("nan")},
+    {"timeout": True},
+    {"timeout": "1"},
+    {"priority": 1.5},
+    {"priority": True},
+    {"tenant": ["a"]},
+    {"key": {}},
+    {"deadline": 1.0},
+]
+
+
+async def test_the_call_options_are_checked_in_the_caller_as_the_proxy_checks_them(
     served: tuple[Tagged, ModelHost, RemoteProxy],
 ) -> None:
-    _, _, remote = served
-    for bad in (0, -1.0, float("nan"), float("inf"), True):
-        with pytest.raises(ValueError, match="timeout must be a positive number"):
-            await remote.inference("x", timeout=bad)
-    assert (await remote.inference("x", timeout=5, priority=3))[0] == "x"
+    """Each bad option raises the exception the proxy raises for it, before anything
+    is sent; an infinite timeout is no deadline, as for the proxy."""
+    proxy, _, remote = served
+    for bad in BAD_OPTIONS:
+        with pytest.raises((TypeError, ValueError)) as here:
+            await proxy.inference("x", **bad)
+        with pytest.raises(type(here.value)):
+            await remote.inference("x", **bad)
+        with pytest.raises(type(here.value)):
+            await remote.inference_many(["x"], **bad)
+        with pytest.raises(type(here.value)):
+            remote.submit("x", **bad)
+        with pytest.raises(type(here.value)):
+            await anext(remote.stream("x", **bad))
+    assert proxy.stats.requests == 0  # nothing reached the host
+    assert (await remote.inference("x", timeout=float("inf"), priority=3))[0] == "x"
 
 
 async def test_no_host_is_host_unavailable_and_a_host_that_comes_back_serves(
@@ -221,6 +225,29 @@ async def test_a_closing_host_drains_calls_in_flight(socket_path: str) -> None:
             await remote.inference("after")
     assert proxy.closed
     assert not _exists(socket_path)
+
+
+async def test_the_drain_timeout_bounds_the_whole_close_even_with_a_hung_model(
+    socket_path: str,
+) -> None:
+    """A model that never returns holds neither the host's close (past its
+    `drain_timeout`) nor its caller: the call fails, the socket is gone."""
+    proxy = Tagged()
+    proxy.gate.clear()  # the model hangs
+    host = ModelHost(proxy, socket_path, drain_timeout=0.2)
+    await host.start()
+    try:
+        async with RemoteProxy(socket_path) as remote:
+            call = asyncio.ensure_future(remote.inference("stuck"))
+            await wait_until(lambda: proxy.seen == [["stuck"]])
+            await asyncio.wait_for(host.aclose(), 5)
+            with pytest.raises(batchproxy.HostUnavailable):
+                await call
+        assert proxy.closed
+        assert not _exists(socket_path)
+    finally:
+        proxy.gate.set()  # the abandoned batch ends
+        await wait_until(lambda: proxy.stats.in_flight == 0)
 
 
 async def test_a_peer_of_another_user_is_refused(
