@@ -13,7 +13,7 @@ Messages (`_wire`) are the worker pipes' frames (pickle protocol 5, large buffer
 of band) on the socket, which only this user can open, and the host checks each
 peer's user (`SO_PEERCRED`).
 
-May import: `_errors`, `_executors`, `_loops`, `_option_values`, `_validate`.
+May import: `_errors`, `_executors`, `_loops`, `_option_values`, `_stats`, `_validate`.
 """
 
 from ._host import ModelHost

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import DeadlineExceeded, HostUnavailable
+from .._stats import Health
 from ._wire import message_bytes, open_sealed, pack_error, read_message, seal
 
 __all__ = ["ModelHost"]
@@ -64,6 +65,14 @@ class ModelHost:
     def connections(self) -> int:
         """Client connections open now."""
         return len(self._connections)
+
+    def health(self) -> Health:
+        """What the host tells a `RemoteProxy` that asks: its proxy's `health`, or not
+        healthy while the host or its proxy closes."""
+        if self._closing or getattr(self.proxy, "closed", False):
+            return Health(False, f"the model host at {self.path} is closing", time.time())
+        health = getattr(self.proxy, "health", None)
+        return health if isinstance(health, Health) else Health(True, None, None)
 
     async def __aenter__(self) -> ModelHost:
         await self.start()
@@ -148,6 +157,8 @@ class ModelHost:
                     connection.start(ident, item, options, stream=kind == "stream")
                 elif message[0] == "cancel":
                     connection.cancel(message[1])
+                elif message[0] == "health":  # a web worker's readiness, answered at once
+                    await connection.send(("result", message[1], seal(self.health())))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client process closed the connection, or died
         finally:

@@ -1,15 +1,15 @@
 """`RemoteProxy`: a proxy's call methods in a process that does not hold the model,
 answered by a `ModelHost` over its Unix domain socket.
 
-One connection per event loop (a web worker's, and the `BackgroundLoop` that plain
-threads call through), opened on its first call there and again on the first call
-after it was lost. Each call has an id, and a queue of its own for the host's answers
-with that id (a unary call's one answer; a stream's chunks, then its end or error).
-The connection's reader is the only code that delivers those answers; when the
-connection ends it delivers `HostUnavailable` to every call still waiting, and a call
-whose caller is cancelled (or whose stream is closed early) leaves with a
-`("cancel", id)` to the host. Plain threads (`submit`, `inference_sync`) call through
-the process-wide `BackgroundLoop`, on a connection of its own.
+One connection (`_connection.Connection`) per event loop (a web worker's, and the
+`BackgroundLoop` that plain threads call through), opened on its first call there and
+again on the first call after it was lost.
+
+For a web service (`Serving`), `start()` waits for the host (starting it, with
+`host=`: see `_launch`) and then watches it: one `health` question every
+`health_every` seconds, so readiness includes the host, and a lost host is seen (and
+started again, with `host=`) even while no request comes. `aclose()` lets the calls
+in flight finish, then closes.
 """
 
 from __future__ import annotations
@@ -17,26 +17,24 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import itertools
 import os
 import time
 import weakref
 from collections.abc import AsyncGenerator, Iterable
+from pathlib import Path
 from typing import Any
 
 from typing_extensions import Unpack
 
 from .. import _validate
-from .._errors import DeadlineExceeded, HostUnavailable
+from .._errors import DeadlineExceeded, HostUnavailable, ProxyClosed
 from .._loops.background_loop import BackgroundLoop
 from .._option_values import CallOptions, check_call
-from ._wire import message_bytes, open_sealed, read_message, seal, unpack_error
+from .._stats import Health
+from ._connection import Connection
+from ._launch import Candidate, lock_is_free
 
 __all__ = ["RemoteProxy"]
-
-_Answer = tuple[str, list[Any]] | HostUnavailable
-"""What a call's queue gets: an answer `(kind, sealed)` from the host, or the
-`HostUnavailable` of a lost connection."""
 
 _HAND_OVER = 1.0
 """Seconds `aclose()` waits for another loop to close its connection."""
@@ -58,20 +56,51 @@ class RemoteProxy:
     arrive as the same exceptions (`QueueFull`, `DeadlineExceeded`, `InvalidItem`,
     the model's own), and a host that cannot be reached or is lost with the call in
     flight raises `HostUnavailable` (never a hang). Cancelling a call (or closing
-    its stream early) cancels it in the host. `connect_timeout`: seconds to wait for
-    the socket.
+    its stream early) cancels it in the host.
+
+    In a `Serving` it is one of the service's proxies: `start()` waits up to
+    `start_timeout` seconds for the host (with `host="module:factory"`, the first
+    worker that finds none starts one, which exits `host_idle_exit` seconds after
+    its last worker left), then asks its health every `health_every` seconds
+    (`health`, so `/readyz` includes the host); `aclose(timeout=...)` lets the calls
+    in flight finish, then closes (later calls raise `ProxyClosed`). `name`: the
+    service's name for it (default: the socket file's stem). `connect_timeout`:
+    seconds to wait for the socket.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, connect_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        name: str | None = None,
+        host: str | None = None,
+        connect_timeout: float = 5.0,
+        start_timeout: float | None = 600.0,
+        health_every: float = 1.0,
+        host_idle_exit: float = 10.0,
+    ) -> None:
         self.path = os.fspath(path)
-        self.connect_timeout = connect_timeout
+        self.name = _validate.name(name) or Path(self.path).stem
+        if host is not None and (not isinstance(host, str) or ":" not in host):
+            raise ValueError(f"host must be 'module:factory' or None, got {host!r}")
+        self.host = host
+        self.connect_timeout = _validate.duration(
+            "connect_timeout", connect_timeout, allow_zero=False
+        )
+        self.start_timeout = _validate.timeout("start_timeout", start_timeout)
+        self.health_every = _validate.duration("health_every", health_every, allow_zero=False)
+        self.host_idle_exit = _validate.duration("host_idle_exit", host_idle_exit, allow_zero=False)
         # by loop; each changed on its own loop only (aclose() of another hands over)
-        self._connections: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Connection] = (
+        self._connections: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Connection] = (
             weakref.WeakKeyDictionary()
         )
         self._connecting: weakref.WeakKeyDictionary[
-            asyncio.AbstractEventLoop, asyncio.Task[_Connection]
+            asyncio.AbstractEventLoop, asyncio.Task[Connection]
         ] = weakref.WeakKeyDictionary()
+        self._closed = False
+        self._health = Health(False, "not started: no word from the model host yet", None)
+        self._watch: asyncio.Task[None] | None = None
+        self._candidate: Candidate | None = None  # the host this worker started last
 
     def __repr__(self) -> str:
         return f"RemoteProxy({self.path!r})"
@@ -81,6 +110,8 @@ class RemoteProxy:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+    # -- calls --------------------------------------------------------------------------
 
     async def inference(self, item: Any, **call: Unpack[CallOptions]) -> Any:
         """`item`'s result from the host's proxy (see the class)."""
@@ -144,17 +175,67 @@ class RemoteProxy:
             raise
         if not done and future.cancel():  # (cancel() fails only if it just finished)
             assert seconds is not None  # only a bounded wait ends without the result
-            raise DeadlineExceeded(self.path, seconds)
+            raise DeadlineExceeded(self.name, seconds)
         return future.result()
 
-    async def aclose(self) -> None:
-        """Close this process's connections (calls still waiting fail with
-        `HostUnavailable`); the next call opens a new one. Another running loop's
-        connection is closed on that loop."""
+    # -- as a service's proxy -----------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def health(self) -> Health:
+        """The host's health as last heard (`start()` keeps asking), or why not: no
+        host, the connection lost, or this proxy closed."""
+        if self._closed:
+            return Health(False, f"{self.name} is closed", None)
+        return self._health
+
+    async def start(self) -> None:
+        """Wait up to `start_timeout` for the host (starting one, with `host=`, if none
+        answers), then watch its health from this loop. Raises `HostUnavailable` if no
+        host answered in time; idempotent."""
+        if self._closed:
+            raise ProxyClosed(self.name)
+        if self._watch is not None and not self._watch.done():
+            return
+        loop = asyncio.get_running_loop()
+        deadline = None if self.start_timeout is None else loop.time() + self.start_timeout
+        pause = 0.02
+        while True:
+            try:
+                self._heard(await self._ask())
+                break
+            except HostUnavailable as exc:
+                self._start_host()
+                if deadline is not None and loop.time() + pause > deadline:
+                    raise HostUnavailable(
+                        self.path, f"no model host answered within {self.start_timeout} s"
+                    ) from exc
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, self.health_every)
+        self._watch = loop.create_task(self._watching(), name=f"batchproxy-{self.name}-watch")
+
+    async def aclose(self, *, timeout: float | None = None) -> None:
+        """Stop taking calls (`ProxyClosed`), let those in flight finish (for up to
+        `timeout` seconds: then they fail with `HostUnavailable`), and close the
+        connections (another running loop's on that loop). Idempotent."""
+        timeout = _validate.timeout("timeout", timeout)
+        self._closed = True
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
         here = asyncio.get_running_loop()
         connections = list(self._connections.items())
         self._connections.clear()
-        why = "the RemoteProxy was closed"
+        mine = [connection for loop, connection in connections if loop is here]
+        if mine:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(mine[0].drained(), timeout)
+        why = f"{self.name} was closed"
         for loop, connection in connections:
             if loop is here:
                 await connection.close(why)
@@ -164,8 +245,50 @@ class RemoteProxy:
                     closing = asyncio.run_coroutine_threadsafe(connection.close(why), loop)
                     await asyncio.wait_for(asyncio.wrap_future(closing), _HAND_OVER)
             # else: a loop that no longer runs; its transports go with it
+        if self._candidate is not None and not self._candidate.running:  # (reaped)
+            self._candidate = None  # (one still running serves on, for the other workers)
 
-    async def _connect(self) -> _Connection:
+    async def _watching(self) -> None:
+        """Ask the host's health every `health_every` seconds; a host that cannot be
+        reached is unhealthy (and started again, with `host=`)."""
+        while True:
+            await asyncio.sleep(self.health_every)
+            try:
+                self._heard(await asyncio.wait_for(self._ask(), self.connect_timeout))
+            except HostUnavailable as exc:
+                self._lost(exc.detail)
+                self._start_host()
+            except asyncio.TimeoutError:
+                self._lost(f"no answer within {self.connect_timeout} s")
+
+    async def _ask(self) -> Health:
+        connection = await self._connect()
+        return await connection.health()
+
+    def _heard(self, health: Health) -> None:
+        self._health = health
+
+    def _lost(self, why: str) -> None:
+        """The host cannot be reached, or the connection to it was lost: not healthy
+        from now (since the first such word) until it answers again."""
+        since = self._health.since if not self._health.healthy else None
+        self._health = Health(False, f"model host at {self.path}: {why}", since or time.time())
+
+    def _start_host(self) -> None:
+        """With `host=`: start a host candidate, unless the last one still runs (it is
+        loading, or it is the host and merely slow)."""
+        if self.host is None or self._closed:
+            return
+        if self._candidate is not None and self._candidate.running:
+            return
+        if lock_is_free(self.path):  # (held: a host is loading, maybe another worker's)
+            self._candidate = Candidate(self.host, self.path, self.host_idle_exit)
+
+    # -- connections --------------------------------------------------------------------
+
+    async def _connect(self) -> Connection:
+        if self._closed:
+            raise ProxyClosed(self.name)
         loop = asyncio.get_running_loop()
         connection = self._connections.get(loop)
         if connection is not None and connection.open:
@@ -175,14 +298,15 @@ class RemoteProxy:
             connecting = self._connecting[loop] = loop.create_task(self._open(loop))
         return await asyncio.shield(connecting)
 
-    async def _open(self, loop: asyncio.AbstractEventLoop) -> _Connection:
+    async def _open(self, loop: asyncio.AbstractEventLoop) -> Connection:
         try:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_unix_connection(self.path), self.connect_timeout
             )
         except (OSError, asyncio.TimeoutError) as exc:
             raise HostUnavailable(self.path, f"cannot connect ({exc!r})") from exc
-        connection = self._connections[loop] = _Connection(self.path, loop, reader, writer)
+        connection = Connection(self.path, loop, reader, writer, self._lost)
+        self._connections[loop] = connection
         return connection
 
 
@@ -200,131 +324,3 @@ def _options(where: str, call: CallOptions) -> dict[str, Any]:
         options["timeout"] = timeout
         options["deadline"] = time.monotonic() + timeout
     return options
-
-
-class _Connection:
-    """The socket to the host on one event loop: each call's answer queue by id, and the
-    reader task that fills them."""
-
-    def __init__(
-        self,
-        path: str,
-        loop: asyncio.AbstractEventLoop,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-    ) -> None:
-        self.path = path
-        self.loop = loop
-        self.writer = writer
-        self.open = True
-        self.waiting: dict[int, asyncio.Queue[_Answer]] = {}
-        self._ids = itertools.count()
-        self._lock = asyncio.Lock()
-        self._reader = loop.create_task(self._read(reader))
-
-    async def call(self, item: Any, options: dict[str, Any]) -> Any:
-        ident, answers = await self._send("call", item, options)
-        try:
-            kind, sealed = _received(await answers.get())
-        finally:
-            self._leave(ident)
-        return _opened(kind, sealed)
-
-    async def stream(self, item: Any, options: dict[str, Any]) -> AsyncGenerator[Any, None]:
-        ident, answers = await self._send("stream", item, options)
-        try:
-            while True:
-                kind, sealed = _received(await answers.get())
-                if kind == "end":
-                    return
-                chunk = _opened(kind, sealed)  # an "error" raises here
-                yield chunk
-        finally:
-            self._leave(ident)
-
-    async def _send(
-        self, kind: str, item: Any, options: dict[str, Any]
-    ) -> tuple[int, asyncio.Queue[_Answer]]:
-        """Send the call; its id and its answer queue (registered before the message is
-        written, so no answer can arrive unseen)."""
-        ident = next(self._ids)
-        try:
-            data = message_bytes((kind, ident, seal(item), options))
-        except Exception as exc:  # an item that cannot travel fails here, alone
-            raise TypeError(
-                f"the call cannot be sent to the model host at {self.path}: {exc!r}"
-            ) from exc
-        answers: asyncio.Queue[_Answer] = asyncio.Queue()
-        self.waiting[ident] = answers
-        try:
-            async with self._lock:
-                if not self.open:
-                    raise HostUnavailable(self.path, "the connection to the host was lost")
-                self.writer.write(data)
-                await self.writer.drain()
-        except ConnectionError as exc:
-            self._leave(ident)
-            raise HostUnavailable(self.path, f"the connection broke ({exc!r})") from exc
-        except BaseException:
-            self._leave(ident)
-            raise
-        return ident, answers
-
-    def _leave(self, ident: int) -> None:
-        """The caller is done with call `ident`: if the host may still be working on it
-        (it is still listed: no final answer came), tell the host to drop it."""
-        if self.waiting.pop(ident, None) is not None and self.open:
-            with contextlib.suppress(Exception):
-                self.writer.write(message_bytes(("cancel", ident)))
-
-    async def _read(self, reader: asyncio.StreamReader) -> None:
-        why = "the host closed the connection"
-        try:
-            while True:
-                kind, ident, sealed = await read_message(reader)
-                answers = self.waiting.get(ident)
-                if answers is None:
-                    continue  # a call withdrawn meanwhile
-                if kind != "chunk":  # the call's last answer: the host is done with it
-                    del self.waiting[ident]
-                answers.put_nowait((kind, sealed))  # opened by the call itself
-        except (asyncio.IncompleteReadError, ConnectionError) as exc:
-            if not isinstance(exc, asyncio.IncompleteReadError):
-                why = f"the connection to the host broke ({exc!r})"
-        except asyncio.CancelledError:
-            why = "the RemoteProxy was closed"
-            raise
-        finally:
-            self._fail_waiting(why)
-
-    def _fail_waiting(self, why: str) -> None:
-        self.open = False
-        waiting, self.waiting = self.waiting, {}
-        for answers in waiting.values():
-            answers.put_nowait(HostUnavailable(self.path, why))
-        self.writer.close()
-
-    async def close(self, why: str) -> None:
-        self._reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reader
-        self._fail_waiting(why)
-        with contextlib.suppress(Exception):
-            await self.writer.wait_closed()
-
-
-def _received(answer: _Answer) -> tuple[str, list[Any]]:
-    if isinstance(answer, HostUnavailable):
-        raise answer
-    return answer
-
-
-def _opened(kind: str, sealed: list[Any]) -> Any:
-    """An answer's value: a result or chunk, or its error raised."""
-    try:
-        value = open_sealed(sealed)
-    except Exception as exc:  # fails this call alone
-        raise TypeError(f"the model host's answer cannot be read here: {exc!r}") from exc
-    if kind == "error":
-        raise unpack_error(value)
-    return value

@@ -4,8 +4,9 @@ A message is a tuple, encoded as the worker pipes' frames (`_executors.ipc`: a
 header, the pickle (protocol 5), each large buffer out of band, never copied into
 the pickle); on the socket it is the frame count, then each frame's length and bytes.
 
-- client to host: `("call", id, item, options)`, `("stream", id, item, options)` and
-  `("cancel", id)`;
+- client to host: `("call", id, item, options)`, `("stream", id, item, options)`,
+  `("cancel", id)`, and `("health", id)` (answered with a `result`: the host's
+  `Health`);
 - host to client: `("result", id, value)`, a stream's `("chunk", id, value)`s then
   its `("end", id, None)`, and `("error", id, packed exception)` (a call's last
   answer, as are a result and an end).

@@ -55,12 +55,17 @@ from .. import (
     WorkerDied,
 )
 from .._reachable import check_callers
+from ..host import RemoteProxy
 
 __all__ = ["Answer", "NotReady", "Serving", "State", "answer_for"]
 
 logger = logging.getLogger("batchproxy")
 
 P = TypeVar("P", bound=Proxy[Any, Any])
+
+Served = Proxy[Any, Any] | RemoteProxy
+"""What a `Serving` starts, drains and reports: a proxy in this process, or one that a
+model host serves to several web workers (`batchproxy.host.RemoteProxy`)."""
 
 
 class State(enum.Enum):
@@ -130,7 +135,7 @@ class Serving:
 
     def __init__(
         self,
-        *proxies: Proxy[Any, Any],
+        *proxies: Served,
         executors: Iterable[Executor] = (),
         load: Callable[[], Awaitable[None]] | None = None,
         retry_after: float = 1.0,
@@ -138,7 +143,7 @@ class Serving:
         drain_timeout: float | None = None,
     ) -> None:
         for proxy in proxies:
-            if not isinstance(proxy, Proxy):
+            if not isinstance(proxy, (Proxy, RemoteProxy)):
                 raise TypeError(f"Serving takes batchproxy proxies, got {proxy!r}")
         if max_callers is not None:
             if isinstance(max_callers, bool) or not isinstance(max_callers, int):
@@ -146,6 +151,8 @@ class Serving:
             if max_callers < 1:
                 raise ValueError(f"max_callers must be at least 1, got {max_callers}")
             for proxy in proxies:
+                if isinstance(proxy, RemoteProxy):
+                    continue  # its batches fill with every worker's callers
                 stats = proxy.stats
                 check_callers(
                     proxy.name,
@@ -167,7 +174,7 @@ class Serving:
             if drain_timeout == math.inf:
                 drain_timeout = None
         self.drain_timeout: float | None = drain_timeout
-        self.proxies: tuple[Proxy[Any, Any], ...] = proxies
+        self.proxies: tuple[Served, ...] = proxies
         self.executors: tuple[Executor, ...] = tuple(executors)
         self.retry_after = retry_after
         self._load = load
@@ -321,9 +328,12 @@ class Serving:
     @overload
     def proxy(self, key: type[P]) -> P: ...
     @overload
+    def proxy(self, key: type[RemoteProxy]) -> RemoteProxy: ...
+    @overload
     def proxy(self, key: str) -> Proxy[Any, Any]: ...
-    def proxy(self, key: type[P] | str) -> Proxy[Any, Any]:
-        """The proxy named `key`, or the one of class `key`."""
+    def proxy(self, key: type[Served] | str) -> Served:
+        """The proxy named `key`, or the one of class `key` (`RemoteProxy` for a
+        model host's; by name, typed as a `Proxy`)."""
         for proxy in self.proxies:
             if proxy.name == key if isinstance(key, str) else isinstance(proxy, key):
                 return proxy
@@ -333,8 +343,10 @@ class Serving:
     @overload
     def provider(self, key: type[P]) -> Callable[[], Awaitable[P]]: ...
     @overload
+    def provider(self, key: type[RemoteProxy]) -> Callable[[], Awaitable[RemoteProxy]]: ...
+    @overload
     def provider(self, key: str) -> Callable[[], Awaitable[Proxy[Any, Any]]]: ...
-    def provider(self, key: type[P] | str) -> Callable[[], Awaitable[Proxy[Any, Any]]]:
+    def provider(self, key: type[Served] | str) -> Callable[[], Awaitable[Served]]:
         """A function that returns the proxy `key` (see `proxy`), or raises `NotReady`
         while the service loads: FastAPI's `Depends(serving.provider(Embedder))`.
 
@@ -342,7 +354,7 @@ class Serving:
         dependency would cost every request a hop to its thread pool and back."""
         proxy = self.proxy(key)  # an unknown key fails here, at import, not per request
 
-        async def ready_proxy() -> Proxy[Any, Any]:
+        async def ready_proxy() -> Served:
             self.check_ready()
             return proxy
 
@@ -378,7 +390,7 @@ class Serving:
         return body
 
 
-def _proxy_report(proxy: Proxy[Any, Any]) -> dict[str, Any]:
+def _proxy_report(proxy: Served) -> dict[str, Any]:
     health = proxy.health
     state = "closed" if proxy.closed else "healthy" if health.healthy else "unhealthy"
     report: dict[str, Any] = {"state": state}

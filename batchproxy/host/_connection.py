@@ -1,0 +1,192 @@
+"""One `RemoteProxy` connection: the socket to the host on one event loop.
+
+Each call has an id, and a queue of its own for the host's answers with that id (a
+unary call's one answer; a stream's chunks, then its end or error). The reader task
+is the only code that delivers those answers; when the connection ends it delivers
+`HostUnavailable` to every call still waiting (and tells its owner, `on_lost`). A
+call whose caller is done before its last answer (cancelled, a stream closed early)
+leaves with a `("cancel", id)` to the host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+from .._errors import HostUnavailable
+from .._stats import Health
+from ._wire import message_bytes, open_sealed, read_message, seal, unpack_error
+
+__all__ = ["Connection"]
+
+_Answer = tuple[str, list[Any]] | HostUnavailable
+"""What a call's queue gets: an answer `(kind, sealed)` from the host, or the
+`HostUnavailable` of a lost connection."""
+
+
+class Connection:
+    """The socket to the host on one event loop: each call's answer queue by id, and the
+    reader task that fills them."""
+
+    def __init__(
+        self,
+        path: str,
+        loop: asyncio.AbstractEventLoop,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        on_lost: Callable[[str], None],
+    ) -> None:
+        self.path = path
+        self.loop = loop
+        self.writer = writer
+        self.open = True
+        self.waiting: dict[int, asyncio.Queue[_Answer]] = {}
+        self._on_lost = on_lost
+        self._idle = asyncio.Event()  # set while no call waits (`waiting` is empty)
+        self._idle.set()
+        self._ids = itertools.count()
+        self._lock = asyncio.Lock()
+        self._reader = loop.create_task(self._read(reader))
+
+    async def call(self, item: Any, options: dict[str, Any]) -> Any:
+        ident, answers = await self._send("call", _sealed(self.path, item), options)
+        try:
+            kind, sealed = _received(await answers.get())
+        finally:
+            self._leave(ident)
+        return _opened(kind, sealed)
+
+    async def stream(self, item: Any, options: dict[str, Any]) -> AsyncGenerator[Any, None]:
+        ident, answers = await self._send("stream", _sealed(self.path, item), options)
+        try:
+            while True:
+                kind, sealed = _received(await answers.get())
+                if kind == "end":
+                    return
+                chunk = _opened(kind, sealed)  # an "error" raises here
+                yield chunk
+        finally:
+            self._leave(ident)
+
+    async def health(self) -> Health:
+        """The host's `Health`, asked now."""
+        ident, answers = await self._send("health")
+        try:
+            kind, sealed = _received(await answers.get())
+        finally:
+            self._leave(ident)
+        health = _opened(kind, sealed)
+        assert isinstance(health, Health), health
+        return health
+
+    async def drained(self) -> None:
+        """Once no call on this connection waits for the host (the others may still
+        make calls meanwhile: the owner stops them first)."""
+        await self._idle.wait()
+
+    async def _send(self, kind: str, *parts: Any) -> tuple[int, asyncio.Queue[_Answer]]:
+        """Send `(kind, id, *parts)`; its id and its answer queue (registered before
+        the message is written, so no answer can arrive unseen)."""
+        ident = next(self._ids)
+        try:
+            data = message_bytes((kind, ident, *parts))
+        except Exception as exc:  # options that cannot travel fail here, alone
+            raise TypeError(
+                f"the call cannot be sent to the model host at {self.path}: {exc!r}"
+            ) from exc
+        answers: asyncio.Queue[_Answer] = asyncio.Queue()
+        self.waiting[ident] = answers
+        self._idle.clear()
+        try:
+            async with self._lock:
+                if not self.open:
+                    raise HostUnavailable(self.path, "the connection to the host was lost")
+                self.writer.write(data)
+                await self.writer.drain()
+        except ConnectionError as exc:
+            self._leave(ident)
+            raise HostUnavailable(self.path, f"the connection broke ({exc!r})") from exc
+        except BaseException:
+            self._leave(ident)
+            raise
+        return ident, answers
+
+    def _leave(self, ident: int) -> None:
+        """The caller is done with call `ident`: if the host may still be working on it
+        (it is still listed: no final answer came), tell the host to drop it."""
+        if self._forget(ident) and self.open:
+            with contextlib.suppress(Exception):
+                self.writer.write(message_bytes(("cancel", ident)))
+
+    def _forget(self, ident: int) -> bool:
+        """Unlist call `ident`; whether it was listed."""
+        listed = self.waiting.pop(ident, None) is not None
+        if not self.waiting:
+            self._idle.set()
+        return listed
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        why = "the host closed the connection"
+        try:
+            while True:
+                kind, ident, sealed = await read_message(reader)
+                answers = self.waiting.get(ident)
+                if answers is None:
+                    continue  # a call withdrawn meanwhile
+                if kind != "chunk":  # the call's last answer: the host is done with it
+                    self._forget(ident)
+                answers.put_nowait((kind, sealed))  # opened by the call itself
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            if not isinstance(exc, asyncio.IncompleteReadError):
+                why = f"the connection to the host broke ({exc!r})"
+        except asyncio.CancelledError:
+            why = "the RemoteProxy was closed"
+            raise
+        finally:
+            self._fail_waiting(why)
+
+    def _fail_waiting(self, why: str) -> None:
+        if self.open:
+            self.open = False
+            self._on_lost(why)
+        waiting, self.waiting = self.waiting, {}
+        self._idle.set()
+        for answers in waiting.values():
+            answers.put_nowait(HostUnavailable(self.path, why))
+        self.writer.close()
+
+    async def close(self, why: str) -> None:
+        self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader
+        self._fail_waiting(why)
+        with contextlib.suppress(Exception):
+            await self.writer.wait_closed()
+
+
+def _sealed(path: str, item: Any) -> list[Any]:
+    """A call's item, sealed to travel; one that cannot fails its own call here."""
+    try:
+        return seal(item)
+    except Exception as exc:
+        raise TypeError(f"the call cannot be sent to the model host at {path}: {exc!r}") from exc
+
+
+def _received(answer: _Answer) -> tuple[str, list[Any]]:
+    if isinstance(answer, HostUnavailable):
+        raise answer
+    return answer
+
+
+def _opened(kind: str, sealed: list[Any]) -> Any:
+    """An answer's value: a result or chunk, or its error raised."""
+    try:
+        value = open_sealed(sealed)
+    except Exception as exc:  # fails this call alone
+        raise TypeError(f"the model host's answer cannot be read here: {exc!r}") from exc
+    if kind == "error":
+        raise unpack_error(value)
+    return value
