@@ -10,7 +10,6 @@ import asyncio
 import os
 import signal
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,11 +29,10 @@ TESTS = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def factories(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def factories(monkeypatch: pytest.MonkeyPatch) -> None:
     """Host processes started from here can import tests/_host_models.py."""
     paths = [str(TESTS), os.environ.get("PYTHONPATH", "")]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))
-    yield
 
 
 def _alive(pid: int) -> bool:
@@ -44,6 +42,10 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+def _exists(path: str) -> bool:
+    return os.path.exists(path)
 
 
 def _hosts_on(path: str) -> list[int]:
@@ -98,7 +100,7 @@ async def test_the_workers_start_one_host_restart_it_when_lost_and_it_exits_afte
     with pytest.raises(batchproxy.ProxyClosed):
         await workers[0].inference("closed")
     await wait_until(lambda: not _alive(again))  # no worker left: it exits on its own
-    assert not os.path.exists(socket_path)
+    assert not _exists(socket_path)
 
 
 async def test_without_a_host_start_fails_after_start_timeout(socket_path: str) -> None:
