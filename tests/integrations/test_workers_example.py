@@ -2,7 +2,8 @@
 batchproxy.host workers_app:embedder`) and `uvicorn workers_app:app --workers 2` in
 front of it (on a Unix socket of their own, so no port is taken). Every answer is
 the sentence's own embedding, both workers answer, and a host that is gone is
-answered 503."""
+answered 503; then the workers start a host of their own, which serves, and which
+exits after them (no process, no socket left)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class Stack:
         self.web_socket = os.path.join(folder, "web.sock")
         paths = [str(ROOT), os.environ.get("PYTHONPATH", "")]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p),
-               "MODEL_SOCKET": self.model_socket}  # fmt: skip
+               "MODEL_SOCKET": self.model_socket, "MODEL_HOST_IDLE_EXIT": "1"}  # fmt: skip
         self.host = subprocess.Popen(
             [sys.executable, "-m", "batchproxy.host", "workers_app:embedder",
              "--socket", self.model_socket],
@@ -65,6 +66,26 @@ class Stack:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        # a host the workers started exits on its own once they are gone
+        deadline = time.monotonic() + 30
+        while self.hosts() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pid in self.hosts():  # (it did not: the assertion below says so)
+            os.kill(pid, signal.SIGKILL)
+
+    def hosts(self) -> list[int]:
+        """The pids of the live host processes on the model socket."""
+        pids = []
+        for entry in Path("/proc").iterdir():
+            try:
+                command = (entry / "cmdline").read_bytes().split(b"\0")
+                state = (entry / "stat").read_text().split(") ")[-1][0]
+            except (OSError, ValueError):
+                continue
+            on_socket = self.model_socket.encode() in command and b"batchproxy.host" in command
+            if on_socket and state != "Z":  # (a zombie has exited)
+                pids.append(int(entry.name))
+        return pids
 
 
 @pytest.fixture
@@ -79,18 +100,25 @@ def stack() -> Iterator[Stack]:
         for name in left:
             os.unlink(os.path.join(folder, name))
         os.rmdir(folder)
-        assert "model.sock" not in left  # the host removed its socket
+        assert "model.sock" not in left  # the hosts removed their socket, and exited
 
 
 async def _ready(client: httpx.AsyncClient) -> None:
+    """Until both workers answer: each is ready (it heard from the host) and serves."""
     deadline = time.monotonic() + 120
-    while True:
+    workers: set[int] = set()
+    while len(workers) < 2:
+        assert time.monotonic() < deadline, f"the workers did not come up ({workers})"
         try:
-            if (await client.get("/readyz")).status_code == 200:
-                return
+            answers = await asyncio.gather(  # new connections: either worker may take one
+                *(
+                    client.post("/embed", json={"text": "hello"}, headers={"Connection": "close"})
+                    for _ in range(8)
+                )
+            )
         except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the workers did not come up"
+            answers = []
+        workers |= {a.json()["worker"] for a in answers if a.status_code == 200}
         await asyncio.sleep(0.1)
 
 
@@ -117,3 +145,10 @@ async def test_two_workers_share_one_host_and_every_answer_is_its_own(stack: Sta
         assert gone.status_code == 503
         assert gone.json()["error"] == "HostUnavailable"
         assert "Retry-After" in gone.headers
+        await _ready(client)  # a worker started a host of its own
+        [host] = stack.hosts()
+        assert host != stack.host.pid
+        again = await client.post("/embed", json={"text": texts[0]})
+        assert again.status_code == 200
+        before = torch.tensor(answers[0].json()["embedding"])
+        assert torch.allclose(torch.tensor(again.json()["embedding"]), before, atol=2e-6)
