@@ -6,7 +6,9 @@ after it was lost. Each call has an id; the answer with that id settles that cal
 future and no other (the host answers each call once). The connection's reader is
 the only code that settles those futures from the host's answers; when the
 connection ends it fails the calls still waiting with `HostUnavailable`, and a call
-whose caller is cancelled leaves with a `("cancel", id)` to the host.
+whose caller is cancelled leaves with a `("cancel", id)` to the host. The items'
+shared-memory segments the host has not read when the connection ends are unlinked
+then (`_shm`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from collections.abc import Hashable, Iterable
 from typing import Any
 
 from .._errors import HostUnavailable
-from ._wire import message_bytes, open_sealed, read_message, seal, unpack_error
+from . import _shm
+from ._wire import message_bytes, open_sealed, read_message, sealed_message, unpack_error
 
 __all__ = ["RemoteProxy"]
 
@@ -136,6 +139,7 @@ class _Connection:
         self.writer = writer
         self.open = True
         self.waiting: dict[int, asyncio.Future[tuple[str, list[Any]]]] = {}
+        self.segments = _shm.Ledger()  # of the items written, until the host reads them
         self._ids = itertools.count()
         self._lock = asyncio.Lock()
         self._reader = loop.create_task(self._read(reader))
@@ -143,7 +147,7 @@ class _Connection:
     async def call(self, item: Any, options: dict[str, Any]) -> Any:
         ident = next(self._ids)
         try:
-            data = message_bytes(("call", ident, seal(item), options))
+            data, names = sealed_message("call", ident, item, options)
         except Exception as exc:  # an item that cannot travel fails here, alone
             raise TypeError(
                 f"the call cannot be sent to the model host at {self.path}: {exc!r}"
@@ -156,6 +160,8 @@ class _Connection:
                     if not self.open:
                         raise HostUnavailable(self.path, "the connection to the host was lost")
                     self.writer.write(data)
+                    self.segments.add(names)  # the host unlinks them as it reads the call
+                    names = []
                     await self.writer.drain()
             except HostUnavailable:
                 raise
@@ -169,8 +175,11 @@ class _Connection:
             raise
         finally:
             self.waiting.pop(ident, None)
+            _shm.unlink(names)  # never written (cancelled, or lost): nobody else knows them
         try:
             answer = open_sealed(sealed)
+        except _shm.SegmentLost as exc:  # the host closed before this call read it
+            raise HostUnavailable(self.path, f"the answer was lost ({exc})") from exc
         except Exception as exc:  # fails this call alone
             raise TypeError(f"the model host's answer cannot be read here: {exc!r}") from exc
         if kind == "error":
@@ -202,6 +211,7 @@ class _Connection:
             if not future.done():
                 future.set_exception(HostUnavailable(self.path, why))
         self.writer.close()
+        self.segments.unlink_all()  # the items the host did not read: nobody will now
 
     async def close(self, why: str) -> None:
         self._reader.cancel()
