@@ -44,8 +44,8 @@ from typing import Any
 
 __all__ = ["THRESHOLD", "Ledger", "Segment", "SegmentLost", "attach", "put", "unlink"]
 
-THRESHOLD = 1 << 20
-"""A buffer of this many bytes or more goes through shared memory (tests lower it)."""
+THRESHOLD: float = 1 << 20
+"""A buffer of this many bytes or more goes through shared memory (`math.inf`: none)."""
 
 DIRECTORY = "/dev/shm"
 PREFIX = "bp-"
