@@ -11,14 +11,21 @@ and the batching's, not a model's: `_host_models.Tagged` with a `delay` per batc
    one in-process proxy, then split over 1, 2 and 4 client processes sending to one
    host: calls/s, the mean batch, and every answer checked (its own item back,
    none lost, no error).
+3. **A 16 MB array**: a float32 array's round trip (item and answer) through a host
+   process that echoes it, LARGE_CALLS calls each way interleaved call by call:
+   through shared memory (the default threshold, 1 MiB) and through the socket (the
+   threshold at infinity, in this process and in its host). The median of each,
+   the answer's every page touched, and the ratio.
 
-Writes `benchmarks/results/host.json` (`--quick`: `host-quick.json`, git-ignored).
+Writes `benchmarks/results/host.json` (`--quick`: `host-quick.json`, git-ignored;
+`--large`: section 3 alone, `host-large.json`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -28,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT), str(HERE)]
@@ -36,7 +45,8 @@ from _host_models import Tagged  # noqa: E402
 from _report import arguments, environment, no_targets, write_report  # noqa: E402
 
 from batchproxy import Percentiles  # noqa: E402
-from batchproxy.host import RemoteProxy  # noqa: E402
+from batchproxy.host import RemoteProxy, _shm  # noqa: E402
+from batchproxy.host.__main__ import serve  # noqa: E402
 
 LONE_CALLS = 2000
 QUICK_LONE_CALLS = 200
@@ -45,6 +55,9 @@ PROCESSES = (1, 2, 4)
 SECONDS = 5.0
 QUICK_SECONDS = 1.0
 DELAY = 0.005  # the model's cost per batch
+LARGE_BYTES = 16 * 2**20
+LARGE_CALLS = 30
+QUICK_LARGE_CALLS = 8
 
 
 def _env() -> dict[str, str]:
@@ -53,9 +66,12 @@ def _env() -> dict[str, str]:
 
 
 class Host:
-    def __init__(self, path: str) -> None:
+    """`python -m batchproxy.host _host_models:tagged`, or the `command` given."""
+
+    def __init__(self, path: str, command: list[str] | None = None) -> None:
+        tagged = ["-m", "batchproxy.host", "_host_models:tagged", "--socket", path]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "batchproxy.host", "_host_models:tagged", "--socket", path],
+            [sys.executable, *(command or tagged)],
             env={**_env(), "HOST_MODEL_DELAY": str(DELAY)},
             stderr=subprocess.PIPE,
             text=True,
@@ -163,18 +179,101 @@ def through_host(path: str, processes: int, seconds: float) -> dict[str, Any]:
     return _rates(totals, share * processes, seconds)
 
 
+THRESHOLDS = {"shared_memory": _shm.THRESHOLD, "socket": math.inf}
+
+
+def echo_host_main(path: str, way: str) -> None:
+    """A host of `_host_models.echo` whose answers go `way` (a key of THRESHOLDS)."""
+    from _host_models import echo
+
+    _shm.THRESHOLD = THRESHOLDS[way]
+    asyncio.run(serve(echo, path, 30.0))
+
+
+async def large(paths: dict[str, str], calls: int) -> dict[str, Any]:
+    """Section 3: `paths` holds an echo host's socket for each way of THRESHOLDS."""
+    array = np.random.default_rng(0).random(LARGE_BYTES // 4, dtype=np.float32)
+    times: dict[str, list[float]] = {way: [] for way in paths}
+    remotes = {way: RemoteProxy(path) for way, path in paths.items()}
+    try:
+        for index in range(calls + 3):
+            order = list(paths) if index % 2 == 0 else list(paths)[::-1]
+            for way in order:
+                _shm.THRESHOLD = THRESHOLDS[way]
+                started = time.perf_counter()
+                answer = await remotes[way].inference(array)
+                answer[:: 4096 // answer.itemsize].sum()  # every page touched
+                if index >= 3:  # after a warm-up
+                    times[way].append(time.perf_counter() - started)
+                elif not np.array_equal(answer, array):
+                    raise AssertionError(f"the echo through {way} is not the array sent")
+                del answer
+    finally:
+        _shm.THRESHOLD = THRESHOLDS["shared_memory"]
+        for remote in remotes.values():
+            await remote.aclose()
+    p50 = {way: 1000 * statistics.median(values) for way, values in times.items()}
+    return {
+        "bytes": LARGE_BYTES,
+        "calls": calls,
+        **{f"{way}_p50_ms": value for way, value in p50.items()},
+        "socket_over_shared_memory": p50["socket"] / p50["shared_memory"],
+    }
+
+
+def run_large(folder: str, calls: int) -> dict[str, Any]:
+    paths = {way: os.path.join(folder, f"{way}.sock") for way in THRESHOLDS}
+    hosts = [Host(path, [__file__, "--echo-host", path, way]) for way, path in paths.items()]
+    try:
+        result = asyncio.run(large(paths, calls))
+    finally:
+        for host in hosts:
+            host.stop()
+    print(f"16 MB round trip: {result}", flush=True)
+    return result
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--client"]:
         path, tag, callers, seconds = sys.argv[2:6]
         client_main(path, tag, int(callers), float(seconds))
         return
-    run = arguments("host", __doc__.splitlines()[0] if __doc__ else None, None)
+    if sys.argv[1:2] == ["--echo-host"]:
+        echo_host_main(*sys.argv[2:4])
+        return
+    run = arguments(
+        "host",
+        __doc__.splitlines()[0] if __doc__ else None,
+        None,
+        mode=("large", "section 3 alone: a 16 MB array with and without shared memory"),
+    )
     seconds = QUICK_SECONDS if run.quick else SECONDS
+    large_calls = QUICK_LARGE_CALLS if run.quick else LARGE_CALLS
+    config: dict[str, Any] = {"large_bytes": LARGE_BYTES, "large_calls": large_calls}
+    results: dict[str, Any] = {}
     folder = tempfile.mkdtemp(prefix="bp-bench-host-", dir="/tmp")
-    path = os.path.join(folder, "model.sock")
+    try:
+        if not run.mode:
+            config.update(model_delay_s=DELAY, callers=CALLERS, seconds=seconds)
+            results.update(lone_and_load(os.path.join(folder, "model.sock"), run.quick, seconds))
+        results["large"] = run_large(folder, large_calls)
+    finally:
+        os.rmdir(folder)
+    write_report(
+        run.output,
+        environment(),
+        quick=run.quick,
+        config=config,
+        targets=no_targets("issue 32 on 2 cores: nothing lost, the added latency small"),
+        results=results,
+    )
+
+
+def lone_and_load(path: str, quick: bool, seconds: float) -> dict[str, Any]:
+    """Sections 1 and 2."""
     host = Host(path)
     try:
-        lone_result = asyncio.run(lone(path, QUICK_LONE_CALLS if run.quick else LONE_CALLS))
+        lone_result = asyncio.run(lone(path, QUICK_LONE_CALLS if quick else LONE_CALLS))
         print(f"lone call: {lone_result}", flush=True)
         loads: dict[str, Any] = {"in_process": asyncio.run(in_process(CALLERS, seconds))}
         print(f"150 callers in process: {loads['in_process']}", flush=True)
@@ -183,15 +282,7 @@ def main() -> None:
             print(f"150 callers over {processes} processes: {loads[f'{processes}_processes']}")
     finally:
         host.stop()
-        os.rmdir(folder)
-    write_report(
-        run.output,
-        environment(),
-        quick=run.quick,
-        config={"model_delay_s": DELAY, "callers": CALLERS, "seconds": seconds},
-        targets=no_targets("issue 32 on 2 cores: nothing lost, the added latency small"),
-        results={"lone": lone_result, "load": loads},
-    )
+    return {"lone": lone_result, "load": loads}
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 `Tagged` answers each item `(item, batch id, batch size, host pid)`: a caller can
 check it got its own item back and see which calls shared a batch. Its `delay`
 (seconds per batch, `$HOST_MODEL_DELAY` for the factory) makes calls queue.
+`Echo` answers each item with itself (large arrays: the shared-memory tests).
 """
 
 from __future__ import annotations
@@ -105,3 +106,53 @@ class Counting(batchproxy.Proxy[Any, Any]):
 def counting() -> Counting:
     """The factory `python -m batchproxy.host` calls for a streaming model."""
     return Counting()
+
+
+class Echo(batchproxy.Proxy[Any, Any]):
+    """Answers each item with itself; `("unsendable", x)` with `(x, a lambda)` and
+    `("unreadable", x)` with `(x, Unreadable())`. For each item with data (an array, a
+    tensor) it notes in `shared` whether that arrived in shared memory."""
+
+    def __init__(self, delay: float = 0.0, **options: Any) -> None:
+        options.setdefault("max_delay_ms", 2.0)
+        super().__init__(16, **options)
+        self.delay = delay
+        self.shared: list[bool] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    @override
+    async def _inference(self, items: list[Any]) -> list[Any]:
+        await self.gate.wait()
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        out: list[Any] = []
+        for item in items:
+            if isinstance(item, tuple) and item[0] == "unsendable":
+                out.append((item[1], lambda: None))
+            elif isinstance(item, tuple) and item[0] == "unreadable":
+                out.append((item[1], Unreadable()))
+            else:
+                if hasattr(item, "__array_interface__") or hasattr(item, "data_ptr"):
+                    self.shared.append(in_shared_memory(item))
+                out.append(item)
+        return out
+
+
+def echo() -> Echo:
+    """The factory `python -m batchproxy.host` calls."""
+    return Echo(delay=float(os.environ.get("HOST_MODEL_DELAY", "0")))
+
+
+def in_shared_memory(data: Any) -> bool:
+    """Whether `data`'s memory (a NumPy array's, a torch tensor's) lies in a mapping of
+    one of batchproxy's shared-memory segments in this process (Linux's maps)."""
+    address = data.data_ptr() if hasattr(data, "data_ptr") else data.__array_interface__["data"][0]
+    with open("/proc/self/maps", encoding="utf-8") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/bp-"):
+                start, end = (int(bound, 16) for bound in fields[0].split("-"))
+                if start <= address < end:
+                    return True
+    return False

@@ -11,7 +11,10 @@ that they share one copy of the model and batch together.
 
 Messages (`_wire`) are the worker pipes' frames (pickle protocol 5, large buffers out
 of band) on the socket, which only this user can open, and the host checks each
-peer's user (`SO_PEERCRED`).
+peer's user (`SO_PEERCRED`). A buffer of 1 MiB or more (a large NumPy array or CPU
+tensor) travels in POSIX shared memory instead (`_shm`): copied once, received as a
+view of the segment, which is unlinked as soon as it is read, or when its
+connection closes unread.
 
 May import: `_errors`, `_executors`, `_loops`, `_option_values`, `_stats`, `_validate`.
 """

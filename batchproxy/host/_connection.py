@@ -5,7 +5,8 @@ unary call's one answer; a stream's chunks, then its end or error). The reader t
 is the only code that delivers those answers; when the connection ends it delivers
 `HostUnavailable` to every call still waiting (and tells its owner, `on_lost`). A
 call whose caller is done before its last answer (cancelled, a stream closed early)
-leaves with a `("cancel", id)` to the host.
+leaves with a `("cancel", id)` to the host. The items' shared-memory segments the
+host has not read when the connection ends are unlinked then (`_shm`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Any
 
 from .._errors import HostUnavailable
 from .._stats import Health
-from ._wire import message_bytes, open_sealed, read_message, seal, unpack_error
+from . import _shm
+from ._wire import message_bytes, open_sealed, read_message, sealed_message, unpack_error
 
 __all__ = ["Connection"]
 
@@ -44,6 +46,7 @@ class Connection:
         self.writer = writer
         self.open = True
         self.waiting: dict[int, asyncio.Queue[_Answer]] = {}
+        self.segments = _shm.Ledger()  # of the items written, until the host reads them
         self._on_lost = on_lost
         self._idle = asyncio.Event()  # set while no call waits (`waiting` is empty)
         self._idle.set()
@@ -52,33 +55,35 @@ class Connection:
         self._reader = loop.create_task(self._read(reader))
 
     async def call(self, item: Any, options: dict[str, Any]) -> Any:
-        ident, answers = await self._send("call", _sealed(self.path, item), options)
+        ident, answers = await self._send(lambda ident: self._sealed("call", ident, item, options))
         try:
             kind, sealed = _received(await answers.get())
         finally:
             self._leave(ident)
-        return _opened(kind, sealed)
+        return _opened(self.path, kind, sealed)
 
     async def stream(self, item: Any, options: dict[str, Any]) -> AsyncGenerator[Any, None]:
-        ident, answers = await self._send("stream", _sealed(self.path, item), options)
+        ident, answers = await self._send(
+            lambda ident: self._sealed("stream", ident, item, options)
+        )
         try:
             while True:
                 kind, sealed = _received(await answers.get())
                 if kind == "end":
                     return
-                chunk = _opened(kind, sealed)  # an "error" raises here
+                chunk = _opened(self.path, kind, sealed)  # an "error" raises here
                 yield chunk
         finally:
             self._leave(ident)
 
     async def health(self) -> Health:
         """The host's `Health`, asked now."""
-        ident, answers = await self._send("health")
+        ident, answers = await self._send(lambda ident: (message_bytes(("health", ident)), []))
         try:
             kind, sealed = _received(await answers.get())
         finally:
             self._leave(ident)
-        health = _opened(kind, sealed)
+        health = _opened(self.path, kind, sealed)
         assert isinstance(health, Health), health
         return health
 
@@ -87,16 +92,14 @@ class Connection:
         make calls meanwhile: the owner stops them first)."""
         await self._idle.wait()
 
-    async def _send(self, kind: str, *parts: Any) -> tuple[int, asyncio.Queue[_Answer]]:
-        """Send `(kind, id, *parts)`; its id and its answer queue (registered before
-        the message is written, so no answer can arrive unseen)."""
+    async def _send(
+        self, message: Callable[[int], tuple[bytes, list[str]]]
+    ) -> tuple[int, asyncio.Queue[_Answer]]:
+        """Send `message(id)` (its bytes, and the shared-memory segments they carry);
+        the id and its answer queue (registered before the message is written, so no
+        answer can arrive unseen)."""
         ident = next(self._ids)
-        try:
-            data = message_bytes((kind, ident, *parts))
-        except Exception as exc:  # options that cannot travel fail here, alone
-            raise TypeError(
-                f"the call cannot be sent to the model host at {self.path}: {exc!r}"
-            ) from exc
+        data, names = message(ident)
         answers: asyncio.Queue[_Answer] = asyncio.Queue()
         self.waiting[ident] = answers
         self._idle.clear()
@@ -105,6 +108,8 @@ class Connection:
                 if not self.open:
                     raise HostUnavailable(self.path, "the connection to the host was lost")
                 self.writer.write(data)
+                self.segments.add(names)  # the host unlinks them as it reads the call
+                names = []
                 await self.writer.drain()
         except ConnectionError as exc:
             self._leave(ident)
@@ -112,7 +117,20 @@ class Connection:
         except BaseException:
             self._leave(ident)
             raise
+        finally:
+            _shm.unlink(names)  # never written (cancelled, or lost): nobody else knows them
         return ident, answers
+
+    def _sealed(
+        self, kind: str, ident: int, item: Any, options: dict[str, Any]
+    ) -> tuple[bytes, list[str]]:
+        """A call's message; one whose item or options cannot travel fails here, alone."""
+        try:
+            return sealed_message(kind, ident, item, options)
+        except Exception as exc:
+            raise TypeError(
+                f"the call cannot be sent to the model host at {self.path}: {exc!r}"
+            ) from exc
 
     def _leave(self, ident: int) -> None:
         """The caller is done with call `ident`: if the host may still be working on it
@@ -157,6 +175,7 @@ class Connection:
         for answers in waiting.values():
             answers.put_nowait(HostUnavailable(self.path, why))
         self.writer.close()
+        self.segments.unlink_all()  # the items the host did not read: nobody will now
 
     async def close(self, why: str) -> None:
         self._reader.cancel()
@@ -167,24 +186,18 @@ class Connection:
             await self.writer.wait_closed()
 
 
-def _sealed(path: str, item: Any) -> list[Any]:
-    """A call's item, sealed to travel; one that cannot fails its own call here."""
-    try:
-        return seal(item)
-    except Exception as exc:
-        raise TypeError(f"the call cannot be sent to the model host at {path}: {exc!r}") from exc
-
-
 def _received(answer: _Answer) -> tuple[str, list[Any]]:
     if isinstance(answer, HostUnavailable):
         raise answer
     return answer
 
 
-def _opened(kind: str, sealed: list[Any]) -> Any:
+def _opened(path: str, kind: str, sealed: list[Any]) -> Any:
     """An answer's value: a result or chunk, or its error raised."""
     try:
         value = open_sealed(sealed)
+    except _shm.SegmentLost as exc:  # the host closed before this call read it
+        raise HostUnavailable(path, f"the answer was lost ({exc})") from exc
     except Exception as exc:  # fails this call alone
         raise TypeError(f"the model host's answer cannot be read here: {exc!r}") from exc
     if kind == "error":

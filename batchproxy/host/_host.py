@@ -8,7 +8,8 @@ back on the connection they came from (a stream's chunks as they come, then its
 end or its error). A `("cancel", id)` cancels that
 task (a queued request leaves the queue, a running one's result is dropped), and a
 connection that ends (its process exited or died) cancels all of its calls:
-nothing of a departed client is left in the host.
+nothing of a departed client is left in the host, nor any shared-memory segment of
+an answer it did not read (`_shm`).
 """
 
 from __future__ import annotations
@@ -25,11 +26,15 @@ from typing import Any
 
 from .._errors import DeadlineExceeded, HostUnavailable
 from .._stats import Health
-from ._wire import message_bytes, open_sealed, pack_error, read_message, seal
+from . import _shm
+from ._wire import open_sealed, pack_error, read_message, sealed_message
 
 __all__ = ["ModelHost"]
 
 _PEER = struct.Struct("3i")  # struct ucred: pid, uid, gid
+READ_GRACE = 5.0
+"""Seconds a closing host waits for a client to read the answers it has written in
+shared memory before it unlinks them."""
 
 
 class ModelHost:
@@ -41,9 +46,11 @@ class ModelHost:
     the socket (owner-only, mode 0600, in a directory you choose; a stale socket file
     is replaced, a live one refused with `FileExistsError`), and on exit stops
     listening, lets the calls in flight finish for up to `drain_timeout` seconds
-    (None: no bound), closes every connection (their callers' calls still pending
-    fail with `HostUnavailable`), closes the proxy (its drain by the same deadline:
-    a model that hangs holds no close) and removes the socket file.
+    (None: no bound), lets each client read the answers already written in shared
+    memory (for up to `READ_GRACE` seconds), closes every connection (their callers'
+    calls still pending fail with `HostUnavailable`), closes the proxy (its drain by
+    the `drain_timeout` deadline: a model that hangs holds no close) and removes the
+    socket file.
     Peers of another user are refused (`SO_PEERCRED`) and counted in `refused`.
     """
 
@@ -116,8 +123,7 @@ class ModelHost:
         calls = [task for connection in connections for task in connection.calls.values()]
         if calls:  # the calls in flight finish, up to drain_timeout
             await asyncio.wait(calls, timeout=self.drain_timeout)
-        for connection in connections:
-            await connection.close()
+        await asyncio.gather(*(connection.close(READ_GRACE) for connection in connections))
         with contextlib.suppress(Exception):
             await server.wait_closed()
         # the proxy's own drain by the same deadline: a hung model holds no close
@@ -158,10 +164,11 @@ class ModelHost:
                 elif message[0] == "cancel":
                     connection.cancel(message[1])
                 elif message[0] == "health":  # a web worker's readiness, answered at once
-                    await connection.send(("result", message[1], seal(self.health())))
+                    await connection.send(*sealed_message("result", message[1], self.health()))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client process closed the connection, or died
         finally:
+            connection.peer_gone.set()  # it reads no more: its unread segments can go
             self._connections.discard(connection)
             await connection.close()
 
@@ -173,7 +180,10 @@ class _Connection:
         self.host = host
         self.writer = writer
         self.calls: dict[int, asyncio.Task[None]] = {}
+        self.segments = _shm.Ledger()  # of the answers written, until the client reads them
+        self.peer_gone = asyncio.Event()
         self._lock = asyncio.Lock()  # one message written at a time
+        self._eof = False  # the host closed its side for writing
 
     def start(self, ident: int, item: Any, options: dict[str, Any], *, stream: bool) -> None:
         task = asyncio.get_running_loop().create_task(self._call(ident, item, options, stream))
@@ -201,7 +211,7 @@ class _Connection:
             async with contextlib.aclosing(self.host.proxy.stream(item, **call)) as chunks:
                 async for chunk in chunks:
                     await self._answer(ident, "chunk", chunk)
-            await self.send(("end", ident, seal(None)))
+            await self.send(*sealed_message("end", ident, None))
         except asyncio.CancelledError:
             return  # the caller cancelled (or left): nobody waits for an answer
         except Exception as exc:
@@ -226,30 +236,47 @@ class _Connection:
         """Send a result or chunk; one that cannot travel raises `TypeError` (which
         fails its own call only)."""
         try:
-            message = (kind, ident, seal(value))
+            data, names = sealed_message(kind, ident, value)
         except Exception as exc:
             raise TypeError(f"the model host could not send the call's {kind}: {exc!r}") from exc
-        await self.send(message)
+        await self.send(data, names)
 
     async def send_error(self, ident: int, error: BaseException) -> None:
-        await self.send(("error", ident, seal(pack_error(error))))  # (its parts all pickle)
+        await self.send(*sealed_message("error", ident, pack_error(error)))  # (it pickles)
 
-    async def send(self, message: tuple[Any, ...]) -> None:
-        data = message_bytes(message)
-        async with self._lock:
-            if self.writer.is_closing():
-                return
-            self.writer.write(data)
-            with contextlib.suppress(ConnectionError):
-                await self.writer.drain()
+    async def send(self, data: bytes, names: list[str]) -> None:
+        """Write one message; `names`, its segments, are the ledger's once written."""
+        try:
+            async with self._lock:
+                if self.writer.is_closing() or self._eof:
+                    return
+                self.writer.write(data)
+                self.segments.add(names)  # the client unlinks them as it reads them
+                names = []
+                with contextlib.suppress(ConnectionError):
+                    await self.writer.drain()
+        finally:
+            _shm.unlink(names)  # never written (cancelled, or closed): nobody else knows them
 
-    async def close(self) -> None:
+    async def close(self, grace: float = 0.0) -> None:
+        """Cancel the calls, close, and unlink the answers' segments the client has not
+        read. With `grace` (the host closing, the client maybe still there), first
+        close the writing side only and give the client up to `grace` seconds to read
+        what was written: it reads to the end of the stream, then closes its side."""
         calls = list(self.calls.values())
         for task in calls:
             task.cancel()
-        if calls:
-            await asyncio.gather(*calls, return_exceptions=True)
-        self.writer.close()
+        try:
+            if calls:
+                await asyncio.gather(*calls, return_exceptions=True)
+            if grace > 0 and not self.writer.is_closing() and self.segments.sweep():
+                self._eof = True  # (first: no message may follow the end of the stream)
+                with contextlib.suppress(Exception):  # (a transport with no half-close)
+                    self.writer.write_eof()
+                    await asyncio.wait_for(self.peer_gone.wait(), grace)
+        finally:  # even if cancelled: nothing of this connection outlives it
+            self.writer.close()
+            self.segments.unlink_all()
         with contextlib.suppress(Exception):
             await self.writer.wait_closed()
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import math
 import os
 import time
 import weakref
@@ -221,7 +222,9 @@ class RemoteProxy:
         """Stop taking calls (`ProxyClosed`), let those in flight finish (for up to
         `timeout` seconds: then they fail with `HostUnavailable`), and close the
         connections (another running loop's on that loop). Idempotent."""
-        timeout = _validate.timeout("timeout", timeout)
+        if timeout is not None:  # (>= 0, as for `Proxy.aclose`: a drain's deadline may be now)
+            timeout = _validate.duration("timeout", timeout, allow_zero=True, allow_inf=True)
+            timeout = None if timeout == math.inf else timeout
         self._closed = True
         watch, self._watch = self._watch, None
         if watch is not None:

@@ -14,7 +14,10 @@ the pickle); on the socket it is the frame count, then each frame's length and b
 The item, the value and the packed exception travel sealed (`seal`: pickled on their
 own, their buffers still out of band) and are opened (`open_sealed`) by the call they
 belong to: one that cannot be unpickled at the other end (a class only one side can
-import, a `__reduce__` that raises) fails that call alone, not the connection.
+import, a `__reduce__` that raises) fails that call alone, not the connection. A
+sealed buffer of `_shm.THRESHOLD` bytes or more travels in shared memory instead
+(`_shm`: who makes and who unlinks the segments); the reader maps those as it reads
+the message (`read_message`), so its arrays are views of the segment.
 
 `options` holds the call's `priority`, `tenant` and `key` as given, and for a call
 with a timeout its `timeout` and its `deadline` on `time.monotonic()` (the system's
@@ -35,8 +38,18 @@ import struct
 from typing import Any
 
 from .._executors.ipc import decode, encode
+from . import _shm
 
-__all__ = ["message_bytes", "open_sealed", "pack_error", "read_message", "seal", "unpack_error"]
+__all__ = [
+    "message_bytes",
+    "open_sealed",
+    "pack_error",
+    "read_message",
+    "seal",
+    "sealed_message",
+    "segment_names",
+    "unpack_error",
+]
 
 _COUNT = struct.Struct("<I")
 _SIZE = struct.Struct("<Q")
@@ -60,19 +73,58 @@ def message_bytes(message: tuple[Any, ...]) -> bytes:
     return bytes(out)
 
 
-def seal(value: Any) -> list[pickle.PickleBuffer]:
+def seal(value: Any) -> list[Any]:
     """`value` pickled on its own, to travel inside a message (raises what pickling
-    raises)."""
-    return [pickle.PickleBuffer(frame) for frame in encode(value)[1:]]
+    raises, before any segment is made): the pickle and each buffer as a
+    `PickleBuffer`, or a buffer of `_shm.THRESHOLD` bytes or more copied into a
+    shared-memory segment, as its `_shm.Segment`. The caller owns those segments
+    (`segment_names`): it writes them on a connection or unlinks them."""
+    frames = encode(value)
+    parts: list[Any] = [pickle.PickleBuffer(frames[1])]
+    try:
+        for view in frames[2:]:
+            segment = _shm.put(view) if view.nbytes >= _shm.THRESHOLD else None
+            if segment is None:
+                parts.append(pickle.PickleBuffer(view))
+            else:
+                parts.append(segment)
+                view.release()  # copied: the array's buffer is let go at once
+    except BaseException:  # (put fails with None, not OSError: only an interrupt)
+        _shm.unlink(segment_names(parts))
+        raise
+    return parts
+
+
+def segment_names(parts: list[Any]) -> list[str]:
+    """The shared-memory segments of sealed `parts`."""
+    return [part.name for part in parts if isinstance(part, _shm.Segment)]
+
+
+def sealed_message(kind: str, ident: int, value: Any, *rest: Any) -> tuple[bytes, list[str]]:
+    """`message_bytes((kind, ident, seal(value), *rest))` and the names of the segments
+    it carries, which the caller owns from here on (raises what pickling raises,
+    after unlinking any it made)."""
+    parts = seal(value)
+    names = segment_names(parts)
+    try:
+        return message_bytes((kind, ident, parts, *rest)), names
+    except BaseException:
+        _shm.unlink(names)
+        raise
 
 
 def open_sealed(parts: list[Any]) -> Any:
-    """What `seal` sealed (raises what unpickling raises)."""
+    """What `seal` sealed (raises what unpickling raises, or `_shm.SegmentLost` for a
+    segment that could not be mapped when the message was read)."""
+    for part in parts:
+        if isinstance(part, _shm.SegmentLost):
+            raise part
     return decode([b"", *parts])
 
 
 async def read_message(reader: asyncio.StreamReader) -> Any:
-    """The next message (raises `asyncio.IncompleteReadError` at the end of the stream)."""
+    """The next message (raises `asyncio.IncompleteReadError` at the end of the stream).
+    Its segments are mapped and unlinked here, whatever becomes of its call."""
     (count,) = _COUNT.unpack(await reader.readexactly(_COUNT.size))
     frames: list[Any] = []
     for _ in range(count):

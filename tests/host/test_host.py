@@ -11,7 +11,6 @@ import asyncio
 import gc
 import json
 import os
-import signal
 import stat
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 from _host_models import Tagged, Unreadable
+from _host_process import TESTS, HostProcess, environment
 from _support import wait_until
 
 import batchproxy
@@ -31,9 +31,6 @@ pytestmark = [
     pytest.mark.skipif(sys.platform == "win32", reason="Unix domain sockets"),
     pytest.mark.usefixtures("no_leftovers"),  # no task or thread left behind
 ]
-
-TESTS = Path(__file__).resolve().parents[1]
-ROOT = TESTS.parent
 
 
 def _exists(path: str) -> bool:
@@ -288,46 +285,10 @@ def test_a_host_needs_a_proxy() -> None:
 # -- with processes -------------------------------------------------------------------
 
 
-def _environment(**extra: str) -> dict[str, str]:
-    paths = [str(TESTS), str(ROOT), os.environ.get("PYTHONPATH", "")]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p), **extra}
-
-
-class HostProcess:
-    """`python -m batchproxy.host _host_models:tagged --socket PATH`, started and
-    stopped here (killed on failure)."""
-
-    def __init__(self, path: str, delay: float = 0.0) -> None:
-        self.path = path
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "batchproxy.host", "_host_models:tagged", "--socket", path],
-            env=_environment(HOST_MODEL_DELAY=str(delay)),
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        assert self.process.stderr is not None
-        line = self.process.stderr.readline()  # "serving ... on PATH" once listening
-        assert "serving" in line, line
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout=30)
-        finally:
-            if self.process.poll() is None:
-                self.process.kill()
-                self.process.wait()
-
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.wait()
-
-
 def _client(path: str, ident: str, count: int, *flags: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, str(TESTS / "_host_client.py"), path, ident, str(count), *flags],
-        env=_environment(),
+        env=environment(),
         stdout=subprocess.PIPE,
         text=True,
     )
