@@ -20,15 +20,17 @@ load and `aclose()` mid-flight), runs it, and checks (tests/_combinations.py):
 
 The loop's examples run on looptime's virtual clock; those with threads in real time.
 In CI the file takes one to two minutes: 2,000 examples on the virtual clock, 200
-with threads, 5 on worker processes. `BATCHPROXY_COMBINATIONS=20000` runs ten times as
-many of each. What it found (`FOUND`) stays as regression tests; what it found in
-threads (`@batch_args`' `inference_sync`, which took neither the function's arguments
-nor the `with_call_options` ones) is covered in tests/calls/test_batch_args.py.
+with threads, 100 through a model host, 5 on worker processes.
+`BATCHPROXY_COMBINATIONS=20000` runs ten times as many of each. What it found
+(`FOUND`) stays as regression tests; what it found in threads (`@batch_args`'
+`inference_sync`, which took neither the function's arguments nor the
+`with_call_options` ones) is covered in tests/calls/test_batch_args.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from collections.abc import Hashable
 from typing import Any
@@ -116,6 +118,19 @@ def test_every_combination_on_worker_processes(data: st.DataObject) -> None:
     """A few examples on `ProcessWorkers` (one worker process each: slow to start), with
     calls from threads; its model sees no batch key nor contexts, so none are drawn."""
     config = data.draw(configs(threads=True, processes=True), label="config")
+    program = data.draw(programs(config, HORIZON, threads=True), label="program")
+    in_real_time(config, program)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="Unix domain sockets")
+@time_limit(100, 0.5)
+@combination_settings(100)
+@given(data=st.data())
+def test_every_combination_through_a_model_host(data: st.DataObject) -> None:
+    """The same through a `ModelHost` and a `RemoteProxy` (issue 32): the calls cross
+    a socket, the options travel, errors are packed and unpacked, cancellations and
+    the close go across; in real time, with calls from threads."""
+    config = data.draw(configs(threads=True, remote=True), label="config")
     program = data.draw(programs(config, HORIZON, threads=True), label="program")
     in_real_time(config, program)
 
