@@ -160,7 +160,7 @@ def _rates(counts: dict[str, Any], callers: int, seconds: float) -> dict[str, An
 
 
 def through_host(path: str, processes: int, seconds: float) -> dict[str, Any]:
-    share = CALLERS // processes
+    shares = [CALLERS // processes + (i < CALLERS % processes) for i in range(processes)]
     command = [sys.executable, __file__, "--client", path]
     clients = [
         subprocess.Popen(
@@ -169,14 +169,14 @@ def through_host(path: str, processes: int, seconds: float) -> dict[str, Any]:
             stdout=subprocess.PIPE,
             text=True,
         )
-        for i in range(processes)
+        for i, share in enumerate(shares)
     ]
     totals = {"right": 0, "wrong": 0, "failed": 0, "batch_sum": 0}
     for client in clients:
         out, _ = client.communicate(timeout=seconds + 120)
         for key, value in json.loads(out).items():
             totals[key] += value
-    return _rates(totals, share * processes, seconds)
+    return _rates(totals, sum(shares), seconds)
 
 
 THRESHOLDS = {"shared_memory": _shm.THRESHOLD, "socket": math.inf}
