@@ -18,7 +18,7 @@ from _support import wait_until
 
 import batchproxy
 from batchproxy.host import ModelHost, RemoteProxy
-from batchproxy.integrations.fastapi import Serving
+from batchproxy.integrations._serving import NotReady, Serving  # (framework-free)
 
 pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="Unix sockets, flock and /proc"),
@@ -106,7 +106,7 @@ async def test_the_workers_start_one_host_restart_it_when_lost_and_it_exits_afte
 async def test_without_a_host_start_fails_after_start_timeout(socket_path: str) -> None:
     service = Serving(RemoteProxy(socket_path, start_timeout=0.2))
     await service.start()
-    with pytest.raises(batchproxy.integrations.fastapi.NotReady):
+    with pytest.raises(NotReady):
         await service.wait_ready()
     answer = service.readiness()
     assert answer.status == 503
