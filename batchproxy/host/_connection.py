@@ -150,13 +150,9 @@ class Connection:
         why = "the host closed the connection"
         try:
             while True:
-                kind, ident, sealed = await read_message(reader)
-                answers = self.waiting.get(ident)
-                if answers is None:
-                    continue  # a call withdrawn meanwhile
-                if kind != "chunk":  # the call's last answer: the host is done with it
-                    self._forget(ident)
-                answers.put_nowait((kind, sealed))  # opened by the call itself
+                # (handed on, not kept in this frame while the next one is awaited: its
+                # buffers may map shared memory, freed only with the last reference)
+                self._deliver(*await read_message(reader))
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             if not isinstance(exc, asyncio.IncompleteReadError):
                 why = f"the connection to the host broke ({exc!r})"
@@ -165,6 +161,15 @@ class Connection:
             raise
         finally:
             self._fail_waiting(why)
+
+    def _deliver(self, kind: str, ident: int, sealed: list[Any]) -> None:
+        """An answer to the call it is for (opened by the call itself)."""
+        answers = self.waiting.get(ident)
+        if answers is None:
+            return  # a call withdrawn meanwhile
+        if kind != "chunk":  # the call's last answer: the host is done with it
+            self._forget(ident)
+        answers.put_nowait((kind, sealed))
 
     def _fail_waiting(self, why: str) -> None:
         if self.open:

@@ -154,23 +154,28 @@ class ModelHost:
         self._connections.add(connection)
         try:
             while True:
-                message = await read_message(reader)
-                if message[0] in ("call", "stream") and self._closing:
-                    closing = HostUnavailable(self.path, "the host is shutting down")
-                    await connection.send_error(message[1], closing)
-                elif message[0] in ("call", "stream"):
-                    kind, ident, item, options = message
-                    connection.start(ident, item, options, stream=kind == "stream")
-                elif message[0] == "cancel":
-                    connection.cancel(message[1])
-                elif message[0] == "health":  # a web worker's readiness, answered at once
-                    await connection.send(*sealed_message("result", message[1], self.health()))
+                # (handed on, not kept in this frame while the next one is awaited: its
+                # buffers may map shared memory, freed only with the last reference)
+                await self._handle(connection, await read_message(reader))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client process closed the connection, or died
         finally:
             connection.peer_gone.set()  # it reads no more: its unread segments can go
             self._connections.discard(connection)
             await connection.close()
+
+    async def _handle(self, connection: _Connection, message: tuple[Any, ...]) -> None:
+        """One message from a client."""
+        if message[0] in ("call", "stream") and self._closing:
+            closing = HostUnavailable(self.path, "the host is shutting down")
+            await connection.send_error(message[1], closing)
+        elif message[0] in ("call", "stream"):
+            kind, ident, item, options = message
+            connection.start(ident, item, options, stream=kind == "stream")
+        elif message[0] == "cancel":
+            connection.cancel(message[1])
+        elif message[0] == "health":  # a web worker's readiness, answered at once
+            await connection.send(*sealed_message("result", message[1], self.health()))
 
 
 class _Connection:

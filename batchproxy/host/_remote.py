@@ -234,6 +234,7 @@ class RemoteProxy:
         here = asyncio.get_running_loop()
         connections = list(self._connections.items())
         self._connections.clear()
+        self._connecting.clear()  # (a finished one holds its connection)
         mine = [connection for loop, connection in connections if loop is here]
         if mine:
             with contextlib.suppress(asyncio.TimeoutError):

@@ -100,6 +100,22 @@ async def test_a_large_array_travels_both_ways_in_shared_memory(
     assert result[0] == -1.0
 
 
+async def test_a_segment_is_unmapped_once_its_array_is_dropped_connection_open(
+    echoed: tuple[Echo, ModelHost, RemoteProxy], made: list[int]
+) -> None:
+    """No frame of either side keeps a message read while it awaits the next one: the
+    host's item and the caller's answer unmap as soon as their arrays go, while the
+    connection stays open (the first version kept the last message of each side
+    mapped until the next message, or the connection's end)."""
+    _, _, remote = echoed
+    result = await remote.inference(big(0))
+    assert in_shared_memory(result)
+    del result
+    gc.collect()
+    assert mapped() == []
+    assert made == [4 * FLOATS, 4 * FLOATS]
+
+
 async def test_a_large_cpu_tensor_travels_both_ways_in_shared_memory(
     echoed: tuple[Echo, ModelHost, RemoteProxy], made: list[int]
 ) -> None:
