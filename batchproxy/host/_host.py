@@ -63,6 +63,9 @@ class ModelHost:
         self.drain_timeout = drain_timeout
         self.refused = 0
         """Connections refused because their process belongs to another user."""
+        self.expired = 0
+        """Calls whose deadline had passed on their way here: answered `DeadlineExceeded`
+        without reaching the proxy (so not in its `stats.timed_out`)."""
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[_Connection] = set()
         self._entered = False
@@ -232,6 +235,7 @@ class _Connection:
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
+                self.host.expired += 1
                 name = getattr(self.host.proxy, "name", type(self.host.proxy).__name__)
                 raise DeadlineExceeded(str(name), float(call["timeout"]))
             call["timeout"] = left

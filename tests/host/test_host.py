@@ -138,6 +138,16 @@ async def test_a_timeout_travels_as_a_deadline(socket_path: str) -> None:
     assert all("late" not in batch for batch in proxy.seen)  # left the queue unrun
 
 
+async def test_a_call_whose_deadline_passed_on_its_way_is_counted_by_the_host(
+    served: tuple[Tagged, ModelHost, RemoteProxy],
+) -> None:
+    proxy, host, remote = served
+    with pytest.raises(batchproxy.DeadlineExceeded):
+        await remote.inference("late", timeout=1e-9)  # gone before the host reads it
+    assert host.expired == 1
+    assert proxy.stats.requests == 0  # never reached the proxy
+
+
 async def test_a_cancelled_caller_cancels_its_call_in_the_host(socket_path: str) -> None:
     proxy = Tagged()
     proxy.gate.clear()
