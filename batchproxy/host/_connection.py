@@ -55,12 +55,7 @@ class Connection:
         self._reader = loop.create_task(self._read(reader))
 
     async def call(self, item: Any, options: dict[str, Any]) -> Any:
-        ident, answers = await self._send(lambda ident: self._sealed("call", ident, item, options))
-        try:
-            kind, sealed = _received(await answers.get())
-        finally:
-            self._leave(ident)
-        return _opened(self.path, kind, sealed)
+        return await self._one_answer(lambda ident: self._sealed("call", ident, item, options))
 
     async def stream(self, item: Any, options: dict[str, Any]) -> AsyncGenerator[Any, None]:
         ident, answers = await self._send(
@@ -78,14 +73,18 @@ class Connection:
 
     async def health(self) -> Health:
         """The host's `Health`, asked now."""
-        ident, answers = await self._send(lambda ident: (message_bytes(("health", ident)), []))
+        health = await self._one_answer(lambda ident: (message_bytes(("health", ident)), []))
+        assert isinstance(health, Health), health
+        return health
+
+    async def _one_answer(self, message: Callable[[int], tuple[bytes, list[str]]]) -> Any:
+        """Send `message(id)`; the host's one answer to it (its error raised)."""
+        ident, answers = await self._send(message)
         try:
             kind, sealed = _received(await answers.get())
         finally:
             self._leave(ident)
-        health = _opened(self.path, kind, sealed)
-        assert isinstance(health, Health), health
-        return health
+        return _opened(self.path, kind, sealed)
 
     async def drained(self) -> None:
         """Once no call on this connection waits for the host (the others may still
