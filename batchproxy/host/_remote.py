@@ -116,9 +116,7 @@ class RemoteProxy:
 
     async def inference(self, item: Any, **call: Unpack[CallOptions]) -> Any:
         """`item`'s result from the host's proxy (see the class)."""
-        options = _options("inference()", call)
-        connection = await self._connect()
-        return await connection.call(item, options)
+        return await self._call(item, _options("inference()", call))
 
     async def inference_many(
         self, items: Iterable[Any], *, return_exceptions: bool = False, **call: Unpack[CallOptions]
@@ -126,8 +124,8 @@ class RemoteProxy:
         """Each item as its own call, all at once; results in order. With
         `return_exceptions`, a failed item's exception takes its place instead of
         the first failure raising (the other calls are then cancelled)."""
-        _options("inference_many()", call)  # a bad option raises here, not per item
-        calls = [asyncio.ensure_future(self.inference(item, **call)) for item in items]
+        options = _options("inference_many()", call)  # checked once; one deadline for all
+        calls = [asyncio.ensure_future(self._call(item, options)) for item in items]
         try:
             return list(await asyncio.gather(*calls, return_exceptions=return_exceptions))
         finally:
@@ -147,8 +145,8 @@ class RemoteProxy:
     def submit(self, item: Any, **call: Unpack[CallOptions]) -> concurrent.futures.Future[Any]:
         """From a plain thread: `inference` on the process-wide `BackgroundLoop`; a
         `concurrent.futures.Future` of its result (cancel it to cancel the call)."""
-        _options("submit()", call)
-        return BackgroundLoop.default().submit(self.inference(item, **call))
+        options = _options("submit()", call)  # here: a bad option raises in the caller
+        return BackgroundLoop.default().submit(self._call(item, options))
 
     def inference_sync(self, item: Any, **call: Unpack[CallOptions]) -> Any:
         """From a plain thread: block for `inference`'s result (on the process-wide
@@ -165,7 +163,7 @@ class RemoteProxy:
                 f"{self!r}.inference_sync() was called in a thread running an event loop, "
                 f"which it would block: await remote.inference(...) there"
             )
-        future = BackgroundLoop.default().submit(self.inference(item, **call))
+        future = BackgroundLoop.default().submit(self._call(item, options))
         seconds = options.get("timeout")
         try:
             done, _ = concurrent.futures.wait(
@@ -178,6 +176,11 @@ class RemoteProxy:
             assert seconds is not None  # only a bounded wait ends without the result
             raise DeadlineExceeded(self.name, seconds)
         return future.result()
+
+    async def _call(self, item: Any, options: dict[str, Any]) -> Any:
+        """One call with its options checked (`_options`), on this loop's connection."""
+        connection = await self._connect()
+        return await connection.call(item, options)
 
     # -- as a service's proxy -----------------------------------------------------------
 
