@@ -730,7 +730,10 @@ def explain(
         counts["refused"] += 1
         return None if result.closed_at is not None else f"closed: {outcome!r}"
     if isinstance(outcome, batchproxy.DeadlineExceeded):
-        counts["unsure"] += config.remote  # (its deadline may pass on the way to the host)
+        # its deadline may pass on the way to a host; a thread's own wait (its timeout
+        # + 0.5 s, `inference_sync`'s guard against a loop too busy to answer) may end
+        # before that busy loop admitted the call
+        counts["unsure"] += config.remote or call.form == "sync"
         return None if call.timeout is not None else f"timed out: {outcome!r}"
     if isinstance(outcome, asyncio.CancelledError):
         # a caller cancelled as it called, on a closed proxy, may not have been accepted;
