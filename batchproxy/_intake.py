@@ -282,6 +282,11 @@ class Intake(Generic[In]):
             return [f.exception() or f.result() for f in futures]
         finally:
             self.withdraw(binding, requests)
+            # an error raised here keeps this frame in its traceback, and these lists
+            # keep the futures that keep the error: empty them, or each is a cycle
+            requests.clear()
+            futures.clear()
+            del future
 
     def measure(self, item: In) -> int:
         """An item's cost, by `length`: an int >= 0, or a clear `TypeError`."""

@@ -379,6 +379,9 @@ class Proxy(ABC, CallForms[In, Out]):
             timer = request.deadline_timer
             if timer is not None:
                 timer.cancel()
+            # an error raised here keeps this frame in its traceback, and the frame's
+            # request keeps its future, which keeps the error: a cycle per failed call
+            del request
 
     async def stream(
         self,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import importlib.util
 import os
 import subprocess
@@ -295,6 +296,45 @@ def loop_errors() -> Iterator[list[dict[str, Any]]]:
         yield seen
     finally:
         loop.set_exception_handler(previous)
+
+
+@contextlib.contextmanager
+def batchproxy_cycles() -> Iterator[list[str]]:
+    """What batchproxy left in reference cycles in the block: the objects of its own
+    types, and the tasks and coroutines of its code, that only the cyclic garbage
+    collector could free (found with collection off, then one `DEBUG_SAVEALL` pass).
+    Each request that leaves such a cycle adds to the collector's full passes, which
+    hold the GIL, and so stall the model's thread, for as long as they walk the heap."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    found: list[str] = []
+    try:
+        yield found
+    finally:
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            gc.collect()
+            found.extend(name for name in map(_ours, gc.garbage) if name is not None)
+        finally:
+            gc.garbage.clear()
+            gc.set_debug(0)
+            gc.collect()  # (what was saved above is garbage again: freed now)
+            if enabled:
+                gc.enable()
+
+
+def _ours(thing: object) -> str | None:
+    """`thing`'s name if it is batchproxy's: an instance of its types, or a task or
+    coroutine running its code."""
+    kind = type(thing)
+    if kind.__module__.startswith("batchproxy"):
+        return f"{kind.__module__}.{kind.__qualname__}"
+    coroutine = thing.get_coro() if isinstance(thing, asyncio.Task) else thing
+    code = getattr(coroutine, "cr_code", None)
+    if code is not None and f"{os.sep}batchproxy{os.sep}" in code.co_filename:
+        return f"{kind.__name__} of {code.co_name}"
+    return None
 
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

@@ -301,9 +301,13 @@ class WorkerThread(Executor):
         with contextlib.suppress(RuntimeError):  # stopping: the shutdown path answers the job
             thread_loop.call_soon_threadsafe(self._take_inbox)
         outcome = await future
-        if type(outcome) is _Raised:
+        if type(outcome) is not _Raised:
+            return outcome
+        del job, future  # (they lead to the error, whose traceback will keep this frame)
+        try:
             raise outcome.exc
-        return outcome
+        finally:
+            del outcome
 
     # -- on the worker thread -----------------------------------------------------------
 
@@ -334,8 +338,9 @@ class WorkerThread(Executor):
     def _take_inbox(self) -> None:
         with self._lock:
             jobs, self._inbox = self._inbox, []
-        for job in jobs:
-            self._start_job(job)
+        jobs.reverse()
+        while jobs:  # (popped, not a loop variable: an error's traceback keeps this frame)
+            self._start_job(jobs.pop())
 
     def _start_job(self, job: _Job) -> None:
         if job.future.cancelled():  # its batch was abandoned before it started
@@ -362,6 +367,7 @@ class WorkerThread(Executor):
             outcome = _Raised(exc)
         del fn, items, context  # like reply(): this frame is still here after the answer
         job.reply(outcome)
+        del job, outcome  # an error's traceback keeps this frame: no cycle through them
 
     @staticmethod
     async def _finish(job: _Job, awaitable: Awaitable[Any]) -> None:
@@ -370,6 +376,7 @@ class WorkerThread(Executor):
         except BaseException as exc:
             outcome = _Raised(exc)
         job.reply(outcome)
+        del job, outcome  # an error's traceback keeps this frame: no cycle through them
 
     def _shut_down(self, loop: asyncio.AbstractEventLoop) -> None:
         with self._lock:

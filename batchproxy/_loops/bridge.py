@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import threading
 import time
 import weakref
@@ -54,13 +55,14 @@ _LOOK_EVERY = 1.0
 
 
 class _Routed:
-    """One routed call: the future its caller holds, the error it gets if the loop's end
-    cuts it off, and its task once it started."""
+    """One routed call: the error it gets if the loop's end cuts it off, and its task
+    once it started. (Not its future: the future's done callback holds the call, so the
+    two would form a cycle per call; the bridge holds the future while the call is open,
+    its caller after.)"""
 
-    __slots__ = ("ended_error", "future", "task")
+    __slots__ = ("ended_error", "task")
 
     def __init__(self, ended_error: Callable[[], BaseException]) -> None:
-        self.future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self.ended_error = ended_error
         self.task: asyncio.Task[Any] | None = None
 
@@ -84,7 +86,8 @@ class LoopBridge:
         self._on_end = on_end
         self._armed = True  # the loop-end hook still has work to do
         self._lock = threading.Lock()
-        self._open: set[_Routed] = set()  # routed and not settled (under _lock)
+        # routed and not settled, with the future each one settles (under _lock)
+        self._open: dict[_Routed, concurrent.futures.Future[Any]] = {}
         self._ended = False  # the loop ended, or the proxy left it: route nothing more
         self.done: concurrent.futures.Future[None] = concurrent.futures.Future()
         """Set once the loop's end is dealt with (the hook ran, or `close()`)."""
@@ -109,18 +112,19 @@ class LoopBridge:
         `ended_error()` if the loop's end cuts it off. None (nothing routed) if the loop
         has ended or does not run: serve the call elsewhere."""
         call = _Routed(ended_error)
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._lock:
             if self._ended or not self.loop.is_running():
                 return None
-            self._open.add(call)
-        call.future.add_done_callback(lambda _: self._withdraw(call))
+            self._open[call] = future
+        future.add_done_callback(functools.partial(self._withdraw, call))
         try:
             # the callback runs in a copy of this thread's contextvars context, as
             # run_coroutine_threadsafe's does (so the proxy sees a model calling itself)
             self.loop.call_soon_threadsafe(self._start, call, make)
         except RuntimeError:  # the loop closed since we looked
             self._settle(call, error=ended_error())
-        return call.future
+        return future
 
     def wait(self, future: concurrent.futures.Future[Any], timeout: float | None) -> bool:
         """Block until `future` (routed here) is done or `timeout` passes: whether it is
@@ -203,12 +207,12 @@ class LoopBridge:
         else:
             self._settle(call, result=task.result())
 
-    def _withdraw(self, call: _Routed) -> None:
+    def _withdraw(self, call: _Routed, future: concurrent.futures.Future[Any]) -> None:
         """The call's future is done: if its caller cancelled it, stop its task."""
-        if not call.future.cancelled():
+        if not future.cancelled():
             return
         with self._lock:
-            self._open.discard(call)
+            self._open.pop(call, None)
             task = call.task
         if task is not None:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nothing runs there
@@ -220,18 +224,17 @@ class LoopBridge:
         """The one place a routed call's future gets its outcome (once: whoever takes the
         call out of `_open` settles it)."""
         with self._lock:
-            if call not in self._open:
-                return
-            self._open.discard(call)
-        _resolve(call.future, result, error)
+            future = self._open.pop(call, None)
+        if future is not None:
+            _resolve(future, result, error)
 
     def _end(self) -> list[_Routed]:
         """Route nothing more; settle the open calls; return them (their tasks may run)."""
         with self._lock:
             self._ended = True
-            calls, self._open = self._open, set()
-        for call in calls:
-            _resolve(call.future, None, call.ended_error())
+            calls, self._open = self._open, {}
+        for call, future in calls.items():
+            _resolve(future, None, call.ended_error())
         return list(calls)
 
     async def _loop_ending(self) -> None:

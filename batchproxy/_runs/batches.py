@@ -132,6 +132,10 @@ async def run_batch(
         runner.batch_ended(binding, task, size, ended - started, error, released=released)
         binding.batch_tasks.discard(task)  # (`end_task`, inline: once per batch)
         binding.members.pop(task, None)
+        current_batch.set(None)
+        # a model error's traceback keeps this frame: let go of it, and of the requests
+        # whose futures keep it, or the batch stays in a cycle
+        del error, requests, claimed
 
 
 # -- the hooks every run kind uses ------------------------------------------------------
@@ -295,9 +299,12 @@ class Runner(Generic[In]):
 
     def end_task(self, binding: Binding[In], task: asyncio.Task[Any]) -> None:
         """A batch task's run kind ends (its last line, however it ends): it leaves
-        `binding.batch_tasks`."""
+        `binding.batch_tasks`, and its context lets go of it (`current_batch`: the task
+        holds its context, so the two would stay alive, a reference cycle, until the
+        garbage collector's next full pass, one per batch)."""
         binding.batch_tasks.discard(task)
         binding.members.pop(task, None)
+        current_batch.set(None)  # (in the task, or a done callback's copy: harmless there)
 
     def claim(
         self, binding: Binding[In], requests: list[Request[In]] | None

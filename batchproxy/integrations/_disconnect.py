@@ -172,6 +172,9 @@ class _Watch:
     def stop(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        waiter = self._waiter
+        waiter, self._waiter = self._waiter, None
         if waiter is not None and not waiter.done():
+            # the cancelled waiter keeps its CancelledError, whose traceback holds the
+            # waiter's frame and so this watch: let go of the waiter, or the two form a
+            # cycle that holds the request's objects until a full collection
             waiter.cancel()

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import aclosing, suppress
 from typing import Any
 
 import pytest
+from _support import batchproxy_cycles
 from typing_extensions import override
 
-from batchproxy import Proxy
+import batchproxy
+from batchproxy import InvalidItem, Proxy
 from batchproxy._intake import Intake
 from batchproxy._runs.batches import Runner, run_batch
 from batchproxy._scheduling.queue import Request, RequestQueue
@@ -96,3 +99,97 @@ async def test_a_waiting_call_keeps_one_object_more_than_a_bare_hand_off() -> No
         results = await asyncio.gather(*callers)
         assert results == list(range(CALLERS))
     assert held - baseline <= 1.05, f"{held - baseline:.2f} tracked objects more per call"
+
+
+class Doubles(Proxy[int, int]):
+    """Doubles each item; refuses an odd item over 100 (an `InvalidItem` for it), raises
+    for a batch holding 999, and takes 0.2 s over one holding 555."""
+
+    @override
+    async def _inference(self, items: list[int]) -> list[int | BaseException]:
+        if 999 in items:
+            raise RuntimeError("boom")
+        if 555 in items:
+            await asyncio.sleep(0.2)
+        return [InvalidItem("odd") if i > 100 and i % 2 else 2 * i for i in items]
+
+
+class Counts(Proxy[int, int]):
+    """Streams item, item + 1, item + 2."""
+
+    @override
+    def _inference(self, items: list[int]) -> Iterator[list[int]]:
+        for step in range(3):
+            yield [item + step for item in items]
+
+
+async def _fails(call: Awaitable[Any]) -> None:
+    # (not `pytest.raises`: it keeps the error, whose traceback holds this frame)
+    try:
+        await call
+    except (InvalidItem, RuntimeError, batchproxy.DeadlineExceeded, asyncio.TimeoutError):
+        return
+    raise AssertionError("the call did not fail")
+
+
+async def _cancelled(call: Awaitable[Any]) -> None:
+    task = asyncio.ensure_future(call)
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with suppress(asyncio.CancelledError):
+        await task
+
+
+async def _from_threads(proxy: Doubles) -> None:
+    loop = asyncio.get_running_loop()
+    assert await loop.run_in_executor(None, lambda: proxy.submit(4).result()) == 8
+    assert await loop.run_in_executor(None, lambda: proxy.inference_sync(5)) == 10
+
+
+async def _streamed(proxy: Counts) -> None:
+    assert [chunk async for chunk in proxy.stream(3)] == [3, 4, 5]
+    async with aclosing(proxy.stream(3)) as chunks:
+        async for _ in chunks:
+            break
+
+
+CYCLE_CASES: dict[str, Callable[[Any], Awaitable[None]]] = {
+    "results": lambda p: asyncio.gather(*(p.inference(i) for i in range(20))),
+    "inference_many": lambda p: p.inference_many([1, 2, 3]),
+    "an invalid item": lambda p: _fails(p.inference(101)),
+    "a model error": lambda p: _fails(p.inference(999)),
+    "inference_many, an invalid item": lambda p: _fails(p.inference_many([1, 103])),
+    "inference_many, a model error": lambda p: _fails(p.inference_many([1, 999])),
+    "a deadline": lambda p: _fails(p.inference(555, timeout=0.05)),
+    "wait_for": lambda p: _fails(asyncio.wait_for(p.inference(555), 0.05)),
+    "a cancel": lambda p: _cancelled(p.inference(555)),
+    "keys and priorities": lambda p: p.inference(7, key="k", priority=1, timeout=5.0),
+    "threads": _from_threads,
+    "a stream": _streamed,
+}
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["on-the-loop", "offload"])
+@pytest.mark.parametrize("case", list(CYCLE_CASES))
+async def test_a_call_leaves_no_reference_cycle(case: str, offload: bool) -> None:
+    """Whatever its outcome, a call's batch task, requests, futures and errors are freed
+    by reference counting as it ends, not left in cycles for the collector's full
+    passes, which under load stall the model's thread for as long as they walk the
+    heap (hundreds of ms with a model loaded). Each of these left one: a batch task's
+    context held the task (`current_batch`); an error raised in a frame whose locals
+    led back to it (the request, its future, the worker thread's job); a thread's
+    routed call held its future, whose callback held the call."""
+    proxy = (
+        Counts(batch_size=8, offload=offload)
+        if case == "a stream"
+        else Doubles(batch_size=8, offload=offload)
+    )
+    async with proxy:
+        await proxy.inference_many([])  # (bind it, and start what stays: the thread)
+        if case != "a stream":
+            await proxy.inference_many([0])
+        with batchproxy_cycles() as cycles:
+            await CYCLE_CASES[case](proxy)
+            for _ in range(3):
+                await asyncio.sleep(0)
+        assert cycles == []

@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager, suppress
 from typing import Any
 
 import pytest
-from _support import on_uvicorn, wait_until
+from _support import batchproxy_cycles, on_uvicorn, wait_until
 from typing_extensions import override
 
 import batchproxy
@@ -345,3 +345,32 @@ async def test_only_a_request_that_waits_pays_for_a_disconnect_waiter(seconds: f
     await CancelOnDisconnect(app)(scope, receive, send)
     await asyncio.sleep(3 * WATCH_AFTER)
     assert reads == (1 if seconds == 0.0 else 2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_watched_requests_leave_no_reference_cycle(kind: str) -> None:
+    """Requests answered after their disconnect watch started, and one whose client
+    left, are freed by reference counting as they end: the ASGI watch's cancelled
+    waiter kept its `CancelledError`, whose traceback held the watch, which held the
+    waiter: a cycle per request slower than `WATCH_AFTER`, holding the request's
+    objects until the collector's next full pass."""
+    proxy = Held(batch_size=8)
+    async with served(kind, proxy) as port:
+        proxy.release.set()
+        warm = await Client.post(port, "warm")  # (what the first request starts)
+        assert await warm.status() == 200
+        await warm.hang_up()
+        proxy.release.clear()
+        with batchproxy_cycles() as cycles:
+            blocker = await hold_the_model(port, proxy)
+            clients = [await Client.post(port, f"x{i}") for i in range(4)]
+            await wait_until(lambda: proxy.stats.queue_depth == 4)
+            await asyncio.sleep(2 * WATCH_AFTER)  # every request's watch has started
+            await clients.pop().hang_up()
+            await wait_until(lambda: proxy.stats.disconnected == 1)
+            proxy.release.set()
+            assert [await c.status() for c in [blocker, *clients]] == [200] * 4
+            for client in [blocker, *clients]:
+                await client.hang_up()
+            await asyncio.sleep(0.1)  # the server ends each request
+        assert cycles == []

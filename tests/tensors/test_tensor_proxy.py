@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _support import batchproxy_cycles
 from typing_extensions import override
 
 from batchproxy import TensorProxy
@@ -389,3 +390,34 @@ async def test_every_caller_gets_its_own_result_with_length_aware_batching(
     for item, result in zip(items, results, strict=True):
         np.testing.assert_array_equal(result, item * 2)
     assert sum(len(batch.lengths) for batch in proxy.batches) == len(items)
+
+
+class Refuses999(TensorProxy[Any, Any]):
+    """Doubles its batch; raises for a batch holding a 999."""
+
+    @override
+    def _forward(self, batch: Collated, /) -> Any:
+        if bool((batch.data == 999).any()):
+            raise RuntimeError("boom")
+        return batch.data * 2
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["on-the-loop", "offload"])
+async def test_a_batch_leaves_no_reference_cycle_whatever_its_outcome(offload: bool) -> None:
+    """A tensor batch's collated data, staged jobs and error are freed by reference
+    counting as it ends: a model error's traceback kept the worker thread's frame that
+    took the job from its inbox, and so the job, whose future kept the error."""
+    async with Refuses999(batch_size=8, offload=offload, length_aware=True) as proxy:
+        await proxy.inference(torch.ones(2))  # (what stays: the worker thread)
+        with batchproxy_cycles() as cycles:
+            results = await asyncio.gather(*(proxy.inference(torch.ones(i + 1)) for i in range(20)))
+            assert [r.tolist() for r in results] == [[2.0] * (i + 1) for i in range(20)]
+            try:  # (not `pytest.raises`: it keeps the error, whose traceback holds this frame)
+                await proxy.inference(torch.full((3,), 999.0))
+            except RuntimeError:
+                pass
+            else:
+                raise AssertionError("the model did not raise")
+            for _ in range(3):
+                await asyncio.sleep(0)
+        assert cycles == []
