@@ -111,7 +111,7 @@ def serve(batch_size: int) -> None:
     from fastapi_app import create_app
 
     # a generous deadline: a demo on a busy machine should report slow, not fail
-    app = create_app(batch_size=batch_size, timeout=60.0)
+    app = create_app(batch_size=batch_size, timeout=60.0, freeze_gc=True)
     serve_app(app, timeout_keep_alive=120, backlog=2048)  # (connections idle between levels)
 
 

@@ -71,16 +71,20 @@ class Embeddings(BaseModel):
 
 
 def create_app(
-    *, minilm: tuple[PreTrainedTokenizerBase, PreTrainedModel] | None = None, **options: Any
+    *,
+    minilm: tuple[PreTrainedTokenizerBase, PreTrainedModel] | None = None,
+    freeze_gc: bool = False,
+    **options: Any,
 ) -> FastAPI:
     """The service; `minilm` is a loaded `(tokenizer, model)`, else the weights are read
-    at startup; `options` go to `EmbeddingService` (batch_size, max_queue_size, timeout...).
+    at startup; `freeze_gc`: `Serving`'s (a served process's setting: the tests leave it
+    off); `options` go to `EmbeddingService` (batch_size, max_queue_size, timeout...).
 
     `app.state.service` is the `EmbeddingService`, `app.state.serving` its `Serving`.
     """
     tokenizer, model = minilm if minilm else (load_tokenizer(), None)
     service = EmbeddingService(tokenizer, model, **options)
-    serving = Serving(service.proxy, load=service.load)
+    serving = Serving(service.proxy, load=service.load, freeze_gc=freeze_gc)
     metrics = PrometheusMetrics(CollectorRegistry())  # a registry of this app's own
     metrics.instrument(service.proxy)
 
@@ -128,7 +132,7 @@ def create_app(
     return app
 
 
-app = create_app()
+app = create_app(freeze_gc=True)
 """`uvicorn examples.fastapi_app:app`: the default options, the weights read at startup."""
 
 
@@ -136,7 +140,7 @@ def main() -> None:
     import uvicorn
 
     host, port, options = serve_options("all-MiniLM-L6-v2 embeddings on FastAPI", 8000)
-    uvicorn.run(create_app(**options), host=host, port=port)
+    uvicorn.run(create_app(freeze_gc=True, **options), host=host, port=port)
 
 
 if __name__ == "__main__":

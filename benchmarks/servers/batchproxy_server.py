@@ -2,8 +2,9 @@
 
 A `TensorProxy` (`examples/minilm.py`'s `MiniLMEmbedder`: length-aware, the adaptive
 window of WINDOW_MS at most, batches of BATCH_SIZE at most, `offload=True`: the model
-runs on the proxy's worker thread) behind `Serving` and `install`; each handler
-tokenizes its own text and awaits its own vector.
+runs on the proxy's worker thread) behind `Serving` (with `freeze_gc=True`, as
+docs/serving.md advises for a serving process) and `install`; each handler tokenizes
+its own text and awaits its own vector.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from minilm import MiniLMEmbedder
 from batchproxy.integrations.fastapi import Serving, install
 
 
-def create_app() -> FastAPI:
+def embedder() -> MiniLMEmbedder:
+    """The proxy, its model loaded (also the model host's, in `host_server.py`)."""
     tokenizer, model = load()
-    embedder = MiniLMEmbedder(
+    return MiniLMEmbedder(
         tokenizer,
         model,
         BATCH_SIZE,
@@ -27,7 +29,10 @@ def create_app() -> FastAPI:
         offload=True,
         timeout=REQUEST_TIMEOUT_S,
     )
-    serving = Serving(embedder)
+
+
+def create_app() -> FastAPI:
+    serving = Serving(embedder(), freeze_gc=True)
     app = FastAPI(lifespan=serving.lifespan)
     install(app, serving)
 

@@ -7,8 +7,12 @@ The stacks, each a server in a child process of its own on a free port of 127.0.
 batches of BATCH_SIZE at most, a WINDOW_MS window where a stack has one):
 
 - batchproxy: the README's service, FastAPI with `Serving` and `install`, a
-  `TensorProxy` (length-aware, the adaptive window, `offload=True`); each handler
-  tokenizes its own text;
+  `TensorProxy` (length-aware, the adaptive window, `offload=True`), and
+  `Serving(freeze_gc=True)` as docs/serving.md advises; each handler tokenizes its
+  own text;
+- host (only when named: `--stacks host,...`): the same service split as
+  docs/serving.md's "Several web workers" shows, two uvicorn workers (HTTP, JSON,
+  tokenizing) in front of one model host process (`host_server.py`);
 - regular: FastAPI, one forward pass per request on one model thread;
 - litserve, mosec: the peers, each with its own dynamic batching, each in its own
   virtual environment that this script builds (`benchmarks/servers/.venvs/<stack>`,
@@ -107,6 +111,7 @@ STACKS = {
     stack.name: stack
     for stack in (
         Stack("batchproxy", "batchproxy (TensorProxy)", "batchproxy_server.py", "/embed"),
+        Stack("host", "batchproxy, 2 web workers + model host", "host_server.py", "/embed"),
         Stack("regular", "regular FastAPI", "regular_server.py", "/embed"),
         Stack("litserve", "LitServe", "litserve_server.py", "/predict", ("litserve==0.2.19",)),
         Stack("mosec", "mosec", "mosec_server.py", "/inference", ("mosec==0.9.8",)),
@@ -114,6 +119,7 @@ STACKS = {
     )
 }
 ALL = (*STACKS, CEILING)
+DEFAULT = tuple(name for name in ALL if name != "host")  # (on 2 cores it only adds processes)
 
 
 def log(message: str) -> None:
@@ -405,6 +411,7 @@ def plot(rows: Sequence[dict[str, Any]], ceiling: float | None, output: Path, ti
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), dpi=110)
     styles = {
         "batchproxy": ("tab:blue", "s"),
+        "host": ("tab:cyan", "P"),
         "regular": ("tab:red", "o"),
         "litserve": ("tab:purple", "D"),
         "mosec": ("tab:green", "v"),
@@ -468,8 +475,8 @@ def plot(rows: Sequence[dict[str, Any]], ceiling: float | None, output: Path, ti
 def extra_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stacks",
-        default=",".join(ALL),
-        help=f"comma-separated, from {','.join(ALL)} (default: all)",
+        default=",".join(DEFAULT),
+        help=f"comma-separated, from {','.join(ALL)} (default: all but host)",
     )
     parser.add_argument("--rounds", type=int, default=None, help="rounds (default 3; quick 1)")
     parser.add_argument(

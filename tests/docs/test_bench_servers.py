@@ -35,7 +35,10 @@ def test_quick_is_levels_1_and_8_one_round(run: ModuleType, tmp_path: Path) -> N
     plan = run.plan_of(parsed)
     assert (plan.levels, plan.rounds) == ((1, 8), 1)
     assert parsed.output.name == "servers-quick.json"
-    assert run.parse_stacks(parsed.args.stacks) == list(run.ALL)
+    assert run.parse_stacks(parsed.args.stacks) == list(run.DEFAULT)
+    assert "host" in run.ALL  # (run when named: on 2 cores it only adds processes)
+    assert "host" not in run.DEFAULT
+    assert run.parse_stacks("host,batchproxy") == ["host", "batchproxy"]
     full = run.plan_of(run.arguments("servers", None, ["--levels", "1,150"], extra=run.extra_flags))
     assert (full.levels, full.rounds) == ((1, 150), run.ROUNDS)
     assert all(5 <= len(text.split()) <= 60 for text in full.texts)
