@@ -25,6 +25,7 @@ answered 503 with `Retry-After`, a blank text 422.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -42,9 +43,14 @@ __all__ = ["app", "create_app", "embedder"]
 
 
 def embedder() -> MiniLMEmbedder:
-    """The host's proxy (`python -m batchproxy.host workers_app:embedder ...`)."""
+    """The host's proxy (`python -m batchproxy.host workers_app:embedder ...`). The model
+    is loaded: keep it out of the garbage collector's full passes from now on, as
+    `Serving(freeze_gc=True)` does in a web worker (docs/serving.md)."""
     tokenizer, model = load_minilm()
-    return MiniLMEmbedder(tokenizer, model, 64, max_delay_ms=5.0, offload=True)
+    proxy = MiniLMEmbedder(tokenizer, model, 64, max_delay_ms=5.0, offload=True)
+    gc.collect()
+    gc.freeze()
+    return proxy
 
 
 class EmbedRequest(BaseModel):

@@ -136,7 +136,7 @@ class Serving:
     once and `gc.freeze()` what is alive (the model, the framework), so the garbage
     collector's full passes, which hold the GIL and so stall the model's thread and
     the event loop, no longer walk it: with a model loaded such a pass took 200-250
-    ms, every 10-15 s under load; frozen, 25-80 ms. A process-wide setting, off by
+    ms, every 10-15 s under load; frozen, 2-13 ms. A process-wide setting, off by
     default: what is frozen stays for the process's life (docs/serving.md).
     """
 

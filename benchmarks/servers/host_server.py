@@ -1,8 +1,8 @@
 """batchproxy with a model host: WORKERS uvicorn workers in front of one model host.
 
 The README's service split as `docs/serving.md` ("Several web workers") describes it:
-the model host process (`python -m batchproxy.host batchproxy_server:embedder`) holds
-the one model and its proxy, `batchproxy_server.py`'s; each uvicorn worker parses
+the model host process (`python -m batchproxy.host host_server:embedder`) holds the
+one model and its proxy, `batchproxy_server.py`'s; each uvicorn worker parses
 HTTP and JSON and tokenizes in its own process, then sends the token ids to the host
 through `RemoteProxy`. So the model's thread no longer shares a GIL with the event
 loops that serve HTTP.
@@ -13,21 +13,32 @@ uvicorn supervisor with its workers are in that group, and go with it.
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
 import tempfile
 
+import batchproxy_server
 from _common import HERE, announce_port, log_to_file
 from _http import EmbedIn, EmbedOut
 from fastapi import Depends, FastAPI
-from minilm import load_tokenizer, tokenize
+from minilm import MiniLMEmbedder, load_tokenizer, tokenize
 
 from batchproxy.host import RemoteProxy
 from batchproxy.integrations.fastapi import Serving, install
 
 WORKERS = 2  # uvicorn workers (one per core here)
 SOCKET_VARIABLE = "BENCH_HOST_SOCKET"
+
+
+def embedder() -> MiniLMEmbedder:
+    """The host's proxy: `batchproxy_server.py`'s, the model then kept out of the garbage
+    collector's full passes (what `Serving(freeze_gc=True)` does in a web worker)."""
+    proxy = batchproxy_server.embedder()
+    gc.collect()
+    gc.freeze()
+    return proxy
 
 
 def create_app() -> FastAPI:
@@ -55,7 +66,7 @@ def main() -> None:
     port = announce_port()
     path = os.path.join(tempfile.mkdtemp(prefix="bench-host-"), "minilm.sock")
     os.environ[SOCKET_VARIABLE] = path
-    host = [sys.executable, "-m", "batchproxy.host", "batchproxy_server:embedder", "--socket", path]
+    host = [sys.executable, "-m", "batchproxy.host", "host_server:embedder", "--socket", path]
     subprocess.Popen(host, cwd=HERE, stdin=subprocess.DEVNULL)  # in this group: goes with it
     uvicorn.run(
         "host_server:create_app",

@@ -195,7 +195,10 @@ async def test_freeze_gc_freezes_what_loading_left_alive_before_it_reports_ready
         loaded.append(_Weights())
         seen_frozen.append(gc.get_freeze_count())
 
-    serving = Serving(Recorder(), load=load, freeze_gc=True)
+    thread = WorkerThread(name="shared")  # (with the other options it meets)
+    serving = Serving(
+        Recorder(offload=thread), executors=[thread], load=load, drain_timeout=5, freeze_gc=True
+    )
     async with serving.running():
         await serving.wait_ready()
         frozen = gc.get_freeze_count()
