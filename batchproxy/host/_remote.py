@@ -129,8 +129,10 @@ class RemoteProxy:
         try:
             return list(await asyncio.gather(*calls, return_exceptions=return_exceptions))
         finally:
-            for task in calls:
-                task.cancel()
+            # (popped, not a loop variable: an error raised here keeps this frame in its
+            # traceback, and a failed call's task keeps the error: a cycle per failure)
+            while calls:
+                calls.pop().cancel()
 
     async def stream(self, item: Any, **call: Unpack[CallOptions]) -> AsyncGenerator[Any, None]:
         """`item`'s chunks from the host proxy's `stream` as they come (its `timeout`

@@ -21,7 +21,7 @@ from typing import Any
 import _workers
 import numpy as np
 import pytest
-from _support import peak_in_flight, wait_until
+from _support import batchproxy_cycles, peak_in_flight, wait_until
 
 import batchproxy
 from batchproxy import ProcessWorkers, Proxy, WorkerDied
@@ -852,3 +852,23 @@ async def test_an_unexpected_error_in_a_workers_thread_fails_its_batch(
         served_by, item = await asyncio.wait_for(proxy.inference("next"), 30)
         assert item == "next"
         assert served_by is not None
+
+
+async def test_calls_on_worker_processes_leave_no_reference_cycle() -> None:
+    """Results, `inference_many` and a model error that comes back from a worker are freed
+    by reference counting (see `tests/calls/test_hot_path.py`: what a cycle costs)."""
+    async with ProcessWorkers(_workers.doubling, 1) as workers, Proxy(offload=workers) as proxy:
+        await proxy.inference(1)
+        with batchproxy_cycles() as cycles:
+            doubled = await asyncio.gather(*(proxy.inference(i) for i in range(8)))
+            assert [answer[0] for answer in doubled] == [2 * i for i in range(8)]
+            assert [answer[0] for answer in await proxy.inference_many([1, 2])] == [2, 4]
+            try:  # (not `pytest.raises`: it keeps the error, whose traceback holds this frame)
+                await proxy.inference(None)  # None * 2 raises in the worker
+            except TypeError:
+                pass
+            else:
+                raise AssertionError("the model did not raise")
+            for _ in range(3):
+                await asyncio.sleep(0.01)
+        assert cycles == []

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import pytest
 from _host_models import Counting, Tagged
-from _support import wait_until
+from _support import batchproxy_cycles, wait_until
 
 import batchproxy
 from batchproxy.host import ModelHost, RemoteProxy
@@ -259,3 +259,39 @@ async def test_a_thread_waiting_on_a_lost_host_gets_host_unavailable(socket_path
     assert [type(exc) for exc in outcome] == [batchproxy.HostUnavailable]
     with pytest.raises(batchproxy.HostUnavailable):  # and no host now: at once
         await in_a_thread(remote.inference_sync, "x")
+
+
+async def _refused(call: Any) -> None:
+    # (not `pytest.raises`: it keeps the error, whose traceback holds this frame)
+    try:
+        await call
+    except (batchproxy.InvalidItem, ValueError, batchproxy.DeadlineExceeded):
+        return
+    raise AssertionError("the call was not refused")
+
+
+async def test_calls_through_a_host_leave_no_reference_cycle(
+    served: tuple[Tagged, ModelHost, RemoteProxy], socket_path: str
+) -> None:
+    """Both ends of a host connection free each call by reference counting, whatever its
+    outcome (see `tests/calls/test_hot_path.py`: what a cycle costs under load)."""
+    _, _, remote = served
+    path = socket_path + ".streams"
+    async with ModelHost(Counting(), path), RemoteProxy(path) as streams:
+        await remote.inference("warm")
+        assert [chunk async for chunk in streams.stream(2)] == [(2, 0), (2, 1)]
+        with batchproxy_cycles() as cycles:
+            tagged = await asyncio.gather(*(remote.inference(i) for i in range(8)))
+            assert [answer[0] for answer in tagged] == list(range(8))
+            assert [answer[0] for answer in await remote.inference_many(["a", "b"])] == ["a", "b"]
+            await _refused(remote.inference("bad"))
+            await _refused(remote.inference("boom"))
+            await _refused(remote.inference_many(["a", "bad"]))
+            await _refused(remote.inference("late", timeout=1e-6))
+            assert [chunk async for chunk in streams.stream(2)] == [(2, 0), (2, 1)]
+            async with contextlib.aclosing(streams.stream(3)) as chunks:
+                async for _ in chunks:
+                    break  # (withdrawn in the host)
+            for _ in range(5):
+                await asyncio.sleep(0.01)  # (the host's side ends each call)
+        assert cycles == []
