@@ -193,3 +193,42 @@ async def test_a_call_leaves_no_reference_cycle(case: str, offload: bool) -> Non
             for _ in range(3):
                 await asyncio.sleep(0)
         assert cycles == []
+
+
+class Spells(batchproxy.GenerationProxy[str, str]):
+    """Each sequence: item + "0", item + "1", then item + "2" as its last token."""
+
+    @override
+    async def _step(self, step: batchproxy.Step[str]) -> list[Any]:
+        out: list[Any] = []
+        for slot in step.active:
+            slot.state = 0 if slot.state is None else slot.state + 1
+            token = f"{slot.item}{slot.state}"
+            out.append(batchproxy.Last(token) if slot.state == 2 else token)
+        return out
+
+
+@batchproxy.batch(batch_size=8)
+async def halves(items: list[int]) -> list[float]:
+    return [item / 2 for item in items]
+
+
+async def test_generation_and_batch_functions_leave_no_reference_cycle() -> None:
+    """The same for a `GenerationProxy`'s sequences (whole, and one left mid-way) and a
+    `@batch` function's calls."""
+    async with Spells(batch_size=4) as spells, halves.proxy:
+        assert [token async for token in spells.stream("a")] == ["a0", "a1", "a2"]
+        await halves(0)
+        with batchproxy_cycles() as cycles:
+            for x in "bc":
+                assert [token async for token in spells.stream(x)] == [f"{x}{i}" for i in range(3)]
+            async with aclosing(spells.stream("d")) as tokens:
+                async for _ in tokens:
+                    break
+            assert await asyncio.gather(*(halves(i) for i in range(10))) == [
+                i / 2 for i in range(10)
+            ]
+            assert await halves.inference_many([2, 4]) == [1.0, 2.0]
+            for _ in range(3):
+                await asyncio.sleep(0.01)
+        assert cycles == []
