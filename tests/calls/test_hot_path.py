@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from contextlib import aclosing, suppress
 from typing import Any
 
 import pytest
-from _support import batchproxy_cycles
+from _support import batchproxy_cycles, in_a_task_of_its_own
 from typing_extensions import override
 
 import batchproxy
@@ -153,8 +153,14 @@ async def _streamed(proxy: Counts) -> None:
             break
 
 
-CYCLE_CASES: dict[str, Callable[[Any], Awaitable[None]]] = {
-    "results": lambda p: asyncio.gather(*(p.inference(i) for i in range(20))),
+async def _results(proxy: Doubles) -> None:
+    assert await asyncio.gather(*(proxy.inference(i) for i in range(20))) == [
+        2 * i for i in range(20)
+    ]
+
+
+CYCLE_CASES: dict[str, Callable[[Any], Coroutine[Any, Any, Any]]] = {
+    "results": _results,
     "inference_many": lambda p: p.inference_many([1, 2, 3]),
     "an invalid item": lambda p: _fails(p.inference(101)),
     "a model error": lambda p: _fails(p.inference(999)),
@@ -189,7 +195,7 @@ async def test_a_call_leaves_no_reference_cycle(case: str, offload: bool) -> Non
         if case != "a stream":
             await proxy.inference_many([0])
         with batchproxy_cycles() as cycles:
-            await CYCLE_CASES[case](proxy)
+            await in_a_task_of_its_own(CYCLE_CASES[case](proxy))
             for _ in range(3):
                 await asyncio.sleep(0)
         assert cycles == []
@@ -219,7 +225,8 @@ async def test_generation_and_batch_functions_leave_no_reference_cycle() -> None
     async with Spells(batch_size=4) as spells, halves.proxy:
         assert [token async for token in spells.stream("a")] == ["a0", "a1", "a2"]
         await halves(0)
-        with batchproxy_cycles() as cycles:
+
+        async def calls() -> None:
             for x in "bc":
                 assert [token async for token in spells.stream(x)] == [f"{x}{i}" for i in range(3)]
             async with aclosing(spells.stream("d")) as tokens:
@@ -229,6 +236,9 @@ async def test_generation_and_batch_functions_leave_no_reference_cycle() -> None
                 i / 2 for i in range(10)
             ]
             assert await halves.inference_many([2, 4]) == [1.0, 2.0]
+
+        with batchproxy_cycles() as cycles:
+            await in_a_task_of_its_own(calls())
             for _ in range(3):
                 await asyncio.sleep(0.01)
         assert cycles == []

@@ -21,7 +21,7 @@ from typing import Any
 import _workers
 import numpy as np
 import pytest
-from _support import batchproxy_cycles, peak_in_flight, wait_until
+from _support import batchproxy_cycles, in_a_task_of_its_own, peak_in_flight, wait_until
 
 import batchproxy
 from batchproxy import ProcessWorkers, Proxy, WorkerDied
@@ -859,7 +859,8 @@ async def test_calls_on_worker_processes_leave_no_reference_cycle() -> None:
     by reference counting (see `tests/calls/test_hot_path.py`: what a cycle costs)."""
     async with ProcessWorkers(_workers.doubling, 1) as workers, Proxy(offload=workers) as proxy:
         await proxy.inference(1)
-        with batchproxy_cycles() as cycles:
+
+        async def calls() -> None:
             doubled = await asyncio.gather(*(proxy.inference(i) for i in range(8)))
             assert [answer[0] for answer in doubled] == [2 * i for i in range(8)]
             assert [answer[0] for answer in await proxy.inference_many([1, 2])] == [2, 4]
@@ -869,6 +870,9 @@ async def test_calls_on_worker_processes_leave_no_reference_cycle() -> None:
                 pass
             else:
                 raise AssertionError("the model did not raise")
+
+        with batchproxy_cycles() as cycles:
+            await in_a_task_of_its_own(calls())
             for _ in range(3):
                 await asyncio.sleep(0.01)
         assert cycles == []

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import pytest
 from _host_models import Counting, Tagged
-from _support import batchproxy_cycles, wait_until
+from _support import batchproxy_cycles, in_a_task_of_its_own, wait_until
 
 import batchproxy
 from batchproxy.host import ModelHost, RemoteProxy
@@ -280,7 +280,8 @@ async def test_calls_through_a_host_leave_no_reference_cycle(
     async with ModelHost(Counting(), path), RemoteProxy(path) as streams:
         await remote.inference("warm")
         assert [chunk async for chunk in streams.stream(2)] == [(2, 0), (2, 1)]
-        with batchproxy_cycles() as cycles:
+
+        async def calls() -> None:
             tagged = await asyncio.gather(*(remote.inference(i) for i in range(8)))
             assert [answer[0] for answer in tagged] == list(range(8))
             assert [answer[0] for answer in await remote.inference_many(["a", "b"])] == ["a", "b"]
@@ -292,6 +293,9 @@ async def test_calls_through_a_host_leave_no_reference_cycle(
             async with contextlib.aclosing(streams.stream(3)) as chunks:
                 async for _ in chunks:
                     break  # (withdrawn in the host)
+
+        with batchproxy_cycles() as cycles:
+            await in_a_task_of_its_own(calls())
             for _ in range(5):
                 await asyncio.sleep(0.01)  # (the host's side ends each call)
         assert cycles == []

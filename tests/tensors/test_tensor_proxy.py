@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _support import batchproxy_cycles
+from _support import batchproxy_cycles, in_a_task_of_its_own
 from typing_extensions import override
 
 from batchproxy import TensorProxy
@@ -409,7 +409,8 @@ async def test_a_batch_leaves_no_reference_cycle_whatever_its_outcome(offload: b
     took the job from its inbox, and so the job, whose future kept the error."""
     async with Refuses999(batch_size=8, offload=offload, length_aware=True) as proxy:
         await proxy.inference(torch.ones(2))  # (what stays: the worker thread)
-        with batchproxy_cycles() as cycles:
+
+        async def calls() -> None:
             results = await asyncio.gather(*(proxy.inference(torch.ones(i + 1)) for i in range(20)))
             assert [r.tolist() for r in results] == [[2.0] * (i + 1) for i in range(20)]
             try:  # (not `pytest.raises`: it keeps the error, whose traceback holds this frame)
@@ -418,6 +419,9 @@ async def test_a_batch_leaves_no_reference_cycle_whatever_its_outcome(offload: b
                 pass
             else:
                 raise AssertionError("the model did not raise")
+
+        with batchproxy_cycles() as cycles:
+            await in_a_task_of_its_own(calls())
             for _ in range(3):
                 await asyncio.sleep(0)
         assert cycles == []
