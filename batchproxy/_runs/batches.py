@@ -301,7 +301,7 @@ class Runner(Generic[In]):
         """A batch task's run kind ends (its last line, however it ends): it leaves
         `binding.batch_tasks`, and its context lets go of it (`current_batch`: the task
         holds its context, so the two would stay alive, a reference cycle, until the
-        garbage collector's next full pass, one per batch)."""
+        garbage collector found them, one per batch)."""
         binding.batch_tasks.discard(task)
         binding.members.pop(task, None)
         current_batch.set(None)  # (in the task, or a done callback's copy: harmless there)

@@ -23,7 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _support import assert_settled, peak_in_flight, wait_until
+from _support import (
+    assert_settled,
+    batchproxy_cycles,
+    in_a_task_of_its_own,
+    peak_in_flight,
+    wait_until,
+)
 
 import batchproxy
 from batchproxy import Proxy, WorkerDied
@@ -694,3 +700,33 @@ async def test_a_result_ray_cannot_send_back_fails_only_its_caller() -> None:
         assert isinstance(results[1], TypeError)
         assert "_thread.lock" in str(results[1])
         assert "return from its Ray actor" in str(results[1])
+
+
+async def test_calls_on_ray_actors_leave_no_reference_cycle() -> None:
+    """Results and an item the model refuses are freed by reference counting (see
+    `tests/calls/test_hot_path.py`: what a cycle costs under load). Not an error for
+    the whole batch: Ray's `RayTaskError(KeyError)` is a class made for it and holds
+    its cause, whose `__cause__` it is, so that error is in a cycle of Ray's making,
+    and so is whatever its traceback holds until a collection finds it."""
+    async with (
+        RayActors(picky, 1, num_cpus=CPU) as actors,
+        Proxy[Any, Any](offload=actors, batch_size=8) as proxy,
+    ):
+        assert await proxy.inference(0) == ("ok", 0)
+
+        async def calls() -> None:
+            assert await asyncio.gather(*(proxy.inference(i) for i in range(6))) == [
+                ("ok", i) for i in range(6)
+            ]
+            try:  # (not `pytest.raises`: it keeps the error, whose traceback holds this frame)
+                await proxy.inference("bad")
+            except ValueError:
+                pass
+            else:
+                raise AssertionError("'bad' was not refused")
+
+        with batchproxy_cycles() as cycles:
+            await in_a_task_of_its_own(calls())
+            for _ in range(3):
+                await asyncio.sleep(0.01)
+        assert cycles == []
