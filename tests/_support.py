@@ -10,7 +10,15 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NoReturn, TypeVar
@@ -326,6 +334,17 @@ def batchproxy_cycles() -> Iterator[list[str]]:
             gc.collect()  # (what was saved above is garbage again: freed now)
             if enabled:
                 gc.enable()
+
+
+async def fails_with(call: Awaitable[Any], *errors: type[BaseException]) -> None:
+    """Await `call`, which must raise one of `errors`. For the cycle tests: unlike
+    `pytest.raises`, it keeps nothing of the error, whose traceback holds the frames it
+    went through (a cycle that `batchproxy_cycles` would find)."""
+    try:
+        await call
+    except errors:
+        return
+    raise AssertionError(f"{call!r} did not raise any of {errors}")
 
 
 async def in_a_task_of_its_own(calls: Coroutine[Any, Any, T]) -> T:

@@ -56,6 +56,7 @@ from .. import (
     WorkerDied,
 )
 from .._reachable import check_callers
+from .._validate import flag
 from ..host import RemoteProxy
 
 __all__ = ["Answer", "NotReady", "Serving", "State", "answer_for"]
@@ -182,9 +183,7 @@ class Serving:
             if drain_timeout == math.inf:
                 drain_timeout = None
         self.drain_timeout: float | None = drain_timeout
-        if not isinstance(freeze_gc, bool):
-            raise TypeError(f"freeze_gc must be True or False, got {freeze_gc!r}")
-        self.freeze_gc = freeze_gc
+        self.freeze_gc = flag("freeze_gc", freeze_gc)
         self.proxies: tuple[Served, ...] = proxies
         self.executors: tuple[Executor, ...] = tuple(executors)
         self.retry_after = retry_after

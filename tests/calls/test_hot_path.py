@@ -15,7 +15,7 @@ from contextlib import aclosing, suppress
 from typing import Any
 
 import pytest
-from _support import batchproxy_cycles, in_a_task_of_its_own
+from _support import batchproxy_cycles, fails_with, in_a_task_of_its_own
 from typing_extensions import override
 
 import batchproxy
@@ -123,15 +123,6 @@ class Counts(Proxy[int, int]):
             yield [item + step for item in items]
 
 
-async def _fails(call: Awaitable[Any]) -> None:
-    # (not `pytest.raises`: it keeps the error, whose traceback holds this frame)
-    try:
-        await call
-    except (InvalidItem, RuntimeError, batchproxy.DeadlineExceeded, asyncio.TimeoutError):
-        return
-    raise AssertionError("the call did not fail")
-
-
 async def _cancelled(call: Awaitable[Any]) -> None:
     task = asyncio.ensure_future(call)
     await asyncio.sleep(0.01)
@@ -162,12 +153,16 @@ async def _results(proxy: Doubles) -> None:
 CYCLE_CASES: dict[str, Callable[[Any], Coroutine[Any, Any, Any]]] = {
     "results": _results,
     "inference_many": lambda p: p.inference_many([1, 2, 3]),
-    "an invalid item": lambda p: _fails(p.inference(101)),
-    "a model error": lambda p: _fails(p.inference(999)),
-    "inference_many, an invalid item": lambda p: _fails(p.inference_many([1, 103])),
-    "inference_many, a model error": lambda p: _fails(p.inference_many([1, 999])),
-    "a deadline": lambda p: _fails(p.inference(555, timeout=0.05)),
-    "wait_for": lambda p: _fails(asyncio.wait_for(p.inference(555), 0.05)),
+    "an invalid item": lambda p: fails_with(p.inference(101), InvalidItem),
+    "a model error": lambda p: fails_with(p.inference(999), RuntimeError),
+    "inference_many, an invalid item": lambda p: fails_with(
+        p.inference_many([1, 103]), InvalidItem
+    ),
+    "inference_many, a model error": lambda p: fails_with(p.inference_many([1, 999]), RuntimeError),
+    "a deadline": lambda p: fails_with(p.inference(555, timeout=0.05), batchproxy.DeadlineExceeded),
+    "wait_for": lambda p: fails_with(
+        asyncio.wait_for(p.inference(555), 0.05), asyncio.TimeoutError
+    ),
     "a cancel": lambda p: _cancelled(p.inference(555)),
     "keys and priorities": lambda p: p.inference(7, key="k", priority=1, timeout=5.0),
     "threads": _from_threads,

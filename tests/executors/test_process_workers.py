@@ -21,7 +21,13 @@ from typing import Any
 import _workers
 import numpy as np
 import pytest
-from _support import batchproxy_cycles, in_a_task_of_its_own, peak_in_flight, wait_until
+from _support import (
+    batchproxy_cycles,
+    fails_with,
+    in_a_task_of_its_own,
+    peak_in_flight,
+    wait_until,
+)
 
 import batchproxy
 from batchproxy import ProcessWorkers, Proxy, WorkerDied
@@ -864,12 +870,7 @@ async def test_calls_on_worker_processes_leave_no_reference_cycle() -> None:
             doubled = await asyncio.gather(*(proxy.inference(i) for i in range(8)))
             assert [answer[0] for answer in doubled] == [2 * i for i in range(8)]
             assert [answer[0] for answer in await proxy.inference_many([1, 2])] == [2, 4]
-            try:  # (not `pytest.raises`: it keeps the error, whose traceback holds this frame)
-                await proxy.inference(None)  # None * 2 raises in the worker
-            except TypeError:
-                pass
-            else:
-                raise AssertionError("the model did not raise")
+            await fails_with(proxy.inference(None), TypeError)  # None * 2, in the worker
 
         with batchproxy_cycles() as cycles:
             await in_a_task_of_its_own(calls())

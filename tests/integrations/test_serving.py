@@ -224,5 +224,5 @@ async def test_without_freeze_gc_or_after_a_failed_load_nothing_is_frozen() -> N
 
 
 def test_freeze_gc_must_be_a_bool() -> None:
-    with pytest.raises(TypeError, match="freeze_gc must be True or False"):
+    with pytest.raises(TypeError, match="freeze_gc must be a bool"):
         Serving(Recorder(), freeze_gc=1)  # type: ignore[arg-type]
