@@ -118,7 +118,12 @@ def test_bad_positional_batch_size_is_refused(value):
 )
 async def test_good_constructor_arguments_are_accepted(options):
     async with Recorder(**options) as p:
-        assert await p.inference(1) == ("out", 1)
+        if "timeout" in options:  # kept as the default deadline (inf: none, as None)
+            timeout = options["timeout"]
+            assert p.options.timeout == (None if timeout == math.inf else timeout)
+        # the call bounds itself: with the 1 ms default it would race its own deadline,
+        # which a loaded CI machine on uvloop (1 ms timer granularity) lost once
+        assert await p.inference(1, timeout=math.inf) == ("out", 1)
 
 
 async def test_offload_accepts_a_worker_thread(no_leftovers):
