@@ -313,6 +313,10 @@ async def test_scale_changes_capacity_and_the_proxy_follows() -> None:
 
 async def test_aclose_kills_every_actor_and_refuses_batches(tmp_path: Path) -> None:
     actors = RayActors(sleeper, 2, num_cpus=CPU, name="closing")
+    # both started first: a batch goes to a busy actor rather than wait for one still
+    # starting if that one frees first (on a loaded machine, the second actor took
+    # longer to start than the first batch's 0.2 s, and both batches went to one actor)
+    await actors.start()
     first, second = await asyncio.gather(
         actors.run(None, [(0.2, str(tmp_path / "a"))]),  # type: ignore[arg-type]
         actors.run(None, [(0.2, str(tmp_path / "b"))]),  # type: ignore[arg-type]
