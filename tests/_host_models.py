@@ -156,3 +156,8 @@ def in_shared_memory(data: Any) -> bool:
                 if start <= address < end:
                     return True
     return False
+
+
+def broken() -> Tagged:
+    """A factory whose load fails."""
+    raise OSError("weights not found")

@@ -201,7 +201,9 @@ class RemoteProxy:
     async def start(self) -> None:
         """Wait up to `start_timeout` for the host (starting one, with `host=`, if none
         answers), then watch its health from this loop. Raises `HostUnavailable` if no
-        host answered in time; idempotent."""
+        host answered in time, and `RuntimeError` at once if the host it started
+        failed to load (its module cannot be imported, its factory raised): a
+        `Serving` then reports a failed load; idempotent."""
         if self._closed:
             raise ProxyClosed(self.name)
         if self._watch is not None and not self._watch.done():
@@ -214,6 +216,7 @@ class RemoteProxy:
                 self._heard(await self._ask())
                 break
             except HostUnavailable as exc:
+                self._refuse_failed_load()
                 self._start_host()
                 if deadline is not None and loop.time() + pause > deadline:
                     raise HostUnavailable(
@@ -282,6 +285,16 @@ class RemoteProxy:
         from now (since the first such word) until it answers again."""
         since = self._health.since if not self._health.healthy else None
         self._health = Health(False, f"model host at {self.path}: {why}", since or time.time())
+
+    def _refuse_failed_load(self) -> None:
+        """Raise `RuntimeError` if the host candidate this worker started last exited
+        because its load failed (`_launch`): starting another would fail the same way."""
+        candidate = self._candidate
+        if candidate is not None and not candidate.running and candidate.failure is not None:
+            self._candidate = None
+            raise RuntimeError(
+                f"the model host {self.host!r} for {self.path} failed to load: {candidate.failure}"
+            )
 
     def _start_host(self) -> None:
         """With `host=`: start a host candidate, unless the last one still runs (it is

@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _host_models import Tagged
@@ -18,7 +19,9 @@ from _support import wait_until
 
 import batchproxy
 from batchproxy.host import ModelHost, RemoteProxy
-from batchproxy.integrations._serving import NotReady, Serving  # (framework-free)
+from batchproxy.host import _remote as remote_module
+from batchproxy.host._launch import LOAD_FAILED, Candidate
+from batchproxy.integrations._serving import NotReady, Serving, State  # (framework-free)
 
 pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="Unix sockets, flock and /proc"),
@@ -100,6 +103,42 @@ async def test_the_workers_start_one_host_restart_it_when_lost_and_it_exits_afte
     with pytest.raises(batchproxy.ProxyClosed):
         await workers[0].inference("closed")
     await wait_until(lambda: not _alive(again))  # no worker left: it exits on its own
+    assert not _exists(socket_path)
+
+
+@pytest.mark.usefixtures("factories")
+@pytest.mark.parametrize(
+    ("spec", "why"),
+    [
+        ("no_such_module_xyz:factory", "ModuleNotFoundError: No module named 'no_such_module_xyz'"),
+        ("_host_models:no_such_factory", "AttributeError: module '_host_models' has no attri"),
+        ("_host_models:broken", "OSError: weights not found"),
+    ],
+)
+async def test_a_host_that_fails_to_load_is_a_failed_load_at_once(
+    socket_path: str, spec: str, why: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The candidate says why and exits; the worker's start raises that at once, having
+    started one candidate (not one per retry until `start_timeout`)."""
+    started: list[Candidate] = []
+
+    def candidate(*args: Any) -> Candidate:
+        started.append(Candidate(*args))
+        return started[-1]
+
+    monkeypatch.setattr(remote_module, "Candidate", candidate)
+    remote = _remote(socket_path, host=spec, start_timeout=120)
+    service = Serving(remote)
+    await service.start()
+    with pytest.raises(NotReady, match=f"failed to load: {why}"):
+        await asyncio.wait_for(service.wait_ready(), 60)
+    assert service.state is State.FAILED
+    answer = service.readiness()
+    assert answer.status == 503
+    assert "Retry-After" not in answer.headers  # a retry cannot help
+    assert spec in answer.body["error"]
+    assert [c.process.returncode for c in started] == [LOAD_FAILED]
+    await service.aclose()
     assert not _exists(socket_path)
 
 
