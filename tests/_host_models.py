@@ -161,3 +161,17 @@ def in_shared_memory(data: Any) -> bool:
 def broken() -> Tagged:
     """A factory whose load fails."""
     raise OSError("weights not found")
+
+
+class Units(batchproxy.Proxy[Any, Any]):
+    """Takes a per-batch argument (`with_args(unit=...)`): answers `f"{item}{unit}"`,
+    and records each batch as `(items, unit)`."""
+
+    def __init__(self) -> None:
+        super().__init__(16, max_delay_ms=5.0)
+        self.batches: list[tuple[list[Any], str]] = []
+
+    @override
+    async def _inference(self, items: list[Any], /, *, unit: str = "x") -> list[str]:
+        self.batches.append((list(items), unit))
+        return [f"{item}{unit}" for item in items]

@@ -27,6 +27,7 @@ from typing import Any
 from .._errors import DeadlineExceeded, HostUnavailable
 from .._stats import Health
 from . import _shm
+from ._arguments import RemoteArguments
 from ._wire import open_sealed, pack_error, read_message, sealed_message
 
 __all__ = ["ModelHost"]
@@ -213,10 +214,15 @@ class _Connection:
             except Exception as exc:
                 raise TypeError(f"the model host could not read the call's item: {exc!r}") from exc
             call = self._call_options(options)
+            proxy = self.host.proxy
+            arguments = call.get("key")
+            if isinstance(arguments, RemoteArguments):  # (remote.with_args(...))
+                del call["key"]
+                proxy = arguments.call(proxy)
             if not stream:
-                await self._answer(ident, "result", await self.host.proxy.inference(item, **call))
+                await self._answer(ident, "result", await proxy.inference(item, **call))
                 return
-            async with contextlib.aclosing(self.host.proxy.stream(item, **call)) as chunks:
+            async with contextlib.aclosing(proxy.stream(item, **call)) as chunks:
                 async for chunk in chunks:
                     await self._answer(ident, "chunk", chunk)
             await self.send(*sealed_message("end", ident, None))

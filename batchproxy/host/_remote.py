@@ -32,6 +32,7 @@ from .._errors import DeadlineExceeded, HostUnavailable, ProxyClosed
 from .._loops.background_loop import BackgroundLoop
 from .._option_values import CallOptions, check_call
 from .._stats import Health
+from ._arguments import RemoteArguments, RemoteWithArguments
 from ._connection import Connection
 from ._launch import Candidate, lock_is_free
 
@@ -107,6 +108,9 @@ class RemoteProxy:
         return f"RemoteProxy({self.path!r})"
 
     async def __aenter__(self) -> RemoteProxy:
+        """`start()` (the host found, or started with `host=`), as `async with proxy:`
+        starts a proxy."""
+        await self.start()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -179,6 +183,14 @@ class RemoteProxy:
             raise DeadlineExceeded(self.name, seconds)
         return future.result()
 
+    def with_args(self, *args: Any, **kwargs: Any) -> RemoteWithArguments:
+        """The call methods with these per-batch arguments for the host proxy's
+        `_inference`, as `proxy.with_args(...)`: `await
+        remote.with_args(normalize=True).inference(text)`. They travel with each call
+        (hashable and picklable), and the host's proxy checks them (a `TypeError`
+        back if its `_inference` does not take them)."""
+        return RemoteWithArguments(self, RemoteArguments.of(args, kwargs))
+
     async def _call(self, item: Any, options: dict[str, Any]) -> Any:
         """One call with its options checked (`_options`), on this loop's connection."""
         connection = await self._connect()
@@ -197,6 +209,11 @@ class RemoteProxy:
         if self._closed:
             return Health(False, f"{self.name} is closed", None)
         return self._health
+
+    @property
+    def healthy(self) -> bool:
+        """`remote.health.healthy`, as `proxy.healthy`."""
+        return self.health.healthy
 
     async def start(self) -> None:
         """Wait up to `start_timeout` for the host (starting one, with `host=`, if none
@@ -237,7 +254,8 @@ class RemoteProxy:
         watch, self._watch = self._watch, None
         if watch is not None:
             watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            # (ProxyClosed: a question it was asking when this began found it closed)
+            with contextlib.suppress(asyncio.CancelledError, ProxyClosed):
                 await watch
         here = asyncio.get_running_loop()
         connections = list(self._connections.items())

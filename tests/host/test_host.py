@@ -263,10 +263,14 @@ async def test_a_peer_of_another_user_is_refused(
     proxy = Tagged()
     async with ModelHost(proxy, socket_path) as host:
         monkeypatch.setattr(host_module.os, "getuid", lambda: os.geteuid() + 1)
-        async with RemoteProxy(socket_path) as remote:
-            with pytest.raises(batchproxy.HostUnavailable):
-                await remote.inference("x")
+        remote = RemoteProxy(socket_path, start_timeout=0.2)
+        with pytest.raises(batchproxy.HostUnavailable):
+            await remote.inference("x")
         assert host.refused == 1
+        with pytest.raises(batchproxy.HostUnavailable, match="no model host answered"):
+            await remote.start()  # (what `async with remote:` does first)
+        assert host.refused > 1
+        await remote.aclose()
     assert proxy.seen == []
     gc.collect()  # CPython 3.12.1 segfaulted here once views of pickle buffers outlived a send
 
@@ -285,6 +289,24 @@ async def test_a_stale_socket_is_replaced_and_a_live_one_refused(socket_path: st
     _write(socket_path, "not a socket")
     with pytest.raises(FileExistsError, match="not a socket"):
         await ModelHost(Tagged(), socket_path).start()
+
+
+async def test_a_host_serves_a_batch_function(socket_path: str) -> None:
+    """As the docs say: a `@batch` function is served as a proxy is (entered, and
+    closed with the host)."""
+
+    @batchproxy.batch(batch_size=8, max_delay_ms=5.0)
+    async def tag(items: list[int]) -> list[tuple[int, int]]:
+        return [(item, len(items)) for item in items]
+
+    async with ModelHost(tag, socket_path), RemoteProxy(socket_path) as remote:
+        answers = await asyncio.gather(*(remote.inference(i) for i in range(8)))
+        assert [answer[0] for answer in answers] == list(range(8))
+        assert remote.healthy
+        with pytest.raises(batchproxy.DeadlineExceeded):
+            await remote.inference(0, timeout=1e-9)
+    assert tag.closed
+    assert tag.stats.requests == 8
 
 
 def test_a_host_needs_a_proxy() -> None:

@@ -283,6 +283,7 @@ async def test_no_segment_left_when_a_client_leaves_with_its_answer_unread(
     echoed: tuple[Echo, ModelHost, RemoteProxy], made: list[int], socket_path: str
 ) -> None:
     _, host, _ = echoed
+    connected = host.connections  # (the fixture's RemoteProxy, started)
     _, writer = await asyncio.open_unix_connection(socket_path)
     data, _names = _wire.sealed_message("call", 0, big(0), {"priority": 0})
     writer.write(data)  # a client that sends a call and never reads the answer
@@ -291,7 +292,7 @@ async def test_no_segment_left_when_a_client_leaves_with_its_answer_unread(
     assert len(segments()) == 1  # the item's segment went as the host read it
     writer.close()
     await writer.wait_closed()
-    await wait_until(lambda: host.connections == 0)
+    await wait_until(lambda: host.connections == connected)
     assert segments() == []
 
 
@@ -342,8 +343,8 @@ async def test_no_segment_left_when_the_host_dies_with_items_unread(
 ) -> None:
     host = HostProcess(socket_path, factory="echo")
     try:
-        os.kill(host.process.pid, signal.SIGSTOP)  # it reads nothing from here on
-        async with RemoteProxy(socket_path) as remote:
+        async with RemoteProxy(socket_path) as remote:  # (started: the host answered)
+            os.kill(host.process.pid, signal.SIGSTOP)  # it reads nothing from here on
             calls = [asyncio.ensure_future(remote.inference(big(i))) for i in range(3)]
             await wait_until(lambda: len(made) == 3)
             assert len(segments()) == 3

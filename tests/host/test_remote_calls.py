@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
 import pytest
-from _host_models import Counting, Tagged
+from _host_models import Counting, Tagged, Units
 from _support import batchproxy_cycles, fails_with, in_a_task_of_its_own, wait_until
 
 import batchproxy
@@ -290,3 +290,47 @@ async def test_calls_through_a_host_leave_no_reference_cycle(
             for _ in range(5):
                 await asyncio.sleep(0.01)  # (the host's side ends each call)
         assert cycles == []
+
+
+# -- per-batch arguments --------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("background_loop")
+async def test_with_args_reach_the_host_proxys_with_args(socket_path: str) -> None:
+    """`remote.with_args(...)` is the proxy's `with_args`: the arguments travel with
+    each call, the host's proxy batches the call with calls of equal arguments only,
+    and its `_inference` gets them; every call method takes them."""
+    proxy = Units()
+    async with ModelHost(proxy, socket_path), RemoteProxy(socket_path) as remote:
+        cm = remote.with_args(unit="cm")
+        assert repr(cm) == f"<{remote!r} with_args(unit='cm')>"
+        answers = await asyncio.gather(
+            cm.inference(1),
+            cm.inference(2),
+            remote.inference(3),
+            remote.with_args(unit="m").inference(4),
+        )
+        assert answers == ["1cm", "2cm", "3x", "4m"]
+        assert sorted(proxy.batches) == [([1, 2], "cm"), ([3], "x"), ([4], "m")]
+        assert await cm.inference_many([5, 6], priority=1) == ["5cm", "6cm"]
+
+        def from_a_thread() -> list[Any]:
+            return [cm.submit(7).result(10), cm.inference_sync(8, timeout=10)]
+
+        assert await in_a_thread(from_a_thread) == ["7cm", "8cm"]
+        with pytest.raises(TypeError, match="nope"):  # checked by the host's proxy
+            await remote.with_args(nope=1).inference(1)
+        with pytest.raises(TypeError, match="'unit' must be hashable"):
+            remote.with_args(unit=["c", "m"])
+        with pytest.raises(TypeError, match="takes no key="):
+            await cm.inference(1, key="k")  # type: ignore[call-arg]
+        assert await cm.inference("still") == "stillcm"
+
+
+async def test_with_args_to_a_proxy_that_takes_none_is_a_type_error(
+    served: tuple[Tagged, ModelHost, RemoteProxy],
+) -> None:
+    _, _, remote = served
+    with pytest.raises(TypeError, match="takes no per-batch arguments"):
+        await remote.with_args(unit="cm").inference("x")
+    assert (await remote.inference("x"))[0] == "x"

@@ -142,6 +142,17 @@ async def test_a_host_that_fails_to_load_is_a_failed_load_at_once(
     assert not _exists(socket_path)
 
 
+@pytest.mark.usefixtures("factories")
+async def test_async_with_starts_the_host_as_it_starts_a_proxy(socket_path: str) -> None:
+    async with _remote(socket_path) as remote:  # (host="_host_models:tagged")
+        assert remote.healthy  # the host answered before the body runs
+        host = (await remote.inference("x"))[3]
+        assert _hosts_on(socket_path) == [host]
+    assert not remote.healthy  # closed
+    await wait_until(lambda: not _alive(host))  # no worker left: it exits on its own
+    assert not _exists(socket_path)
+
+
 async def test_without_a_host_start_fails_after_start_timeout(socket_path: str) -> None:
     service = Serving(RemoteProxy(socket_path, start_timeout=0.2))
     await service.start()
