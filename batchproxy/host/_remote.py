@@ -28,7 +28,7 @@ from typing import Any
 from typing_extensions import Unpack
 
 from .. import _validate
-from .._errors import DeadlineExceeded, HostUnavailable, ProxyClosed
+from .._errors import DeadlineExceeded, DrainDeadline, HostUnavailable, ProxyClosed
 from .._loops.background_loop import BackgroundLoop
 from .._option_values import CallOptions, check_call
 from .._stats import Health
@@ -245,8 +245,9 @@ class RemoteProxy:
 
     async def aclose(self, *, timeout: float | None = None) -> None:
         """Stop taking calls (`ProxyClosed`), let those in flight finish (for up to
-        `timeout` seconds: then they fail with `HostUnavailable`), and close the
-        connections (another running loop's on that loop). Idempotent."""
+        `timeout` seconds, the drain's deadline: then they fail with `DrainDeadline`, as
+        a proxy's do, and are withdrawn in the host), and close the connections
+        (another running loop's on that loop). Idempotent."""
         if timeout is not None:  # (>= 0, as for `Proxy.aclose`: a drain's deadline may be now)
             timeout = _validate.duration("timeout", timeout, allow_zero=True, allow_inf=True)
             timeout = None if timeout == math.inf else timeout
@@ -263,8 +264,7 @@ class RemoteProxy:
         self._connecting.clear()  # (a finished one holds its connection)
         mine = [connection for loop, connection in connections if loop is here]
         if mine:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(mine[0].drained(), timeout)
+            await self._drain(mine[0], timeout)
         why = f"{self.name} was closed"
         for loop, connection in connections:
             if loop is here:
@@ -277,6 +277,16 @@ class RemoteProxy:
             # else: a loop that no longer runs; its transports go with it
         if self._candidate is not None and not self._candidate.running:  # (reaped)
             self._candidate = None  # (one still running serves on, for the other workers)
+
+    async def _drain(self, connection: Connection, timeout: float | None) -> None:
+        """Wait up to `timeout` for the calls in flight on `connection`; those still
+        waiting then get `DrainDeadline` (`running=True`: the host may have begun them),
+        as a proxy's drain answers the calls its deadline cuts off."""
+        try:
+            await asyncio.wait_for(connection.drained(), timeout)
+        except asyncio.TimeoutError:
+            seconds = float(timeout or 0.0)
+            connection.cut(lambda: DrainDeadline(self.name, seconds, running=True))
 
     async def _watching(self) -> None:
         """Ask the host's health every `health_every` seconds; a host that cannot be

@@ -238,7 +238,9 @@ async def test_the_drain_timeout_bounds_the_whole_close_even_with_a_hung_model(
     socket_path: str,
 ) -> None:
     """A model that never returns holds neither the host's close (past its
-    `drain_timeout`) nor its caller: the call fails, the socket is gone."""
+    `drain_timeout`) nor its caller: the call fails, the socket is gone. The calls
+    the deadline cuts off get `DrainDeadline`, as the proxy's own drain answers them:
+    `running` for the one in the hung batch, not for the one still queued."""
     proxy = Tagged()
     proxy.gate.clear()  # the model hangs
     host = ModelHost(proxy, socket_path, drain_timeout=0.2)
@@ -247,9 +249,16 @@ async def test_the_drain_timeout_bounds_the_whole_close_even_with_a_hung_model(
         async with RemoteProxy(socket_path) as remote:
             call = asyncio.ensure_future(remote.inference("stuck"))
             await wait_until(lambda: proxy.seen == [["stuck"]])
+            queued = asyncio.ensure_future(remote.inference("queued"))
+            await wait_until(lambda: proxy.stats.queue_depth == 1)
             await asyncio.wait_for(host.aclose(), 5)
-            with pytest.raises(batchproxy.HostUnavailable):
+            with pytest.raises(batchproxy.DrainDeadline) as running:
                 await call
+            with pytest.raises(batchproxy.DrainDeadline) as waiting:
+                await queued
+            assert (running.value.running, waiting.value.running) == (True, False)
+            assert running.value.timeout == 0.2
+            assert proxy.seen == [["stuck"]]  # the queued call never reached the model
         assert proxy.closed
         assert not _exists(socket_path)
     finally:

@@ -171,7 +171,7 @@ async def test_a_unary_proxy_streams_its_one_result(
     assert only[0] == "x"  # type: ignore[index]
 
 
-async def test_a_stream_whose_host_goes_away_fails_with_host_unavailable(
+async def test_a_stream_whose_host_closes_ends_with_its_drain_deadline(
     socket_path: str,
 ) -> None:
     proxy = Counting()
@@ -182,7 +182,7 @@ async def test_a_stream_whose_host_goes_away_fails_with_host_unavailable(
         reader = asyncio.ensure_future(_chunks(remote, 3))
         await wait_until(lambda: proxy.seen == [[3]])  # in the model, held at step 0
         await host.aclose()
-        with pytest.raises(batchproxy.HostUnavailable):
+        with pytest.raises(batchproxy.DrainDeadline):
             await reader
     proxy.gate.set()  # the abandoned step ends; nothing of it is left running
     await wait_until(lambda: proxy.stats.in_flight == 0)
@@ -236,7 +236,7 @@ async def test_inference_sync_is_refused_in_a_thread_running_a_loop(
 
 
 @pytest.mark.usefixtures("background_loop")
-async def test_a_thread_waiting_on_a_lost_host_gets_host_unavailable(socket_path: str) -> None:
+async def test_a_thread_waiting_on_a_closing_host_gets_its_answer(socket_path: str) -> None:
     proxy = Tagged()
     proxy.gate.clear()
     host = ModelHost(proxy, socket_path, drain_timeout=0.0)
@@ -256,7 +256,7 @@ async def test_a_thread_waiting_on_a_lost_host_gets_host_unavailable(socket_path
     await host.aclose()
     await in_a_thread(thread.join, 5)
     assert not thread.is_alive()
-    assert [type(exc) for exc in outcome] == [batchproxy.HostUnavailable]
+    assert [type(exc) for exc in outcome] == [batchproxy.DrainDeadline]  # (drain_timeout=0)
     with pytest.raises(batchproxy.HostUnavailable):  # and no host now: at once
         await in_a_thread(remote.inference_sync, "x")
 

@@ -199,8 +199,11 @@ async def test_the_drain_lets_calls_in_flight_finish(socket_path: str) -> None:
 
 
 async def test_a_drain_deadline_fails_the_calls_still_in_flight(socket_path: str) -> None:
+    """The worker's drain deadline cuts its calls off with `DrainDeadline`, as a
+    proxy's does (`running`: the worker cannot tell, so True), and withdraws them in
+    the host."""
     proxy = Tagged()
-    async with ModelHost(proxy, socket_path, drain_timeout=0.1):
+    async with ModelHost(proxy, socket_path, drain_timeout=0.1) as host:
         remote = RemoteProxy(socket_path)
         service = Serving(remote, drain_timeout=0.1)
         await service.start()
@@ -209,8 +212,11 @@ async def test_a_drain_deadline_fails_the_calls_still_in_flight(socket_path: str
         call = asyncio.ensure_future(remote.inference("held"))
         await wait_until(lambda: proxy.seen == [["held"]])
         await asyncio.wait_for(service.aclose(), 5)
-        with pytest.raises(batchproxy.HostUnavailable):
+        with pytest.raises(batchproxy.DrainDeadline) as cut:
             await call
+        assert (cut.value.running, cut.value.timeout) == (True, pytest.approx(0.1, abs=0.05))
+        await wait_until(lambda: host.connections == 0)
+        await wait_until(lambda: proxy.stats.cancelled == 1)  # withdrawn in the host
         proxy.gate.set()
 
 
