@@ -10,6 +10,7 @@ check it got its own item back and see which calls shared a batch. Its `delay`
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import os
 from typing import Any
@@ -175,3 +176,18 @@ class Units(batchproxy.Proxy[Any, Any]):
     async def _inference(self, items: list[Any], /, *, unit: str = "x") -> list[str]:
         self.batches.append((list(items), unit))
         return [f"{item}{unit}" for item in items]
+
+
+class FreezeCount(batchproxy.Proxy[Any, Any]):
+    """Answers each item with `gc.get_freeze_count()` in the host (`--freeze-gc`)."""
+
+    def __init__(self) -> None:
+        super().__init__(8, max_delay_ms=1.0)
+
+    @override
+    async def _inference(self, items: list[Any]) -> list[int]:
+        return [gc.get_freeze_count() for _ in items]
+
+
+def freeze_count() -> FreezeCount:
+    return FreezeCount()

@@ -356,6 +356,19 @@ def test_client_processes_share_one_host_and_its_batches(socket_path: str, clien
     assert not _exists(socket_path)
 
 
+@pytest.mark.parametrize("freeze", [True, False])
+async def test_freeze_gc_freezes_what_the_factory_loaded_before_serving(
+    socket_path: str, freeze: bool
+) -> None:
+    host = HostProcess(socket_path, 0.0, "freeze_count", *(["--freeze-gc"] if freeze else []))
+    try:
+        async with RemoteProxy(socket_path) as remote:
+            frozen = await remote.inference(0)
+    finally:
+        assert host.stop() == 0
+    assert (frozen > 0) is freeze  # the objects alive once loaded: the proxy, its modules
+
+
 def test_a_host_killed_under_load_fails_every_call_and_none_hangs(socket_path: str) -> None:
     host = HostProcess(socket_path, delay=0.05)
     try:

@@ -47,6 +47,10 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _command_line(pid: int) -> list[bytes]:
+    return (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+
+
 def _exists(path: str) -> bool:
     return os.path.exists(path)
 
@@ -148,6 +152,8 @@ async def test_async_with_starts_the_host_as_it_starts_a_proxy(socket_path: str)
         assert remote.healthy  # the host answered before the body runs
         host = (await remote.inference("x"))[3]
         assert _hosts_on(socket_path) == [host]
+        # started frozen after loading (as Serving(freeze_gc=True) freezes a worker)
+        assert b"--freeze-gc" in _command_line(host)
     assert not remote.healthy  # closed
     await wait_until(lambda: not _alive(host))  # no worker left: it exits on its own
     assert not _exists(socket_path)
