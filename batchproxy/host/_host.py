@@ -5,7 +5,8 @@ Each connection is one client process (a `RemoteProxy` on one event loop). Each
 `("stream", ...)` one a task reading `proxy.stream(...)`, so the calls of every
 connected process queue in the one proxy and share its batches; the answers go
 back on the connection they came from (a stream's chunks as they come, then its
-end or its error). A `("cancel", id)` cancels that
+end or its error). A call whose `key` is `RemoteArguments` (`remote.with_args(...)`)
+goes through `proxy.with_args(...)` instead. A `("cancel", id)` cancels that
 task (a queued request leaves the queue, a running one's result is dropped), and a
 connection that ends (its process exited or died) cancels all of its calls:
 nothing of a departed client is left in the host, nor any shared-memory segment of
@@ -48,11 +49,11 @@ class ModelHost:
     the socket (owner-only, mode 0600, in a directory you choose; a stale socket file
     is replaced, a live one refused with `FileExistsError`), and on exit stops
     listening, lets the calls in flight finish for up to `drain_timeout` seconds
-    (None: no bound), lets each client read the answers already written in shared
-    memory (for up to `READ_GRACE` seconds), closes every connection (their callers'
-    calls still pending fail with `HostUnavailable`), closes the proxy (its drain by
-    the `drain_timeout` deadline: a model that hangs holds no close) and removes the
-    socket file.
+    (None: no bound) by closing the proxy with that deadline (its
+    `aclose(timeout=...)`: a model that hangs holds no close, and each call the
+    deadline cuts off is answered `DrainDeadline`), lets each client read the
+    answers already written in shared memory (for up to `READ_GRACE` seconds),
+    closes every connection and removes the socket file.
     Peers of another user are refused (`SO_PEERCRED`) and counted in `refused`.
     """
 

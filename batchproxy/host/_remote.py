@@ -52,20 +52,24 @@ class RemoteProxy:
     The proxy's call methods, with its call options (`timeout`, `priority`,
     `tenant`, `key`), checked here before anything is sent: `inference`,
     `inference_many`, `stream` (the host's stream, chunk by chunk; a proxy that
-    does not stream sends its one result), and from plain threads `submit` and
-    `inference_sync`. The host applies the options, so its batches mix the calls
-    of every connected process. A timeout travels as a deadline. The host's errors
-    arrive as the same exceptions (`QueueFull`, `DeadlineExceeded`, `InvalidItem`,
-    the model's own), and a host that cannot be reached or is lost with the call in
-    flight raises `HostUnavailable` (never a hang). Cancelling a call (or closing
-    its stream early) cancels it in the host.
+    does not stream sends its one result), from plain threads `submit` and
+    `inference_sync`, and `with_args(...)` (the host proxy's per-batch arguments).
+    The host applies the options, so its batches mix the calls of every connected
+    process. A timeout travels as a deadline. The host's errors arrive as the same
+    exceptions, with their message and attributes (`QueueFull`, `DeadlineExceeded`,
+    `InvalidItem`, the model's own; one that cannot be rebuilt here as a
+    `RuntimeError` naming its type and message), a drain's deadline cuts calls off
+    with `DrainDeadline`, and a host that cannot be reached or is lost with the
+    call in flight raises `HostUnavailable` (never a hang). Cancelling a call (or
+    closing its stream early) cancels it in the host.
 
     In a `Serving` it is one of the service's proxies: `start()` waits up to
     `start_timeout` seconds for the host (with `host="module:factory"`, the first
     worker that finds none starts one, which exits `host_idle_exit` seconds after
     its last worker left), then asks its health every `health_every` seconds
-    (`health`, so `/readyz` includes the host); `aclose(timeout=...)` lets the calls
-    in flight finish, then closes (later calls raise `ProxyClosed`). `name`: the
+    (`health`, `healthy`, so `/readyz` includes the host); `aclose(timeout=...)`
+    lets the calls in flight finish, then closes (later calls raise `ProxyClosed`).
+    `async with remote:` is `start()`, then `aclose()`, as for a proxy. `name`: the
     service's name for it (default: the socket file's stem). `connect_timeout`:
     seconds to wait for the socket.
     """
