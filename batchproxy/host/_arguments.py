@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Coroutine, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from typing_extensions import Unpack
 
 from .._option_values import UnkeyedCallOptions, check_call
-
-if TYPE_CHECKING:
-    from ._remote import RemoteProxy
 
 __all__ = ["RemoteArguments", "RemoteWithArguments"]
 
@@ -58,13 +55,14 @@ class RemoteWithArguments:
 
     __slots__ = ("_arguments", "_remote")
 
-    def __init__(self, remote: RemoteProxy, arguments: RemoteArguments) -> None:
+    def __init__(self, remote: Any, arguments: RemoteArguments) -> None:  # (a RemoteProxy)
         self._remote = remote
         self._arguments = arguments
 
     def inference(self, item: Any, **call: Unpack[UnkeyedCallOptions]) -> Coroutine[Any, Any, Any]:
         check_call("with_args(...).inference()", call, keyed=False)
-        return self._remote.inference(item, key=self._arguments, **call)
+        called: Coroutine[Any, Any, Any] = self._remote.inference(item, key=self._arguments, **call)
+        return called
 
     async def inference_many(
         self,
@@ -74,15 +72,19 @@ class RemoteWithArguments:
         **call: Unpack[UnkeyedCallOptions],
     ) -> list[Any]:
         check_call("with_args(...).inference_many()", call, keyed=False)
-        return await self._remote.inference_many(
+        results: list[Any] = await self._remote.inference_many(
             items, key=self._arguments, return_exceptions=return_exceptions, **call
         )
+        return results
 
     def submit(
         self, item: Any, **call: Unpack[UnkeyedCallOptions]
     ) -> concurrent.futures.Future[Any]:
         check_call("with_args(...).submit()", call, keyed=False)
-        return self._remote.submit(item, key=self._arguments, **call)
+        future: concurrent.futures.Future[Any] = self._remote.submit(
+            item, key=self._arguments, **call
+        )
+        return future
 
     def inference_sync(self, item: Any, **call: Unpack[UnkeyedCallOptions]) -> Any:
         check_call("with_args(...).inference_sync()", call, keyed=False)
