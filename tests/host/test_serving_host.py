@@ -220,7 +220,8 @@ async def test_a_drain_deadline_fails_the_calls_still_in_flight(socket_path: str
         await asyncio.wait_for(service.aclose(), 5)
         with pytest.raises(batchproxy.DrainDeadline) as cut:
             await call
-        assert (cut.value.running, cut.value.timeout) == (True, pytest.approx(0.1, abs=0.05))
+        assert cut.value.running
+        assert 0 <= cut.value.timeout <= 0.1  # (what was left of the service's deadline)
         await wait_until(lambda: host.connections == 0)
         await wait_until(lambda: proxy.stats.cancelled == 1)  # withdrawn in the host
         proxy.gate.set()
