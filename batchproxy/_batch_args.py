@@ -11,6 +11,7 @@ so they never clash with `f`'s own parameter names.
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import inspect
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Iterable, Sequence
@@ -58,6 +59,21 @@ class BatchedArgs(Batched[T, U], Generic[P, T, U]):
     ) -> Coroutine[Any, Any, U]:
         item, key = self._item_and_key(item, args, kwargs)
         return self.proxy.inference(item, key=key, **self._per_call)
+
+    def inference(  # type: ignore[override]
+        self, item: T, /, *args: P.args, **kwargs: P.kwargs
+    ) -> Coroutine[Any, Any, U]:
+        """`Proxy.inference`: `await f.inference(item, *args, **kwargs)` is `await
+        f(item, *args, **kwargs)`."""
+        return self(item, *args, **kwargs)
+
+    def submit(  # type: ignore[override]
+        self, item: T, /, *args: P.args, **kwargs: P.kwargs
+    ) -> concurrent.futures.Future[U]:
+        """`Proxy.submit`: from any thread, a `concurrent.futures.Future` of `f(item,
+        *args, **kwargs)`'s result."""
+        item, key = self._item_and_key(item, args, kwargs)
+        return self.proxy.submit(item, key=key, **self._per_call)
 
     def stream(  # type: ignore[override]
         self, item: T, /, *args: P.args, **kwargs: P.kwargs

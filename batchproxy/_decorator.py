@@ -7,6 +7,7 @@ instance's `__dict__`), so two model instances never share a queue.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 from collections.abc import (
     AsyncGenerator,
@@ -49,8 +50,10 @@ class _FunctionProxy(Proxy[T, U]):
 
 
 class Batched(Generic[T, U]):
-    """What `@batch` returns: `await f(x)`, `await f.inference_many(xs)`,
-    `f.inference_sync(x)`, `f.stats`: `Proxy`'s call methods, by the same names."""
+    """What `@batch` returns: `await f(x)` (or `f.inference(x)`), `await
+    f.inference_many(xs)`, `f.submit(x)` and `f.inference_sync(x)` from threads,
+    `f.stats`, `async with f:`: `Proxy`'s call methods and lifecycle, by the same
+    names (so a `ModelHost` serves it as it serves a proxy)."""
 
     def __init__(
         self, fn: Callable[..., Any], options: dict[str, Any], instance: object = None
@@ -107,6 +110,10 @@ class Batched(Generic[T, U]):
                     raise unexpected_keyword(where, name, CALL_KEYWORDS) from None
             raise
 
+    def inference(self, item: T, **call: Unpack[CallOptions]) -> Coroutine[Any, Any, U]:
+        """`Proxy.inference`: `await f.inference(item)` is `await f(item)`."""
+        return self(item, **call)
+
     @overload
     async def inference_many(
         self,
@@ -146,6 +153,11 @@ class Batched(Generic[T, U]):
         """`Proxy.stream`: `async for chunk in f.stream(item)`, for a generator `f`."""
         return self.proxy.stream(item, **call)
 
+    def submit(self, item: T, **call: Unpack[CallOptions]) -> concurrent.futures.Future[U]:
+        """`Proxy.submit`: from any thread, a `concurrent.futures.Future` of `f(item)`'s
+        result (the call runs on the function's loop, or the default `BackgroundLoop`)."""
+        return self.proxy.submit(item, **call)
+
     def inference_sync(self, item: T, **call: Unpack[CallOptions]) -> U:
         """`Proxy.inference_sync`: `f.inference_sync(item)` blocks a plain thread for
         the result."""
@@ -157,6 +169,11 @@ class Batched(Generic[T, U]):
         return self.proxy.inference_sync(item, **call)
 
     @property
+    def name(self) -> str:
+        """The proxy's name (the function's `__qualname__` unless `name=` was given)."""
+        return self.proxy.name
+
+    @property
     def stats(self) -> ProxyStats:
         return self.proxy.stats
 
@@ -164,6 +181,16 @@ class Batched(Generic[T, U]):
     def health(self) -> Health:
         """`Proxy.health`: whether the function answers within `batch_timeout`."""
         return self.proxy.health
+
+    @property
+    def healthy(self) -> bool:
+        """`Proxy.healthy`: `f.health.healthy`."""
+        return self.proxy.healthy
+
+    @property
+    def closed(self) -> bool:
+        """`Proxy.closed`: whether `aclose()` was called."""
+        return self.proxy.closed
 
     def configure(self, **changes: Unpack[ConfigurableOptions]) -> None:
         """`Proxy.configure`: change limits while it runs."""
@@ -176,6 +203,15 @@ class Batched(Generic[T, U]):
         """Close the function's proxy (`Proxy.aclose`): `timeout` is the drain's deadline
         (None: drain without one)."""
         await self.proxy.aclose(timeout=timeout)
+
+    async def __aenter__(self) -> Self:
+        """`async with f:` starts the function's proxy and closes it after (as `async
+        with proxy:` does)."""
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
 
 class _Decorator(Protocol):

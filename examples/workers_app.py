@@ -5,11 +5,13 @@ front of it.
     MODEL_SOCKET=/tmp/minilm.sock uvicorn workers_app:app --workers 2 --port 8000
 
 The first worker to find no host starts one (`python -m batchproxy.host
-workers_app:embedder --socket /tmp/minilm.sock --lock ...`, in a session of its own);
-the workers start it again if it dies, and it exits a few seconds
+workers_app:embedder --socket /tmp/minilm.sock --lock --freeze-gc ...`, in a session
+of its own); the workers start it again if it dies, and it exits a few seconds
 (`MODEL_HOST_IDLE_EXIT`, default 10) after the last worker stopped. To run it
-yourself instead (under systemd, say), start it first with that command, without
-`--lock`: the workers then find it.
+yourself instead (under systemd, say), start it first with `python -m batchproxy.host
+workers_app:embedder --socket /tmp/minilm.sock --freeze-gc`: the workers then find it.
+(`--freeze-gc` keeps the loaded model out of the garbage collector's full passes, as
+`Serving(freeze_gc=True)` does in a web worker: docs/serving.md.)
 
 The host process holds the one copy of the model and its proxy (`embedder()`: a
 `MiniLMEmbedder`, batches of up to 64 on its worker thread). Each uvicorn worker
@@ -25,7 +27,6 @@ answered 503 with `Retry-After`, a blank text 422.
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 from pathlib import Path
@@ -43,14 +44,9 @@ __all__ = ["app", "create_app", "embedder"]
 
 
 def embedder() -> MiniLMEmbedder:
-    """The host's proxy (`python -m batchproxy.host workers_app:embedder ...`). The model
-    is loaded: keep it out of the garbage collector's full passes from now on, as
-    `Serving(freeze_gc=True)` does in a web worker (docs/serving.md)."""
+    """The host's proxy (`python -m batchproxy.host workers_app:embedder ...`)."""
     tokenizer, model = load_minilm()
-    proxy = MiniLMEmbedder(tokenizer, model, 64, max_delay_ms=5.0, offload=True)
-    gc.collect()
-    gc.freeze()
-    return proxy
+    return MiniLMEmbedder(tokenizer, model, 64, max_delay_ms=5.0, offload=True)
 
 
 class EmbedRequest(BaseModel):

@@ -14,7 +14,8 @@ from batchproxy.host import RemoteProxy
 
 
 async def main(path: str, ident: str, count: int, forever: bool) -> None:
-    async with RemoteProxy(path) as remote:
+    remote = RemoteProxy(path)  # (not `async with`, which would wait for a host: none may be)
+    try:
         while True:
             items = [(ident, i) for i in range(count)]
             answers = await remote.inference_many(items, return_exceptions=True)
@@ -34,6 +35,8 @@ async def main(path: str, ident: str, count: int, forever: bool) -> None:
             summary = {"right": right, "wrong": wrong, "failed": failed, "batches": batches}
             print(json.dumps(summary), flush=True)
             return
+    finally:
+        await remote.aclose()
 
 
 if __name__ == "__main__":

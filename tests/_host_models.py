@@ -10,6 +10,7 @@ check it got its own item back and see which calls shared a batch. Its `delay`
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import os
 from typing import Any
@@ -156,3 +157,37 @@ def in_shared_memory(data: Any) -> bool:
                 if start <= address < end:
                     return True
     return False
+
+
+def broken() -> Tagged:
+    """A factory whose load fails."""
+    raise OSError("weights not found")
+
+
+class Units(batchproxy.Proxy[Any, Any]):
+    """Takes a per-batch argument (`with_args(unit=...)`): answers `f"{item}{unit}"`,
+    and records each batch as `(items, unit)`."""
+
+    def __init__(self) -> None:
+        super().__init__(16, max_delay_ms=5.0)
+        self.batches: list[tuple[list[Any], str]] = []
+
+    @override
+    async def _inference(self, items: list[Any], /, *, unit: str = "x") -> list[str]:
+        self.batches.append((list(items), unit))
+        return [f"{item}{unit}" for item in items]
+
+
+class FreezeCount(batchproxy.Proxy[Any, Any]):
+    """Answers each item with `gc.get_freeze_count()` in the host (`--freeze-gc`)."""
+
+    def __init__(self) -> None:
+        super().__init__(8, max_delay_ms=1.0)
+
+    @override
+    async def _inference(self, items: list[Any]) -> list[int]:
+        return [gc.get_freeze_count() for _ in items]
+
+
+def freeze_count() -> FreezeCount:
+    return FreezeCount()

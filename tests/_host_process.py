@@ -21,10 +21,11 @@ class HostProcess:
     """`python -m batchproxy.host _host_models:FACTORY --socket PATH`, started and
     stopped here (killed on failure)."""
 
-    def __init__(self, path: str, delay: float = 0.0, factory: str = "tagged") -> None:
+    def __init__(self, path: str, delay: float = 0.0, factory: str = "tagged", *flags: str) -> None:
         self.path = path
+        command = [sys.executable, "-m", "batchproxy.host", f"_host_models:{factory}"]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "batchproxy.host", f"_host_models:{factory}", "--socket", path],
+            [*command, "--socket", path, *flags],
             env=environment(HOST_MODEL_DELAY=str(delay)),
             stderr=subprocess.PIPE,
             text=True,

@@ -6,8 +6,9 @@ that they share one copy of the model and batch together.
   calls from every connected process (`python -m batchproxy.host module:factory
   --socket PATH` runs one on its own);
 - `RemoteProxy(path)`: in each web worker, the proxy's call methods (`await
-  remote.inference(x)`, `inference_many`, `stream`, and `submit`/`inference_sync`
-  from threads) with its call options, answered by the host.
+  remote.inference(x)`, `inference_many`, `stream`, `submit`/`inference_sync` from
+  threads, `with_args(...)`) with its call options, answered by the host; its
+  errors as the same exceptions (`_wire.pack_error`).
 
 Messages (`_wire`) are the worker pipes' frames (pickle protocol 5, large buffers out
 of band) on the socket, which only this user can open, and the host checks each

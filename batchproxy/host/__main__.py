@@ -6,10 +6,20 @@ coroutine function may load the weights). The host serves it on `PATH` until
 SIGTERM or SIGINT, then drains for up to `--drain-timeout` seconds and removes the
 socket. One line on stderr says when it is ready.
 
+`--freeze-gc`: once the factory's proxy is loaded, before serving, collect once and
+`gc.freeze()` what is alive (the model, the framework), as `Serving(freeze_gc=True)`
+does in a web service: the collector's full passes then skip them.
+
+A load that fails (taking the lock, importing the factory's module, calling the
+factory, entering the proxy, binding the socket) prints its traceback and exits with
+status 3 (`LOAD_FAILED`); with `--report-fd N`, it first writes its error's type and
+message on file descriptor N (a pipe from the process that started it), which is
+closed once serving.
+
 `--lock`: first take the host lock of `PATH` (`PATH.lock`), and exit at once (status
 0, nothing loaded) if another host holds it; `--exit-when-idle S`: exit (draining as
 on SIGTERM) once no client has been connected for S seconds. `RemoteProxy(path,
-host="module:factory")` starts its host this way (see `_launch`).
+host="module:factory")` starts its host this way, with `--freeze-gc` (see `_launch`).
 """
 
 from __future__ import annotations
@@ -17,40 +27,55 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import importlib
 import inspect
+import os
 import signal
 import sys
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._host import ModelHost
-from ._launch import hold_lock
+from ._launch import LOAD_FAILED, hold_lock
 
 
 def load_factory(spec: str) -> Any:
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
-        raise SystemExit(f"expected module:factory, got {spec!r}")
+        raise ValueError(f"expected module:factory, got {spec!r}")
     target: Any = importlib.import_module(module_name)
     for part in attribute.split("."):
         target = getattr(target, part)
     if not callable(target):
-        raise SystemExit(f"{spec} is not callable")
+        raise TypeError(f"{spec} is not callable")
     return target
 
 
 async def serve(
-    factory: Any, path: str, drain_timeout: float | None, exit_when_idle: float | None = None
+    factory: Any,
+    path: str,
+    drain_timeout: float | None,
+    exit_when_idle: float | None = None,
+    *,
+    freeze_gc: bool = False,
+    serving: Callable[[], None] = lambda: None,
 ) -> None:
+    """Load the factory's proxy and serve it on `path` until SIGTERM or SIGINT (or idle
+    for `exit_when_idle` seconds); `serving()` is called once it listens."""
     proxy = factory()
     if inspect.isawaitable(proxy):
         proxy = await proxy
+    if freeze_gc:
+        gc.collect()  # (what loading left as garbage is not frozen for good)
+        gc.freeze()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     async with ModelHost(proxy, path, drain_timeout=drain_timeout) as host:
+        serving()
         print(f"batchproxy.host: serving {proxy!r} on {path}", file=sys.stderr, flush=True)
         if exit_when_idle is None:
             await stop.wait()
@@ -78,12 +103,55 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--drain-timeout", type=float, default=30.0)
     parser.add_argument("--lock", action="store_true", help="exit if a host holds PATH.lock")
     parser.add_argument("--exit-when-idle", type=float, default=None, metavar="SECONDS")
+    parser.add_argument(
+        "--freeze-gc", action="store_true", help="gc.freeze() what is alive once loaded"
+    )
+    parser.add_argument("--report-fd", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.lock and hold_lock(args.socket) is None:  # (held until this process ends)
-        return  # another host serves: nothing loaded
-    sys.path.insert(0, "")  # the current directory, as `python -m` users expect
-    factory = load_factory(args.factory)
-    asyncio.run(serve(factory, args.socket, args.drain_timeout, args.exit_when_idle))
+    report = _Report(args.report_fd)
+    try:
+        if args.lock and hold_lock(args.socket) is None:  # (held until this process ends)
+            return  # another host serves: nothing loaded
+        sys.path.insert(0, "")  # the current directory, as `python -m` users expect
+        factory = load_factory(args.factory)
+        asyncio.run(
+            serve(
+                factory,
+                args.socket,
+                args.drain_timeout,
+                args.exit_when_idle,
+                freeze_gc=args.freeze_gc,
+                serving=report.close,
+            )
+        )
+    except Exception as exc:
+        if not report.loading:
+            raise
+        traceback.print_exc()
+        report.failed(exc)
+        sys.exit(LOAD_FAILED)
+    finally:
+        report.close()
+
+
+class _Report:
+    """The `--report-fd` pipe, if any: why the load failed, or closed once serving."""
+
+    def __init__(self, fd: int | None) -> None:
+        self.fd = fd
+        self.loading = True
+
+    def failed(self, exc: BaseException) -> None:
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(self.fd, f"{type(exc).__name__}: {exc}".encode()[:4096])
+
+    def close(self) -> None:
+        self.loading = False
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 if __name__ == "__main__":

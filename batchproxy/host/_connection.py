@@ -24,9 +24,10 @@ from ._wire import message_bytes, open_sealed, read_message, sealed_message, unp
 
 __all__ = ["Connection"]
 
-_Answer = tuple[str, list[Any]] | HostUnavailable
-"""What a call's queue gets: an answer `(kind, sealed)` from the host, or the
-`HostUnavailable` of a lost connection."""
+_Answer = tuple[str, list[Any]] | BaseException
+"""What a call's queue gets: an answer `(kind, sealed)` from the host, or the error
+that ends it here (the `HostUnavailable` of a lost connection, a drain's
+`DrainDeadline`: `cut`)."""
 
 
 class Connection:
@@ -170,6 +171,14 @@ class Connection:
             self._forget(ident)
         answers.put_nowait((kind, sealed))
 
+    def cut(self, error: Callable[[], BaseException]) -> None:
+        """End every call still waiting with `error()` now (a drain's deadline); the
+        owner closes the connection next, which withdraws them in the host."""
+        waiting, self.waiting = self.waiting, {}
+        self._idle.set()
+        for answers in waiting.values():
+            answers.put_nowait(error())
+
     def _fail_waiting(self, why: str) -> None:
         if self.open:
             self.open = False
@@ -191,7 +200,7 @@ class Connection:
 
 
 def _received(answer: _Answer) -> tuple[str, list[Any]]:
-    if isinstance(answer, HostUnavailable):
+    if isinstance(answer, BaseException):
         raise answer
     return answer
 

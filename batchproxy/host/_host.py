@@ -5,7 +5,8 @@ Each connection is one client process (a `RemoteProxy` on one event loop). Each
 `("stream", ...)` one a task reading `proxy.stream(...)`, so the calls of every
 connected process queue in the one proxy and share its batches; the answers go
 back on the connection they came from (a stream's chunks as they come, then its
-end or its error). A `("cancel", id)` cancels that
+end or its error). A call whose `key` is `RemoteArguments` (`remote.with_args(...)`)
+goes through `proxy.with_args(...)` instead. A `("cancel", id)` cancels that
 task (a queued request leaves the queue, a running one's result is dropped), and a
 connection that ends (its process exited or died) cancels all of its calls:
 nothing of a departed client is left in the host, nor any shared-memory segment of
@@ -21,12 +22,14 @@ import socket
 import stat
 import struct
 import time
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
-from .._errors import DeadlineExceeded, HostUnavailable
+from .._errors import DeadlineExceeded, DrainDeadline, HostUnavailable
 from .._stats import Health
 from . import _shm
+from ._arguments import RemoteArguments
 from ._wire import open_sealed, pack_error, read_message, sealed_message
 
 __all__ = ["ModelHost"]
@@ -46,11 +49,11 @@ class ModelHost:
     the socket (owner-only, mode 0600, in a directory you choose; a stale socket file
     is replaced, a live one refused with `FileExistsError`), and on exit stops
     listening, lets the calls in flight finish for up to `drain_timeout` seconds
-    (None: no bound), lets each client read the answers already written in shared
-    memory (for up to `READ_GRACE` seconds), closes every connection (their callers'
-    calls still pending fail with `HostUnavailable`), closes the proxy (its drain by
-    the `drain_timeout` deadline: a model that hangs holds no close) and removes the
-    socket file.
+    (None: no bound) by closing the proxy with that deadline (its
+    `aclose(timeout=...)`: a model that hangs holds no close, and each call the
+    deadline cuts off is answered `DrainDeadline`), lets each client read the
+    answers already written in shared memory (for up to `READ_GRACE` seconds),
+    closes every connection and removes the socket file.
     Peers of another user are refused (`SO_PEERCRED`) and counted in `refused`.
     """
 
@@ -124,8 +127,8 @@ class ModelHost:
         deadline = None if self.drain_timeout is None else loop.time() + self.drain_timeout
         connections = list(self._connections)
         calls = [task for connection in connections for task in connection.calls.values()]
-        if calls:  # the calls in flight finish, up to drain_timeout
-            await asyncio.wait(calls, timeout=self.drain_timeout)
+        if calls:
+            await self._drain(connections, calls)
         await asyncio.gather(*(connection.close(READ_GRACE) for connection in connections))
         with contextlib.suppress(Exception):
             await server.wait_closed()
@@ -133,6 +136,37 @@ class ModelHost:
         await self._close_proxy(None if deadline is None else max(0.0, deadline - loop.time()))
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+
+    async def _drain(self, connections: list[_Connection], calls: list[asyncio.Task[None]]) -> None:
+        """Let the calls in flight finish, up to `drain_timeout`; each that the deadline
+        cuts off is answered `DrainDeadline`, as the proxy's own drain answers it.
+
+        A proxy the host entered and closes (a `Proxy`, a `@batch` function) drains
+        itself, with the same deadline: it answers each call it cuts off (`running`:
+        whether its batch had begun), and the host sends those answers. Another is
+        waited for up to the deadline; the calls still running then are cancelled and
+        answered `DrainDeadline` (`running=True`: the host cannot tell)."""
+        if self._entered and callable(getattr(self.proxy, "aclose", None)):
+            await asyncio.sleep(0)  # the calls just read reach the proxy's queue first
+            await self._close_proxy(self.drain_timeout)
+            await asyncio.wait(calls, timeout=READ_GRACE)  # (their answers are being sent)
+            return
+        _, late = await asyncio.wait(calls, timeout=self.drain_timeout)
+        if late:
+            timeout = float(self.drain_timeout or 0.0)
+            name = self.proxy_name
+            await asyncio.gather(
+                *(
+                    connection.cut(late, lambda: DrainDeadline(name, timeout, running=True))
+                    for connection in connections
+                )
+            )
+
+    @property
+    def proxy_name(self) -> str:
+        """The served proxy's name (its class's, if it has none), for the errors the
+        host answers in its stead."""
+        return str(getattr(self.proxy, "name", type(self.proxy).__name__))
 
     async def _close_proxy(self, timeout: float | None = None) -> None:
         """Close the proxy entered at start: `aclose(timeout=...)` where it has one (a
@@ -213,10 +247,15 @@ class _Connection:
             except Exception as exc:
                 raise TypeError(f"the model host could not read the call's item: {exc!r}") from exc
             call = self._call_options(options)
+            proxy = self.host.proxy
+            arguments = call.get("key")
+            if isinstance(arguments, RemoteArguments):  # (remote.with_args(...))
+                del call["key"]
+                proxy = arguments.call(proxy)
             if not stream:
-                await self._answer(ident, "result", await self.host.proxy.inference(item, **call))
+                await self._answer(ident, "result", await proxy.inference(item, **call))
                 return
-            async with contextlib.aclosing(self.host.proxy.stream(item, **call)) as chunks:
+            async with contextlib.aclosing(proxy.stream(item, **call)) as chunks:
                 async for chunk in chunks:
                     await self._answer(ident, "chunk", chunk)
             await self.send(*sealed_message("end", ident, None))
@@ -236,8 +275,7 @@ class _Connection:
             left = deadline - time.monotonic()
             if left <= 0:
                 self.host.expired += 1
-                name = getattr(self.host.proxy, "name", type(self.host.proxy).__name__)
-                raise DeadlineExceeded(str(name), float(call["timeout"]))
+                raise DeadlineExceeded(self.host.proxy_name, float(call["timeout"]))
             call["timeout"] = left
         return call
 
@@ -249,6 +287,17 @@ class _Connection:
         except Exception as exc:
             raise TypeError(f"the model host could not send the call's {kind}: {exc!r}") from exc
         await self.send(data, names)
+
+    async def cut(
+        self, tasks: Collection[asyncio.Task[None]], error: Callable[[], BaseException]
+    ) -> None:
+        """Cancel this connection's calls among `tasks`, and answer each `error()`."""
+        cut = {ident: task for ident, task in self.calls.items() if task in tasks}
+        for task in cut.values():
+            task.cancel()
+        await asyncio.gather(*cut.values(), return_exceptions=True)
+        for ident in cut:
+            await self.send_error(ident, error())
 
     async def send_error(self, ident: int, error: BaseException) -> None:
         await self.send(*sealed_message("error", ident, pack_error(error)))  # (it pickles)

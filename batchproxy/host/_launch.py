@@ -15,8 +15,13 @@ on the socket starts a *candidate* (`python -m batchproxy.host SPEC --socket PAT
 - **Restarted when lost.** A worker whose watch finds no host starts a candidate
   again (one at a time per worker), unless the lock is held (a host is loading);
   so a host that died comes back.
+- **A failed load is said, not retried.** A candidate whose load fails (the lock
+  file, importing the factory's module, calling the factory, the socket) writes why
+  on a pipe to the worker that started it (`--report-fd`) and exits with status
+  `LOAD_FAILED`: that worker's `start()` raises it at once rather than starting
+  candidates until `start_timeout`.
 
-The worker reaps the candidates it started (`reap`), so none stays a zombie.
+The worker reaps the candidates it started (`running`), so none stays a zombie.
 """
 
 from __future__ import annotations
@@ -25,24 +30,65 @@ import fcntl
 import os
 import subprocess
 import sys
+import weakref
 
-__all__ = ["Candidate", "hold_lock", "lock_is_free"]
+__all__ = ["LOAD_FAILED", "Candidate", "hold_lock", "lock_is_free"]
+
+LOAD_FAILED = 3
+"""The exit status of `python -m batchproxy.host` when its load fails."""
 
 
 class Candidate:
-    """A host process this worker started (it may have lost the race and exited)."""
+    """A host process this worker started (it may have lost the race and exited, or
+    failed to load: `failure`)."""
 
     def __init__(self, spec: str, path: str, exit_when_idle: float) -> None:
+        read, write = os.pipe()  # the candidate's report, if its load fails
         command = [sys.executable, "-m", "batchproxy.host", spec, "--socket", path,
-                   "--lock", "--exit-when-idle", repr(exit_when_idle)]  # fmt: skip
-        self.process = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, start_new_session=True, cwd=os.getcwd()
-        )
+                   "--lock", "--exit-when-idle", repr(exit_when_idle), "--freeze-gc",
+                   "--report-fd", str(write)]  # fmt: skip
+        try:
+            self.process = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=os.getcwd(),
+                pass_fds=(write,),
+            )
+        except BaseException:
+            os.close(read)
+            raise
+        finally:
+            os.close(write)
+        self._report = read
+        self._close_report = weakref.finalize(self, os.close, read)
+        self.failure: str | None = None
+        """Why it failed to load, once it has exited saying so (else None)."""
 
     @property
     def running(self) -> bool:
-        """Whether it still runs (reaping it if it ended)."""
-        return self.process.poll() is None
+        """Whether it still runs (reaping it if it ended, and reading its `failure`)."""
+        if self.process.poll() is None:
+            return True
+        if self._close_report.alive:
+            try:
+                if self.process.returncode == LOAD_FAILED:
+                    self.failure = _read_report(self._report) or (
+                        f"the host process exited with status {LOAD_FAILED}"
+                    )
+            finally:
+                self._close_report()
+        return False
+
+
+def _read_report(fd: int) -> str:
+    """What a candidate that has exited wrote on its report pipe (without waiting: a
+    process it forked may still hold the pipe open)."""
+    os.set_blocking(fd, False)
+    try:
+        return os.read(fd, 65536).decode("utf-8", "replace").strip()
+    except BlockingIOError:
+        return ""
 
 
 def hold_lock(path: str) -> int | None:

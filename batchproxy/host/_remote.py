@@ -28,10 +28,11 @@ from typing import Any
 from typing_extensions import Unpack
 
 from .. import _validate
-from .._errors import DeadlineExceeded, HostUnavailable, ProxyClosed
+from .._errors import DeadlineExceeded, DrainDeadline, HostUnavailable, ProxyClosed
 from .._loops.background_loop import BackgroundLoop
 from .._option_values import CallOptions, check_call
 from .._stats import Health
+from ._arguments import RemoteArguments, RemoteWithArguments
 from ._connection import Connection
 from ._launch import Candidate, lock_is_free
 
@@ -51,20 +52,24 @@ class RemoteProxy:
     The proxy's call methods, with its call options (`timeout`, `priority`,
     `tenant`, `key`), checked here before anything is sent: `inference`,
     `inference_many`, `stream` (the host's stream, chunk by chunk; a proxy that
-    does not stream sends its one result), and from plain threads `submit` and
-    `inference_sync`. The host applies the options, so its batches mix the calls
-    of every connected process. A timeout travels as a deadline. The host's errors
-    arrive as the same exceptions (`QueueFull`, `DeadlineExceeded`, `InvalidItem`,
-    the model's own), and a host that cannot be reached or is lost with the call in
-    flight raises `HostUnavailable` (never a hang). Cancelling a call (or closing
-    its stream early) cancels it in the host.
+    does not stream sends its one result), from plain threads `submit` and
+    `inference_sync`, and `with_args(...)` (the host proxy's per-batch arguments).
+    The host applies the options, so its batches mix the calls of every connected
+    process. A timeout travels as a deadline. The host's errors arrive as the same
+    exceptions, with their message and attributes (`QueueFull`, `DeadlineExceeded`,
+    `InvalidItem`, the model's own; one that cannot be rebuilt here as a
+    `RuntimeError` naming its type and message), a drain's deadline cuts calls off
+    with `DrainDeadline`, and a host that cannot be reached or is lost with the
+    call in flight raises `HostUnavailable` (never a hang). Cancelling a call (or
+    closing its stream early) cancels it in the host.
 
     In a `Serving` it is one of the service's proxies: `start()` waits up to
     `start_timeout` seconds for the host (with `host="module:factory"`, the first
     worker that finds none starts one, which exits `host_idle_exit` seconds after
     its last worker left), then asks its health every `health_every` seconds
-    (`health`, so `/readyz` includes the host); `aclose(timeout=...)` lets the calls
-    in flight finish, then closes (later calls raise `ProxyClosed`). `name`: the
+    (`health`, `healthy`, so `/readyz` includes the host); `aclose(timeout=...)`
+    lets the calls in flight finish, then closes (later calls raise `ProxyClosed`).
+    `async with remote:` is `start()`, then `aclose()`, as for a proxy. `name`: the
     service's name for it (default: the socket file's stem). `connect_timeout`:
     seconds to wait for the socket.
     """
@@ -107,6 +112,9 @@ class RemoteProxy:
         return f"RemoteProxy({self.path!r})"
 
     async def __aenter__(self) -> RemoteProxy:
+        """`start()` (the host found, or started with `host=`), as `async with proxy:`
+        starts a proxy."""
+        await self.start()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -179,6 +187,14 @@ class RemoteProxy:
             raise DeadlineExceeded(self.name, seconds)
         return future.result()
 
+    def with_args(self, *args: Any, **kwargs: Any) -> RemoteWithArguments:
+        """The call methods with these per-batch arguments for the host proxy's
+        `_inference`, as `proxy.with_args(...)`: `await
+        remote.with_args(normalize=True).inference(text)`. They travel with each call
+        (hashable and picklable), and the host's proxy checks them (a `TypeError`
+        back if its `_inference` does not take them)."""
+        return RemoteWithArguments(self, RemoteArguments.of(args, kwargs))
+
     async def _call(self, item: Any, options: dict[str, Any]) -> Any:
         """One call with its options checked (`_options`), on this loop's connection."""
         connection = await self._connect()
@@ -198,10 +214,17 @@ class RemoteProxy:
             return Health(False, f"{self.name} is closed", None)
         return self._health
 
+    @property
+    def healthy(self) -> bool:
+        """`remote.health.healthy`, as `proxy.healthy`."""
+        return self.health.healthy
+
     async def start(self) -> None:
         """Wait up to `start_timeout` for the host (starting one, with `host=`, if none
         answers), then watch its health from this loop. Raises `HostUnavailable` if no
-        host answered in time; idempotent."""
+        host answered in time, and `RuntimeError` at once if the host it started
+        failed to load (its module cannot be imported, its factory raised): a
+        `Serving` then reports a failed load; idempotent."""
         if self._closed:
             raise ProxyClosed(self.name)
         if self._watch is not None and not self._watch.done():
@@ -214,6 +237,7 @@ class RemoteProxy:
                 self._heard(await self._ask())
                 break
             except HostUnavailable as exc:
+                self._refuse_failed_load()
                 self._start_host()
                 if deadline is not None and loop.time() + pause > deadline:
                     raise HostUnavailable(
@@ -225,8 +249,9 @@ class RemoteProxy:
 
     async def aclose(self, *, timeout: float | None = None) -> None:
         """Stop taking calls (`ProxyClosed`), let those in flight finish (for up to
-        `timeout` seconds: then they fail with `HostUnavailable`), and close the
-        connections (another running loop's on that loop). Idempotent."""
+        `timeout` seconds, the drain's deadline: then they fail with `DrainDeadline`, as
+        a proxy's do, and are withdrawn in the host), and close the connections
+        (another running loop's on that loop). Idempotent."""
         if timeout is not None:  # (>= 0, as for `Proxy.aclose`: a drain's deadline may be now)
             timeout = _validate.duration("timeout", timeout, allow_zero=True, allow_inf=True)
             timeout = None if timeout == math.inf else timeout
@@ -234,7 +259,8 @@ class RemoteProxy:
         watch, self._watch = self._watch, None
         if watch is not None:
             watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            # (ProxyClosed: a question it was asking when this began found it closed)
+            with contextlib.suppress(asyncio.CancelledError, ProxyClosed):
                 await watch
         here = asyncio.get_running_loop()
         connections = list(self._connections.items())
@@ -242,8 +268,7 @@ class RemoteProxy:
         self._connecting.clear()  # (a finished one holds its connection)
         mine = [connection for loop, connection in connections if loop is here]
         if mine:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(mine[0].drained(), timeout)
+            await self._drain(mine[0], timeout)
         why = f"{self.name} was closed"
         for loop, connection in connections:
             if loop is here:
@@ -256,6 +281,16 @@ class RemoteProxy:
             # else: a loop that no longer runs; its transports go with it
         if self._candidate is not None and not self._candidate.running:  # (reaped)
             self._candidate = None  # (one still running serves on, for the other workers)
+
+    async def _drain(self, connection: Connection, timeout: float | None) -> None:
+        """Wait up to `timeout` for the calls in flight on `connection`; those still
+        waiting then get `DrainDeadline` (`running=True`: the host may have begun them),
+        as a proxy's drain answers the calls its deadline cuts off."""
+        try:
+            await asyncio.wait_for(connection.drained(), timeout)
+        except asyncio.TimeoutError:
+            seconds = float(timeout or 0.0)
+            connection.cut(lambda: DrainDeadline(self.name, seconds, running=True))
 
     async def _watching(self) -> None:
         """Ask the host's health every `health_every` seconds; a host that cannot be
@@ -282,6 +317,16 @@ class RemoteProxy:
         from now (since the first such word) until it answers again."""
         since = self._health.since if not self._health.healthy else None
         self._health = Health(False, f"model host at {self.path}: {why}", since or time.time())
+
+    def _refuse_failed_load(self) -> None:
+        """Raise `RuntimeError` if the host candidate this worker started last exited
+        because its load failed (`_launch`): starting another would fail the same way."""
+        candidate = self._candidate
+        if candidate is not None and not candidate.running and candidate.failure is not None:
+            self._candidate = None
+            raise RuntimeError(
+                f"the model host {self.host!r} for {self.path} failed to load: {candidate.failure}"
+            )
 
     def _start_host(self) -> None:
         """With `host=`: start a host candidate, unless the last one still runs (it is

@@ -32,15 +32,18 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import importlib
 import pickle
 import struct
+import types
 from typing import Any
 
 from .._executors.ipc import decode, encode
 from . import _shm
 
 __all__ = [
+    "Packed",
     "message_bytes",
     "open_sealed",
     "pack_error",
@@ -134,44 +137,135 @@ async def read_message(reader: asyncio.StreamReader) -> Any:
     return decode(frames)
 
 
-def pack_error(exc: BaseException) -> tuple[str, str, tuple[Any, ...], dict[str, Any], str]:
-    """`exc` as plain values: its class's module and name, `args`, the attributes that
-    can be pickled, and its text. An exception is not pickled whole: most of
-    batchproxy's take other arguments than their message, which `pickle` cannot
-    replay."""
+Packed = tuple[str, str, str, bytes | None, bytes | None]
+"""A packed exception (`pack_error`): its class's module and name, its text, and the
+exception pickled whole or, if it cannot travel so, its fields pickled."""
+
+
+def pack_error(exc: BaseException) -> Packed:
+    """`exc` as plain values, in the first form that rebuilds it (checked here, in the
+    process that raised it):
+
+    1. pickled whole, if unpickling that gives an exception of the same class, `args`,
+       attributes and text (a `FileNotFoundError`'s `errno`, a `UnicodeDecodeError`'s
+       fields: what their class's `__reduce__` replays);
+    2. else its fields, pickled: `args`, the values of its class's slots (the C-level
+       fields of `OSError` and `UnicodeError`, `__slots__`) and the attributes in its
+       `__dict__`, each that can be pickled (most of batchproxy's errors take other
+       arguments than their message, which `pickle` cannot replay);
+    3. and always its class's name and its text, so that an exception the receiver
+       cannot rebuild still arrives with both (`unpack_error`)."""
     kind = type(exc)
-    state = {}
-    for name, value in vars(exc).items():
-        try:
-            pickle.dumps(value, protocol=5)
-        except Exception:  # an attribute that cannot travel stays behind
-            continue
-        state[name] = value
-    try:
-        pickle.dumps(exc.args, protocol=5)
-        args = exc.args
-    except Exception:
-        args = (str(exc),)
-    return kind.__module__, kind.__qualname__, args, state, str(exc)
+    text = _text(exc)
+    whole = _whole(exc, text)
+    fields = None if whole is not None else _fields(exc)
+    return kind.__module__, kind.__qualname__, text, whole, fields
 
 
-def unpack_error(packed: tuple[str, str, tuple[Any, ...], dict[str, Any], str]) -> BaseException:
-    """The exception `pack_error` packed, of the same class when this process can import
-    it (without calling its `__init__`), else a `RuntimeError` naming it."""
-    module, qualname, args, state, text = packed
-    kind: Any = None
-    try:
-        kind = builtins if module == "builtins" else importlib.import_module(module)
-        for part in qualname.split("."):
-            kind = getattr(kind, part)
-    except Exception:
-        kind = None
-    if isinstance(kind, type) and issubclass(kind, Exception):
+def unpack_error(packed: Packed) -> BaseException:
+    """The exception `pack_error` packed: unpickled whole, or of the same class (if this
+    process can import it) with its fields set, without calling its `__init__`; one
+    that cannot be rebuilt here with the same text is a `RuntimeError` whose text
+    names its class and its text."""
+    module, qualname, text, whole, fields = packed
+    if whole is not None:
         try:
+            exc = pickle.loads(whole)
+            if isinstance(exc, Exception):
+                return exc
+        except Exception:
+            pass
+    kind = _class(module, qualname)
+    if fields is not None and isinstance(kind, type) and issubclass(kind, Exception):
+        try:
+            args, slots, state = pickle.loads(fields)
             exc = kind.__new__(kind)
             exc.args = args
+            for name, value in slots.items():
+                with contextlib.suppress(Exception):  # (a read-only one stays as it is)
+                    # (an OSError's filename2 reads None unset, and prints set to None)
+                    if value is not None or getattr(exc, name, True) is not None:
+                        setattr(exc, name, value)
             exc.__dict__.update(state)
-            return exc
+            if _text(exc) == text:
+                return exc
         except Exception:
             pass
     return RuntimeError(f"{module}.{qualname} in the model host: {text}")
+
+
+def _text(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:
+        return f"<{type(exc).__qualname__} whose str() raised>"
+
+
+def _whole(exc: BaseException, text: str) -> bytes | None:
+    """`exc` pickled, if it unpickles as the same exception (class, `args`, `__dict__`
+    and text); else None."""
+    try:
+        data = pickle.dumps(exc, protocol=5)
+        copy = pickle.loads(data)
+        same = (
+            type(copy) is type(exc)
+            and _text(copy) == text
+            and pickle.dumps((copy.args, vars(copy)), protocol=5)
+            == pickle.dumps((exc.args, vars(exc)), protocol=5)
+        )
+    except Exception:
+        return None
+    return data if same else None
+
+
+def _fields(exc: BaseException) -> bytes | None:
+    """`exc`'s `args`, slots and `__dict__` pickled (each that pickles); None if not
+    even that can be."""
+
+    def travels(value: Any) -> bool:
+        try:
+            pickle.dumps(value, protocol=5)
+        except Exception:
+            return False
+        return True
+
+    args = exc.args if travels(exc.args) else (_text(exc),)
+    slots = {}
+    for name in _slots(type(exc)):
+        try:
+            value = getattr(exc, name)
+        except Exception:  # (an OSError's characters_written, when not set)
+            continue
+        if travels(value):
+            slots[name] = value
+    state = {name: value for name, value in vars(exc).items() if travels(value)}
+    try:
+        return pickle.dumps((args, slots, state), protocol=5)
+    except Exception:
+        return None
+
+
+def _slots(kind: type) -> tuple[str, ...]:
+    """The fields `kind` keeps outside `__dict__` and `args`: its classes' slots and
+    C-level members (not `BaseException`'s own: traceback, cause, context)."""
+    names: list[str] = []
+    for klass in kind.__mro__:
+        if klass in (BaseException, object):
+            continue
+        for name, attribute in vars(klass).items():
+            if name in ("__dict__", "__weakref__") or name in names:
+                continue
+            if isinstance(attribute, (types.MemberDescriptorType, types.GetSetDescriptorType)):
+                names.append(name)
+    return tuple(names)
+
+
+def _class(module: str, qualname: str) -> Any:
+    """The class `module.qualname`, if this process can import it; else None."""
+    try:
+        kind: Any = builtins if module == "builtins" else importlib.import_module(module)
+        for part in qualname.split("."):
+            kind = getattr(kind, part)
+    except Exception:
+        return None
+    return kind

@@ -13,7 +13,6 @@ uvicorn supervisor with its workers are in that group, and go with it.
 
 from __future__ import annotations
 
-import gc
 import os
 import subprocess
 import sys
@@ -33,12 +32,10 @@ SOCKET_VARIABLE = "BENCH_HOST_SOCKET"
 
 
 def embedder() -> MiniLMEmbedder:
-    """The host's proxy: `batchproxy_server.py`'s, the model then kept out of the garbage
-    collector's full passes (what `Serving(freeze_gc=True)` does in a web worker)."""
-    proxy = batchproxy_server.embedder()
-    gc.collect()
-    gc.freeze()
-    return proxy
+    """The host's proxy: `batchproxy_server.py`'s (run with `--freeze-gc`: the model is
+    then kept out of the garbage collector's full passes, as `Serving(freeze_gc=True)`
+    keeps a web worker's)."""
+    return batchproxy_server.embedder()
 
 
 def create_app() -> FastAPI:
@@ -66,7 +63,8 @@ def main() -> None:
     port = announce_port()
     path = os.path.join(tempfile.mkdtemp(prefix="bench-host-"), "minilm.sock")
     os.environ[SOCKET_VARIABLE] = path
-    host = [sys.executable, "-m", "batchproxy.host", "host_server:embedder", "--socket", path]
+    host = [sys.executable, "-m", "batchproxy.host", "host_server:embedder", "--socket", path,
+            "--freeze-gc"]  # fmt: skip
     subprocess.Popen(host, cwd=HERE, stdin=subprocess.DEVNULL)  # in this group: goes with it
     uvicorn.run(
         "host_server:create_app",

@@ -254,3 +254,21 @@ def test_mypy_checks_calls_against_the_per_item_signature(tmp_path: Path) -> Non
 
 def test_the_names_are_public() -> None:
     assert batchproxy.batch_args is batch_args
+
+
+async def test_inference_and_submit_take_its_arguments_as_a_call_does() -> None:
+    calls: list[tuple[list[str], bool, str]] = []
+
+    @batch_args(batch_size=8, max_delay_ms=1.0)
+    async def embed(texts: list[str], /, normalize: bool = False, *, unit: str = "x") -> list[str]:
+        calls.append((list(texts), normalize, unit))
+        return [f"{t}:{normalize}:{unit}" for t in texts]
+
+    async with embed:
+        assert await asyncio.wait_for(embed.inference("a", True, unit="y"), 10) == "a:True:y"
+        assert await asyncio.wait_for(embed.inference("b"), 10) == "b:False:x"
+        future = await asyncio.to_thread(embed.with_call_options(timeout=10).submit, "c", True)
+        assert await asyncio.wait_for(asyncio.wrap_future(future), 10) == "c:True:x"
+        with pytest.raises(TypeError, match="nope"):
+            embed.submit("a", nope=1)
+    assert sorted(calls) == [(["a"], True, "y"), (["b"], False, "x"), (["c"], True, "x")]

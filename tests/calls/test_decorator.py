@@ -294,3 +294,33 @@ async def test_priority_is_passed_through(no_leftovers: None) -> None:
 def test_batch_takes_every_proxy_option() -> None:
     proxy_options = set(inspect.signature(batchproxy.Proxy.__init__).parameters) - {"self"}
     assert proxy_options == set(inspect.signature(batchproxy.batch).parameters)
+
+
+async def test_it_has_proxys_inference_submit_lifecycle_and_health(no_leftovers: None) -> None:
+    """`f.inference`, `f.submit`, `async with f`, `f.closed`, `f.healthy`, `f.name`:
+    what a `Proxy` offers, by the same names (a `ModelHost` serves such a function)."""
+
+    @batch(batch_size=4, max_delay_ms=1.0)
+    async def halve(numbers: list[int]) -> list[float]:
+        return [n / 2 for n in numbers]
+
+    async with halve as entered:
+        assert entered is halve
+        assert not halve.closed
+        assert halve.healthy
+        assert halve.name == halve.__qualname__
+        assert await asyncio.wait_for(halve.inference(3, priority=1), 10) == 1.5
+
+        futures: list[Any] = []
+        thread = threading.Thread(
+            target=lambda: futures.extend(halve.submit(n, timeout=10) for n in range(4))
+        )
+        thread.start()
+        thread.join(10)
+        answers = [await asyncio.wait_for(asyncio.wrap_future(f), 10) for f in futures]
+        assert answers == [0, 0.5, 1, 1.5]
+        with pytest.raises(TypeError, match="nope"):
+            halve.submit(1, nope=2)  # type: ignore[call-arg]
+    assert halve.closed
+    with pytest.raises(ProxyClosed):
+        await halve.inference(1)

@@ -238,7 +238,9 @@ async def test_the_drain_timeout_bounds_the_whole_close_even_with_a_hung_model(
     socket_path: str,
 ) -> None:
     """A model that never returns holds neither the host's close (past its
-    `drain_timeout`) nor its caller: the call fails, the socket is gone."""
+    `drain_timeout`) nor its caller: the call fails, the socket is gone. The calls
+    the deadline cuts off get `DrainDeadline`, as the proxy's own drain answers them:
+    `running` for the one in the hung batch, not for the one still queued."""
     proxy = Tagged()
     proxy.gate.clear()  # the model hangs
     host = ModelHost(proxy, socket_path, drain_timeout=0.2)
@@ -247,9 +249,16 @@ async def test_the_drain_timeout_bounds_the_whole_close_even_with_a_hung_model(
         async with RemoteProxy(socket_path) as remote:
             call = asyncio.ensure_future(remote.inference("stuck"))
             await wait_until(lambda: proxy.seen == [["stuck"]])
+            queued = asyncio.ensure_future(remote.inference("queued"))
+            await wait_until(lambda: proxy.stats.queue_depth == 1)
             await asyncio.wait_for(host.aclose(), 5)
-            with pytest.raises(batchproxy.HostUnavailable):
+            with pytest.raises(batchproxy.DrainDeadline) as running:
                 await call
+            with pytest.raises(batchproxy.DrainDeadline) as waiting:
+                await queued
+            assert (running.value.running, waiting.value.running) == (True, False)
+            assert running.value.timeout == 0.2
+            assert proxy.seen == [["stuck"]]  # the queued call never reached the model
         assert proxy.closed
         assert not _exists(socket_path)
     finally:
@@ -263,10 +272,14 @@ async def test_a_peer_of_another_user_is_refused(
     proxy = Tagged()
     async with ModelHost(proxy, socket_path) as host:
         monkeypatch.setattr(host_module.os, "getuid", lambda: os.geteuid() + 1)
-        async with RemoteProxy(socket_path) as remote:
-            with pytest.raises(batchproxy.HostUnavailable):
-                await remote.inference("x")
+        remote = RemoteProxy(socket_path, start_timeout=0.2)
+        with pytest.raises(batchproxy.HostUnavailable):
+            await remote.inference("x")
         assert host.refused == 1
+        with pytest.raises(batchproxy.HostUnavailable, match="no model host answered"):
+            await remote.start()  # (what `async with remote:` does first)
+        assert host.refused > 1
+        await remote.aclose()
     assert proxy.seen == []
     gc.collect()  # CPython 3.12.1 segfaulted here once views of pickle buffers outlived a send
 
@@ -285,6 +298,24 @@ async def test_a_stale_socket_is_replaced_and_a_live_one_refused(socket_path: st
     _write(socket_path, "not a socket")
     with pytest.raises(FileExistsError, match="not a socket"):
         await ModelHost(Tagged(), socket_path).start()
+
+
+async def test_a_host_serves_a_batch_function(socket_path: str) -> None:
+    """As the docs say: a `@batch` function is served as a proxy is (entered, and
+    closed with the host)."""
+
+    @batchproxy.batch(batch_size=8, max_delay_ms=5.0)
+    async def tag(items: list[int]) -> list[tuple[int, int]]:
+        return [(item, len(items)) for item in items]
+
+    async with ModelHost(tag, socket_path), RemoteProxy(socket_path) as remote:
+        answers = await asyncio.gather(*(remote.inference(i) for i in range(8)))
+        assert [answer[0] for answer in answers] == list(range(8))
+        assert remote.healthy
+        with pytest.raises(batchproxy.DeadlineExceeded):
+            await remote.inference(0, timeout=1e-9)
+    assert tag.closed
+    assert tag.stats.requests == 8
 
 
 def test_a_host_needs_a_proxy() -> None:
@@ -323,6 +354,19 @@ def test_client_processes_share_one_host_and_its_batches(socket_path: str, clien
     shared = set.union(*[a & b for i, a in enumerate(seen_by) for b in seen_by[i + 1 :]])
     assert shared
     assert not _exists(socket_path)
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+async def test_freeze_gc_freezes_what_the_factory_loaded_before_serving(
+    socket_path: str, freeze: bool
+) -> None:
+    host = HostProcess(socket_path, 0.0, "freeze_count", *(["--freeze-gc"] if freeze else []))
+    try:
+        async with RemoteProxy(socket_path) as remote:
+            frozen = await remote.inference(0)
+    finally:
+        assert host.stop() == 0
+    assert (frozen > 0) is freeze  # the objects alive once loaded: the proxy, its modules
 
 
 def test_a_host_killed_under_load_fails_every_call_and_none_hangs(socket_path: str) -> None:

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
 import pytest
-from _host_models import Counting, Tagged
+from _host_models import Counting, Tagged, Units
 from _support import batchproxy_cycles, fails_with, in_a_task_of_its_own, wait_until
 
 import batchproxy
@@ -171,7 +171,7 @@ async def test_a_unary_proxy_streams_its_one_result(
     assert only[0] == "x"  # type: ignore[index]
 
 
-async def test_a_stream_whose_host_goes_away_fails_with_host_unavailable(
+async def test_a_stream_whose_host_closes_ends_with_its_drain_deadline(
     socket_path: str,
 ) -> None:
     proxy = Counting()
@@ -182,7 +182,7 @@ async def test_a_stream_whose_host_goes_away_fails_with_host_unavailable(
         reader = asyncio.ensure_future(_chunks(remote, 3))
         await wait_until(lambda: proxy.seen == [[3]])  # in the model, held at step 0
         await host.aclose()
-        with pytest.raises(batchproxy.HostUnavailable):
+        with pytest.raises(batchproxy.DrainDeadline):
             await reader
     proxy.gate.set()  # the abandoned step ends; nothing of it is left running
     await wait_until(lambda: proxy.stats.in_flight == 0)
@@ -236,7 +236,7 @@ async def test_inference_sync_is_refused_in_a_thread_running_a_loop(
 
 
 @pytest.mark.usefixtures("background_loop")
-async def test_a_thread_waiting_on_a_lost_host_gets_host_unavailable(socket_path: str) -> None:
+async def test_a_thread_waiting_on_a_closing_host_gets_its_answer(socket_path: str) -> None:
     proxy = Tagged()
     proxy.gate.clear()
     host = ModelHost(proxy, socket_path, drain_timeout=0.0)
@@ -256,7 +256,7 @@ async def test_a_thread_waiting_on_a_lost_host_gets_host_unavailable(socket_path
     await host.aclose()
     await in_a_thread(thread.join, 5)
     assert not thread.is_alive()
-    assert [type(exc) for exc in outcome] == [batchproxy.HostUnavailable]
+    assert [type(exc) for exc in outcome] == [batchproxy.DrainDeadline]  # (drain_timeout=0)
     with pytest.raises(batchproxy.HostUnavailable):  # and no host now: at once
         await in_a_thread(remote.inference_sync, "x")
 
@@ -290,3 +290,47 @@ async def test_calls_through_a_host_leave_no_reference_cycle(
             for _ in range(5):
                 await asyncio.sleep(0.01)  # (the host's side ends each call)
         assert cycles == []
+
+
+# -- per-batch arguments --------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("background_loop")
+async def test_with_args_reach_the_host_proxys_with_args(socket_path: str) -> None:
+    """`remote.with_args(...)` is the proxy's `with_args`: the arguments travel with
+    each call, the host's proxy batches the call with calls of equal arguments only,
+    and its `_inference` gets them; every call method takes them."""
+    proxy = Units()
+    async with ModelHost(proxy, socket_path), RemoteProxy(socket_path) as remote:
+        cm = remote.with_args(unit="cm")
+        assert repr(cm) == f"<{remote!r} with_args(unit='cm')>"
+        answers = await asyncio.gather(
+            cm.inference(1),
+            cm.inference(2),
+            remote.inference(3),
+            remote.with_args(unit="m").inference(4),
+        )
+        assert answers == ["1cm", "2cm", "3x", "4m"]
+        assert sorted(proxy.batches) == [([1, 2], "cm"), ([3], "x"), ([4], "m")]
+        assert await cm.inference_many([5, 6], priority=1) == ["5cm", "6cm"]
+
+        def from_a_thread() -> list[Any]:
+            return [cm.submit(7).result(10), cm.inference_sync(8, timeout=10)]
+
+        assert await in_a_thread(from_a_thread) == ["7cm", "8cm"]
+        with pytest.raises(TypeError, match="nope"):  # checked by the host's proxy
+            await remote.with_args(nope=1).inference(1)
+        with pytest.raises(TypeError, match="'unit' must be hashable"):
+            remote.with_args(unit=["c", "m"])
+        with pytest.raises(TypeError, match="takes no key="):
+            await cm.inference(1, key="k")  # type: ignore[call-arg]
+        assert await cm.inference("still") == "stillcm"
+
+
+async def test_with_args_to_a_proxy_that_takes_none_is_a_type_error(
+    served: tuple[Tagged, ModelHost, RemoteProxy],
+) -> None:
+    _, _, remote = served
+    with pytest.raises(TypeError, match="takes no per-batch arguments"):
+        await remote.with_args(unit="cm").inference("x")
+    assert (await remote.inference("x"))[0] == "x"

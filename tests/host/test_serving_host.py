@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _host_models import Tagged
@@ -18,7 +19,9 @@ from _support import wait_until
 
 import batchproxy
 from batchproxy.host import ModelHost, RemoteProxy
-from batchproxy.integrations._serving import NotReady, Serving  # (framework-free)
+from batchproxy.host import _remote as remote_module
+from batchproxy.host._launch import LOAD_FAILED, Candidate
+from batchproxy.integrations._serving import NotReady, Serving, State  # (framework-free)
 
 pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="Unix sockets, flock and /proc"),
@@ -42,6 +45,10 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+def _command_line(pid: int) -> list[bytes]:
+    return (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
 
 
 def _exists(path: str) -> bool:
@@ -103,6 +110,55 @@ async def test_the_workers_start_one_host_restart_it_when_lost_and_it_exits_afte
     assert not _exists(socket_path)
 
 
+@pytest.mark.usefixtures("factories")
+@pytest.mark.parametrize(
+    ("spec", "why"),
+    [
+        ("no_such_module_xyz:factory", "ModuleNotFoundError: No module named 'no_such_module_xyz'"),
+        ("_host_models:no_such_factory", "AttributeError: module '_host_models' has no attri"),
+        ("_host_models:broken", "OSError: weights not found"),
+    ],
+)
+async def test_a_host_that_fails_to_load_is_a_failed_load_at_once(
+    socket_path: str, spec: str, why: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The candidate says why and exits; the worker's start raises that at once, having
+    started one candidate (not one per retry until `start_timeout`)."""
+    started: list[Candidate] = []
+
+    def candidate(*args: Any) -> Candidate:
+        started.append(Candidate(*args))
+        return started[-1]
+
+    monkeypatch.setattr(remote_module, "Candidate", candidate)
+    remote = _remote(socket_path, host=spec, start_timeout=120)
+    service = Serving(remote)
+    await service.start()
+    with pytest.raises(NotReady, match=f"failed to load: {why}"):
+        await asyncio.wait_for(service.wait_ready(), 60)
+    assert service.state is State.FAILED
+    answer = service.readiness()
+    assert answer.status == 503
+    assert "Retry-After" not in answer.headers  # a retry cannot help
+    assert spec in answer.body["error"]
+    assert [c.process.returncode for c in started] == [LOAD_FAILED]
+    await service.aclose()
+    assert not _exists(socket_path)
+
+
+@pytest.mark.usefixtures("factories")
+async def test_async_with_starts_the_host_as_it_starts_a_proxy(socket_path: str) -> None:
+    async with _remote(socket_path) as remote:  # (host="_host_models:tagged")
+        assert remote.healthy  # the host answered before the body runs
+        host = (await remote.inference("x"))[3]
+        assert _hosts_on(socket_path) == [host]
+        # started frozen after loading (as Serving(freeze_gc=True) freezes a worker)
+        assert b"--freeze-gc" in _command_line(host)
+    assert not remote.healthy  # closed
+    await wait_until(lambda: not _alive(host))  # no worker left: it exits on its own
+    assert not _exists(socket_path)
+
+
 async def test_without_a_host_start_fails_after_start_timeout(socket_path: str) -> None:
     service = Serving(RemoteProxy(socket_path, start_timeout=0.2))
     await service.start()
@@ -149,8 +205,11 @@ async def test_the_drain_lets_calls_in_flight_finish(socket_path: str) -> None:
 
 
 async def test_a_drain_deadline_fails_the_calls_still_in_flight(socket_path: str) -> None:
+    """The worker's drain deadline cuts its calls off with `DrainDeadline`, as a
+    proxy's does (`running`: the worker cannot tell, so True), and withdraws them in
+    the host."""
     proxy = Tagged()
-    async with ModelHost(proxy, socket_path, drain_timeout=0.1):
+    async with ModelHost(proxy, socket_path, drain_timeout=0.1) as host:
         remote = RemoteProxy(socket_path)
         service = Serving(remote, drain_timeout=0.1)
         await service.start()
@@ -159,8 +218,12 @@ async def test_a_drain_deadline_fails_the_calls_still_in_flight(socket_path: str
         call = asyncio.ensure_future(remote.inference("held"))
         await wait_until(lambda: proxy.seen == [["held"]])
         await asyncio.wait_for(service.aclose(), 5)
-        with pytest.raises(batchproxy.HostUnavailable):
+        with pytest.raises(batchproxy.DrainDeadline) as cut:
             await call
+        assert cut.value.running
+        assert 0 <= cut.value.timeout <= 0.1  # (what was left of the service's deadline)
+        await wait_until(lambda: host.connections == 0)
+        await wait_until(lambda: proxy.stats.cancelled == 1)  # withdrawn in the host
         proxy.gate.set()
 
 

@@ -40,7 +40,7 @@ class Stack:
                "MODEL_SOCKET": self.model_socket, "MODEL_HOST_IDLE_EXIT": "1"}  # fmt: skip
         self.host = subprocess.Popen(
             [sys.executable, "-m", "batchproxy.host", "workers_app:embedder",
-             "--socket", self.model_socket],
+             "--socket", self.model_socket, "--freeze-gc"],
             cwd=EXAMPLES, env=env, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         assert self.host.stderr is not None
