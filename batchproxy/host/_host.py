@@ -30,6 +30,7 @@ from typing import Any
 from .._errors import DeadlineExceeded, HostUnavailable
 from .._stats import Health
 from . import _shm
+from ._deadline import MARGIN
 from ._wire import (
     message_bytes,
     open_sealed,
@@ -199,6 +200,7 @@ class _Connection:
         self.host = host
         self.writer = writer
         self.calls: dict[int, asyncio.Task[None]] = {}
+        self.deadlines: dict[int, float] = {}  # of the calls in `calls` that have one
         self.segments = _shm.Ledger()  # of the answers written, until the client reads them
         self.peer_gone = asyncio.Event()
         self._lock = asyncio.Lock()  # one message written at a time
@@ -215,11 +217,27 @@ class _Connection:
             self._call(kind, ident, sealed, options, call, *extra)
         )
         self.calls[ident] = task
+        if "deadline" in options:
+            self.deadlines[ident] = options["deadline"]
 
     def cancel(self, ident: int) -> None:
-        task = self.calls.pop(ident, None)  # (one not started yet never runs its finally)
-        if task is not None:
-            task.cancel()
+        """The caller left: cancel its call. One whose deadline has passed (its caller
+        stopped waiting for a host that did not answer in time) is left to end as
+        timed out by the proxy's own timer, which is due (a cancel now would count it
+        cancelled): it is cancelled only if it still runs `MARGIN` seconds later."""
+        task = self.calls.get(ident)
+        if task is None:
+            return
+        deadline = self.deadlines.get(ident)
+        if deadline is not None and time.monotonic() >= deadline:
+            asyncio.get_running_loop().call_later(MARGIN, task.cancel)
+            return
+        self._forget(ident)  # (a task not started yet never runs its finally)
+        task.cancel()
+
+    def _forget(self, ident: int) -> None:
+        self.calls.pop(ident, None)
+        self.deadlines.pop(ident, None)
 
     async def _call(
         self,
@@ -252,7 +270,7 @@ class _Connection:
         except Exception as exc:
             await self.send_error(ident, exc)
         finally:
-            self.calls.pop(ident, None)
+            self._forget(ident)
 
     async def _many(
         self,
