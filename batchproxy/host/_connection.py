@@ -342,12 +342,16 @@ def _opened(path: str, kind: str, sealed: list[Any]) -> Any:
 
 
 def _outcome(path: str, kind: str, sealed: list[Any]) -> Any:
-    """One item's answer in a list's: its result, or its error (returned). (A frame of
-    its own: the error's traceback keeps no list it is in.)"""
+    """One item's answer in a list's: its result, or its error, returned and never
+    raised (a traceback would keep this frame's callers, which hold the list it goes
+    in: a cycle)."""
     try:
-        return _opened(path, kind, sealed)
+        value = open_sealed(sealed)
+    except _shm.SegmentLost as exc:
+        return HostUnavailable(path, f"the answer was lost ({exc})")
     except Exception as exc:
-        return exc
+        return _unreadable(exc)
+    return unpack_error(value) if kind == "error" else value
 
 
 def _first_failure(outcomes: list[Any]) -> Exception | None:
@@ -361,4 +365,8 @@ def _value(path: str, sealed: list[Any]) -> Any:
     except _shm.SegmentLost as exc:  # the host closed before this call read it
         raise HostUnavailable(path, f"the answer was lost ({exc})") from exc
     except Exception as exc:  # fails this call alone
-        raise TypeError(f"the model host's answer cannot be read here: {exc!r}") from exc
+        raise _unreadable(exc) from exc
+
+
+def _unreadable(exc: Exception) -> TypeError:
+    return TypeError(f"the model host's answer cannot be read here: {exc!r}")

@@ -416,16 +416,20 @@ def _item(sealed: list[Any]) -> Any:
     try:
         return open_sealed(sealed)
     except Exception as exc:
-        raise TypeError(f"the model host could not read the call's item: {exc!r}") from exc
+        raise _unreadable(exc) from exc
 
 
 def _item_or_error(sealed: list[Any]) -> tuple[Any, TypeError | None]:
-    """`(item, None)`, or `(None, the TypeError of _item)`. (A frame of its own: the
-    error's traceback keeps no list it is put in.)"""
+    """`(item, None)`, or `(None, the TypeError of _item)`, returned and never raised (a
+    traceback would keep this frame's callers, which hold the list it goes in)."""
     try:
-        return _item(sealed), None
-    except TypeError as exc:
-        return None, exc
+        return open_sealed(sealed), None
+    except Exception as exc:
+        return None, _unreadable(exc)
+
+
+def _unreadable(exc: Exception) -> TypeError:
+    return TypeError(f"the model host could not read the call's item: {exc!r}")
 
 
 def _sealed_outcome(outcome: Any) -> tuple[str, list[Any]]:

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 from _host_models import Tagged
 from _host_process import HostProcess
-from _support import LoopThread, wait_until
+from _support import LoopThread, batchproxy_cycles, fails_with, in_a_task_of_its_own, wait_until
 
 import batchproxy
 from batchproxy.host import ModelHost, RemoteProxy
@@ -320,3 +320,29 @@ async def test_a_call_queued_when_the_host_blocks_is_counted_timed_out_once(
         stats = await blocked_host.read(lambda: proxy.stats)
         assert (stats.timed_out, stats.cancelled, stats.requests) == (1, 0, 2)
         assert all("queued" not in batch for batch in proxy.seen)  # it never ran
+
+
+async def test_calls_past_their_deadline_in_a_blocked_host_leave_no_reference_cycle(
+    blocked_host: BlockedHost, socket_path: str
+) -> None:
+    """Both ends free a call that its caller left at its deadline by reference counting
+    (see `test_remote_calls`'s cycle test)."""
+    async with RemoteProxy(socket_path) as remote:
+        assert (await remote.inference("warm"))[0] == "warm"
+
+        async def calls() -> None:
+            with blocked_host.blocked():
+                late = batchproxy.DeadlineExceeded
+                await fails_with(remote.inference("a", timeout=0.05), late)
+                await fails_with(remote.inference_many(["b", "c"], timeout=0.05), late)
+                answers = await remote.inference_many(["d"], timeout=0.05, return_exceptions=True)
+                assert [type(answer) for answer in answers] == [late]
+                del answers
+                await fails_with(_chunks(remote, "e", timeout=0.05), late)
+            await blocked_host.idle()
+
+        with batchproxy_cycles() as cycles:
+            await in_a_task_of_its_own(calls())
+            for _ in range(5):
+                await asyncio.sleep(0.02)  # (the host's side ends each call)
+        assert cycles == []
