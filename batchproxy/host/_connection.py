@@ -68,7 +68,8 @@ class Connection:
         self._idle = asyncio.Event()  # set while no call waits (`waiting` is empty)
         self._idle.set()
         self._ids = itertools.count()
-        self._lock = asyncio.Lock()
+        self._lock = asyncio.Lock()  # one drain at a time (Python 3.10's streams allow no more)
+        self._room = writer.transport.get_write_buffer_limits()[1]  # (then, writes pause)
         self._reader = loop.create_task(self._read(reader))
 
     async def call(self, item: Any, options: dict[str, Any], deadline: Deadline | None) -> Any:
@@ -178,31 +179,24 @@ class Connection:
         self, message: Callable[[int], tuple[bytes, list[str]]], deadline: Deadline | None
     ) -> tuple[int, asyncio.Queue[_Answer]]:
         """Send `message(id)` (its bytes, and the shared-memory segments they carry),
-        waiting for room on the socket by `deadline` at most; the id and its answer
-        queue (registered before the message is written, so no answer can arrive
-        unseen)."""
+        then, if the socket's buffer is full, wait for room, by `deadline` at most;
+        the id and its answer queue (registered before the message is written, so no
+        answer can arrive unseen)."""
         ident = next(self._ids)
         data, names = message(ident)
         answers: asyncio.Queue[_Answer] = asyncio.Queue()
         self.waiting[ident] = answers
         self._idle.clear()
         try:
-            if deadline is not None and self._lock.locked():  # another waits for room
-                await deadline.bound(self._lock.acquire())
-            else:
-                await self._lock.acquire()
-            try:
-                if not self.open:
-                    raise HostUnavailable(self.path, "the connection to the host was lost")
-                self.writer.write(data)
-                self.segments.add(names)  # the host unlinks them as it reads the call
-                names = []
-                if deadline is not None and self.writer.transport.get_write_buffer_size():
-                    await deadline.bound(self.writer.drain())  # a host not reading: no room
-                else:
-                    await self.writer.drain()
-            finally:
-                self._lock.release()
+            if not self.open:
+                raise HostUnavailable(self.path, "the connection to the host was lost")
+            self.writer.write(data)  # (whole: the messages never interleave)
+            self.segments.add(names)  # the host unlinks them as it reads the call
+            names = []
+            if self.writer.transport.get_write_buffer_size() > self._room:
+                # the host reads slower than this process writes, or not at all
+                room = self._drain()
+                await (room if deadline is None else deadline.bound(room))
         except ConnectionError as exc:
             self._leave(ident)
             raise HostUnavailable(self.path, f"the connection broke ({exc!r})") from exc
@@ -212,6 +206,11 @@ class Connection:
         finally:
             _shm.unlink(names)  # never written (cancelled, or lost): nobody else knows them
         return ident, answers
+
+    async def _drain(self) -> None:
+        """Until the socket has room again (for every call waiting for it)."""
+        async with self._lock:
+            await self.writer.drain()
 
     def _sealed(
         self, kind: str, value: Any, options: dict[str, Any], extra: tuple[Any, ...] = ()

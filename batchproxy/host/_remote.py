@@ -62,11 +62,12 @@ class RemoteProxy:
     its stream early) cancels it in the host.
 
     A call's `timeout` holds in this process too, whatever the host does: a host
-    that does not answer (its loop blocked, the process stopped) leaves the call
-    waiting at most 0.05 s (`_deadline.MARGIN`) past its deadline (for the connection, to
-    write the call, for its answer or a stream's next chunk). The call then ends
-    with `DeadlineExceeded`, and is withdrawn in the host if the host ever reads
-    it. (A host that runs answers first: its proxy counts the call timed out.)
+    that does not answer (its loop blocked, the process stopped) keeps the call
+    waiting at most 0.05 s (`_deadline.MARGIN`) past its deadline (for the
+    connection, to write the call, for its answer or a stream's next chunk). The
+    call then ends with `DeadlineExceeded`, and is withdrawn in the host if the
+    host ever reads it. (A host that runs answers first: its proxy counts the call
+    timed out.)
 
     In a `Serving` it is one of the service's proxies: `start()` waits up to
     `start_timeout` seconds for the host (with `host="module:factory"`, the first
@@ -134,10 +135,11 @@ class RemoteProxy:
         results in order, the list admitted whole or refused whole (`QueueFull`: the
         model sees none of it). Without `return_exceptions` the first failure raises
         (the other items are withdrawn); with it, a failed item's exception takes its
-        place, also for the call's deadline passing here and for `HostUnavailable` (no
-        host, or the host lost). A string, bytes or a mapping is refused (`TypeError`), as by
-        the proxy. One item that cannot be pickled fails alone (in its place) with
-        `return_exceptions`, else the whole call, before anything is sent."""
+        place, also for the call's deadline passing here and for `HostUnavailable`
+        (no host, or the host lost). A string, bytes or a mapping is refused
+        (`TypeError`), as by the proxy. One item that cannot be pickled fails alone
+        (in its place) with `return_exceptions`, else the whole call, before
+        anything is sent."""
         if isinstance(items, (str, bytes, bytearray, Mapping)):
             raise TypeError(
                 f"inference_many takes an iterable of items, got {type(items).__name__}; "
@@ -285,9 +287,11 @@ class RemoteProxy:
             return
         if not loop.is_running():
             return  # a loop that no longer runs: its transports go with it
+        shut = connection.shut(why, until)
         try:
-            shutting = asyncio.run_coroutine_threadsafe(connection.shut(why, until), loop)
+            shutting = asyncio.run_coroutine_threadsafe(shut, loop)
         except RuntimeError:  # (closed meanwhile)
+            shut.close()
             return
         done = asyncio.wrap_future(shutting)
         # bounded: a loop that stops before it runs this never answers
