@@ -170,11 +170,6 @@ class Connection:
                 timer.cancel()
             self._leave(ident)
 
-    async def drained(self) -> None:
-        """Once no call on this connection waits for the host (the others may still
-        make calls meanwhile: the owner stops them first)."""
-        await self._idle.wait()
-
     async def _send(
         self, message: Callable[[int], tuple[bytes, list[str]]], deadline: Deadline | None
     ) -> tuple[int, asyncio.Queue[_Answer]]:
@@ -301,7 +296,7 @@ class Connection:
 
     async def shut(self, why: str, until: float | None) -> None:
         """Let the calls waiting finish (until `until`, on `time.monotonic()`, if not
-        None), then close (`close`)."""
+        None; the owner stops new ones first), then close (`close`)."""
         with contextlib.suppress(asyncio.TimeoutError):
             left = None if until is None else max(0.0, until - time.monotonic())
             await asyncio.wait_for(self._idle.wait(), left)
