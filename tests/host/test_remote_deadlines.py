@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -48,9 +49,22 @@ def stopped(host: HostProcess) -> Iterator[None]:
     happens."""
     os.kill(host.process.pid, signal.SIGSTOP)
     try:
+        _until(lambda: _state(host.process.pid) == "T")  # (stopped, before the block)
         yield
     finally:
         os.kill(host.process.pid, signal.SIGCONT)
+
+
+def _state(pid: int) -> str:
+    """Process `pid`'s state letter (Linux's /proc)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[-1][0]
+
+
+def _until(condition: Callable[[], bool], seconds: float = 30.0) -> None:
+    end = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < end, "condition never became true"
+        time.sleep(0.001)
 
 
 @pytest.fixture
@@ -170,6 +184,7 @@ async def test_a_stream_whose_host_stops_sending_ends_by_its_deadline(socket_pat
                         chunks += 1
                         if chunks == 1:
                             os.kill(host.process.pid, signal.SIGSTOP)  # mid-stream
+                            _until(lambda: _state(host.process.pid) == "T")
 
             with pytest.raises(batchproxy.DeadlineExceeded):
                 await asyncio.wait_for(read(), 2.0 + MARGIN + SLACK)
@@ -238,9 +253,15 @@ class BlockedHost:
 
     @contextlib.contextmanager
     def blocked(self) -> Iterator[None]:
-        release = threading.Event()
-        self.thread.loop.call_soon_threadsafe(release.wait)
+        entered, release = threading.Event(), threading.Event()
+
+        def block() -> None:
+            entered.set()
+            release.wait()
+
+        self.thread.loop.call_soon_threadsafe(block)
         try:
+            assert entered.wait(30)  # (blocked, before the block)
             yield
         finally:
             release.set()
