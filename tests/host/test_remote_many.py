@@ -97,7 +97,9 @@ async def test_the_hosts_deadline_fails_each_item_in_its_place(socket_path: str)
         assert [type(answer) for answer in answers] == [batchproxy.DeadlineExceeded] * 2
         with pytest.raises(batchproxy.DeadlineExceeded):
             await remote.inference_many(["c", "d"], timeout=0.1)
-        assert proxy.stats.timed_out == 4
+        # (the first to time out withdraws the other, which may not have timed out yet)
+        assert proxy.stats.timed_out >= 3
+        assert proxy.stats.timed_out + proxy.stats.cancelled == 4
         proxy.gate.set()
         await running
     assert proxy.seen == [["running"]]
