@@ -282,7 +282,8 @@ class BlockedHost:
             await asyncio.sleep(0.005)
 
     async def idle(self) -> None:
-        """Once the host has no call left (each one answered or withdrawn)."""
+        """Once the host has no call left (each one answered or withdrawn): of those it
+        has read (a call answered on the same connection after them says it has)."""
 
         async def there() -> None:
             await wait_until(lambda: not any(c.calls for c in self.host._connections))
@@ -315,11 +316,11 @@ async def test_a_call_read_after_its_deadline_is_withdrawn_and_counted_expired_o
                 await _ends_by_its_deadline(
                     lambda: remote.inference_many(["l1", "l2"], timeout=TIMEOUT)
                 )
+        assert (await remote.inference("after"))[0] == "after"  # (read after them)
         await blocked_host.idle()  # read, and withdrawn: nothing of them is left
         assert blocked_host.host.expired == 3  # once for each item
         stats = await blocked_host.read(lambda: blocked_host.proxy.stats)
-        assert stats.requests == 1  # the warm-up alone: they never reached the proxy
-        assert (await remote.inference("after"))[0] == "after"
+        assert stats.requests == 2  # warm, after: they never reached the proxy
 
 
 async def test_a_call_queued_when_the_host_blocks_is_counted_timed_out_once(
@@ -337,9 +338,10 @@ async def test_a_call_queued_when_the_host_blocks_is_counted_timed_out_once(
         await blocked_host.until(lambda: proxy.stats.timed_out == 1)
         blocked_host.thread.loop.call_soon_threadsafe(proxy.gate.set)
         assert (await running)[0] == "running"
+        assert (await remote.inference("after"))[0] == "after"  # (read after the cancel)
         await blocked_host.idle()
         stats = await blocked_host.read(lambda: proxy.stats)
-        assert (stats.timed_out, stats.cancelled, stats.requests) == (1, 0, 2)
+        assert (stats.timed_out, stats.cancelled, stats.requests) == (1, 0, 3)
         assert all("queued" not in batch for batch in proxy.seen)  # it never ran
 
 
@@ -360,6 +362,7 @@ async def test_calls_past_their_deadline_in_a_blocked_host_leave_no_reference_cy
                 assert [type(answer) for answer in answers] == [late]
                 del answers
                 await fails_with(_chunks(remote, "e", timeout=0.05), late)
+            assert (await remote.inference("after"))[0] == "after"  # (read after them)
             await blocked_host.idle()
 
         with batchproxy_cycles() as cycles:
@@ -367,3 +370,22 @@ async def test_calls_past_their_deadline_in_a_blocked_host_leave_no_reference_cy
             for _ in range(5):
                 await asyncio.sleep(0.02)  # (the host's side ends each call)
         assert cycles == []
+
+
+async def test_a_call_cancelled_before_the_host_read_it_leaves_nothing_there(
+    blocked_host: BlockedHost, socket_path: str
+) -> None:
+    """The call and its cancel are read back to back: the call's task is cancelled
+    before it starts (so it never runs its own cleanup), and nothing of it is left."""
+    async with RemoteProxy(socket_path) as remote:
+        assert (await remote.inference("warm"))[0] == "warm"
+        with blocked_host.blocked():
+            call = asyncio.ensure_future(remote.inference("withdrawn"))
+            await asyncio.sleep(0.05)  # written, not read
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+        assert (await remote.inference("after"))[0] == "after"  # (read after them)
+        await blocked_host.idle()
+        stats = await blocked_host.read(lambda: blocked_host.proxy.stats)
+        assert stats.requests == 2  # warm, after: it never reached the proxy
