@@ -8,7 +8,8 @@ that they share one copy of the model and batch together.
 - `RemoteProxy(path)`: in each web worker, the proxy's call methods (`await
   remote.inference(x)`, `inference_many`, `stream`, `submit`/`inference_sync` from
   threads, `with_args(...)`) with its call options, answered by the host; its
-  errors as the same exceptions (`_wire.pack_error`).
+  errors as the same exceptions (`_wire.pack_error`), and each call's deadline
+  holds in the worker whatever the host does (`_deadline`).
 
 Messages (`_wire`) are the worker pipes' frames (pickle protocol 5, large buffers out
 of band) on the socket, which only this user can open, and the host checks each

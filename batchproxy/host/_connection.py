@@ -1,12 +1,16 @@
 """One `RemoteProxy` connection: the socket to the host on one event loop.
 
 Each call has an id, and a queue of its own for the host's answers with that id (a
-unary call's one answer; a stream's chunks, then its end or error). The reader task
-is the only code that delivers those answers; when the connection ends it delivers
-`HostUnavailable` to every call still waiting (and tells its owner, `on_lost`). A
-call whose caller is done before its last answer (cancelled, a stream closed early)
-leaves with a `("cancel", id)` to the host. The items' shared-memory segments the
-host has not read when the connection ends are unlinked then (`_shm`).
+unary call's one answer; a list's results; a stream's chunks, then its end or error).
+The reader task is the only code that delivers those answers; when the connection
+ends it delivers `HostUnavailable` to every call still waiting (and tells its owner,
+`on_lost`). A call with a deadline (`_deadline`) waits for nothing past it: not for
+room to write its message, nor for an answer (its queue gets the deadline when it
+passes). A call whose caller is done before its last answer (cancelled, past its
+deadline, a stream closed early) leaves with a `("cancel", id)` to the host. The
+items' shared-memory segments the host has not read when the connection ends are
+unlinked then (`_shm`). Each new connection asks the host's health at once, for its
+owner (`on_health`), without waiting for the answer.
 """
 
 from __future__ import annotations
@@ -14,20 +18,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from .._errors import HostUnavailable
 from .._stats import Health
 from . import _shm
-from ._wire import message_bytes, open_sealed, read_message, sealed_message, unpack_error
+from ._deadline import Deadline
+from ._wire import (
+    message_bytes,
+    open_sealed,
+    read_message,
+    seal,
+    sealed_message,
+    segment_names,
+    unpack_error,
+)
 
 __all__ = ["Connection"]
 
-_Answer = tuple[str, list[Any]] | BaseException
-"""What a call's queue gets: an answer `(kind, sealed)` from the host, or the error
-that ends it here (the `HostUnavailable` of a lost connection, a drain's
-`DrainDeadline`: `cut`)."""
+_Answer = tuple[str, Any] | BaseException | Deadline
+"""What a call's queue gets: an answer `(kind, sealed)` from the host, the error that
+ends it here (the `HostUnavailable` of a lost connection, a drain's `DrainDeadline`:
+`cut`), or the call's `Deadline` once it passed."""
 
 
 class Connection:
@@ -41,6 +55,7 @@ class Connection:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         on_lost: Callable[[str], None],
+        on_health: Callable[[Health], None],
     ) -> None:
         self.path = path
         self.loop = loop
@@ -49,19 +64,66 @@ class Connection:
         self.waiting: dict[int, asyncio.Queue[_Answer]] = {}
         self.segments = _shm.Ledger()  # of the items written, until the host reads them
         self._on_lost = on_lost
+        self._on_health = on_health
+        self._health_asks: set[int] = set()  # asked by `ask_health`, not answered yet
         self._idle = asyncio.Event()  # set while no call waits (`waiting` is empty)
         self._idle.set()
         self._ids = itertools.count()
-        self._lock = asyncio.Lock()
+        self._lock = asyncio.Lock()  # one drain at a time (Python 3.10's streams allow no more)
+        self._room = writer.transport.get_write_buffer_limits()[1]  # (then, writes pause)
         self._reader = loop.create_task(self._read(reader))
 
-    async def call(self, item: Any, options: dict[str, Any]) -> Any:
-        return await self._one_answer(lambda ident: self._sealed("call", ident, item, options))
+    async def call(self, item: Any, options: dict[str, Any], deadline: Deadline | None) -> Any:
+        message = self._sealed("call", item, options)
+        return await self._one_answer(message, deadline)
 
-    async def stream(self, item: Any, options: dict[str, Any]) -> AsyncGenerator[Any, None]:
-        ident, answers = await self._send(
-            lambda ident: self._sealed("stream", ident, item, options)
-        )
+    async def many(
+        self,
+        items: list[Any],
+        options: dict[str, Any],
+        return_exceptions: bool,
+        deadline: Deadline | None,
+    ) -> list[Any]:
+        """`inference_many` in one message, admitted by the host all at once (each item
+        sealed on its own: one that cannot travel fails alone, in its place with
+        `return_exceptions`, else the whole call before anything is sent)."""
+        parts: list[list[Any]] = []
+        unsendable: dict[int, Exception] = {}
+        try:
+            for index, item in enumerate(items):
+                try:
+                    parts.append(seal(item))
+                except Exception as exc:
+                    if not return_exceptions:
+                        raise _unsendable(self.path, exc) from exc
+                    unsendable[index] = _unsendable(self.path, exc)
+        except BaseException:
+            _shm.unlink([name for sealed in parts for name in segment_names(sealed)])
+            raise
+        if not parts:  # (none could be sent)
+            return [unsendable[index] for index in range(len(items))]
+        extra = (return_exceptions,)
+        message = self._sealed("many", parts, options, extra)
+        kind, entries = _received(await self._final_answer(message, deadline))
+        if kind == "error":
+            raise unpack_error(_value(self.path, entries))
+        sent = [_outcome(self.path, *entry) for entry in entries]
+        failure = None if return_exceptions else _first_failure(sent)
+        if failure is not None:
+            # (no local may keep it: this frame is in its traceback, a cycle)
+            del sent
+            try:
+                raise failure
+            finally:
+                del failure
+        outcomes = iter(sent)
+        return [unsendable.pop(i) if i in unsendable else next(outcomes) for i in range(len(items))]
+
+    async def stream(
+        self, item: Any, options: dict[str, Any], deadline: Deadline | None
+    ) -> AsyncGenerator[Any, None]:
+        ident, answers = await self._send(self._sealed("stream", item, options), deadline)
+        timer = None if deadline is None else deadline.arm(self.loop, answers)
         try:
             while True:
                 kind, sealed = _received(await answers.get())
@@ -70,32 +132,50 @@ class Connection:
                 chunk = _opened(self.path, kind, sealed)  # an "error" raises here
                 yield chunk
         finally:
+            if timer is not None:
+                timer.cancel()
             self._leave(ident)
 
-    async def health(self) -> Health:
-        """The host's `Health`, asked now."""
-        health = await self._one_answer(lambda ident: (message_bytes(("health", ident)), []))
+    async def health(self, deadline: Deadline) -> Health:
+        """The host's `Health`, asked now (`deadline.exceeded()` if no answer by then)."""
+        health = await self._one_answer(
+            lambda ident: (message_bytes(("health", ident)), []), deadline
+        )
         assert isinstance(health, Health), health
         return health
 
-    async def _one_answer(self, message: Callable[[int], tuple[bytes, list[str]]]) -> Any:
+    def ask_health(self) -> None:
+        """Ask the host's `Health` without waiting: its answer goes to `on_health`."""
+        ident = next(self._ids)
+        self._health_asks.add(ident)
+        with contextlib.suppress(Exception):
+            self.writer.write(message_bytes(("health", ident)))
+
+    async def _one_answer(
+        self, message: Callable[[int], tuple[bytes, list[str]]], deadline: Deadline | None
+    ) -> Any:
         """Send `message(id)`; the host's one answer to it (its error raised)."""
-        ident, answers = await self._send(message)
-        try:
-            kind, sealed = _received(await answers.get())
-        finally:
-            self._leave(ident)
+        kind, sealed = _received(await self._final_answer(message, deadline))
         return _opened(self.path, kind, sealed)
 
-    async def drained(self) -> None:
-        """Once no call on this connection waits for the host (the others may still
-        make calls meanwhile: the owner stops them first)."""
-        await self._idle.wait()
+    async def _final_answer(
+        self, message: Callable[[int], tuple[bytes, list[str]]], deadline: Deadline | None
+    ) -> _Answer:
+        """Send `message(id)`; what its queue gets first (by `deadline`, if any)."""
+        ident, answers = await self._send(message, deadline)
+        timer = None if deadline is None else deadline.arm(self.loop, answers)
+        try:
+            return await answers.get()
+        finally:
+            if timer is not None:
+                timer.cancel()
+            self._leave(ident)
 
     async def _send(
-        self, message: Callable[[int], tuple[bytes, list[str]]]
+        self, message: Callable[[int], tuple[bytes, list[str]]], deadline: Deadline | None
     ) -> tuple[int, asyncio.Queue[_Answer]]:
-        """Send `message(id)` (its bytes, and the shared-memory segments they carry);
+        """Send `message(id)` (its bytes, and the shared-memory segments they carry),
+        then, if the socket's buffer is full, wait for room, by `deadline` at most;
         the id and its answer queue (registered before the message is written, so no
         answer can arrive unseen)."""
         ident = next(self._ids)
@@ -104,33 +184,55 @@ class Connection:
         self.waiting[ident] = answers
         self._idle.clear()
         try:
-            async with self._lock:
-                if not self.open:
-                    raise HostUnavailable(self.path, "the connection to the host was lost")
-                self.writer.write(data)
-                self.segments.add(names)  # the host unlinks them as it reads the call
-                names = []
-                await self.writer.drain()
+            if not self.open:
+                raise HostUnavailable(self.path, "the connection to the host was lost")
+            self.writer.write(data)  # (whole: the messages never interleave)
+            self.segments.add(names)  # the host unlinks them as it reads the call
+            names = []
+            if self.writer.transport.get_write_buffer_size() > self._room:
+                # the host reads slower than this process writes, or not at all
+                room = self._drain()
+                await (room if deadline is None else deadline.bound(room))
         except ConnectionError as exc:
             self._leave(ident)
             raise HostUnavailable(self.path, f"the connection broke ({exc!r})") from exc
         except BaseException:
-            self._leave(ident)
+            self._leave(ident)  # (past its deadline too: withdrawn, if it was written)
             raise
         finally:
             _shm.unlink(names)  # never written (cancelled, or lost): nobody else knows them
         return ident, answers
 
+    async def _drain(self) -> None:
+        """Until the socket has room again (for every call waiting for it)."""
+        async with self._lock:
+            await self.writer.drain()
+
     def _sealed(
-        self, kind: str, ident: int, item: Any, options: dict[str, Any]
-    ) -> tuple[bytes, list[str]]:
-        """A call's message; one whose item or options cannot travel fails here, alone."""
-        try:
-            return sealed_message(kind, ident, item, options)
-        except Exception as exc:
-            raise TypeError(
-                f"the call cannot be sent to the model host at {self.path}: {exc!r}"
-            ) from exc
+        self, kind: str, value: Any, options: dict[str, Any], extra: tuple[Any, ...] = ()
+    ) -> Callable[[int], tuple[bytes, list[str]]]:
+        """A call's message, once it has its id: `(kind, id, sealed value, options,
+        *extra)` and its segments (`value` is an item, or a list's items already
+        sealed one by one); one whose item or options cannot travel fails here, alone."""
+
+        def message(ident: int) -> tuple[bytes, list[str]]:
+            if kind == "many":
+                names = [name for sealed in value for name in segment_names(sealed)]
+                try:
+                    return message_bytes((kind, ident, value, options, *extra)), names
+                except Exception as exc:
+                    _shm.unlink(names)
+                    raise _unsendable(self.path, exc) from exc
+                except BaseException:
+                    _shm.unlink(names)
+                    raise
+            try:
+                data, names = sealed_message(kind, ident, value, options)
+            except Exception as exc:
+                raise _unsendable(self.path, exc) from exc
+            return data, names
+
+        return message
 
     def _leave(self, ident: int) -> None:
         """The caller is done with call `ident`: if the host may still be working on it
@@ -162,11 +264,14 @@ class Connection:
         finally:
             self._fail_waiting(why)
 
-    def _deliver(self, kind: str, ident: int, sealed: list[Any]) -> None:
+    def _deliver(self, kind: str, ident: int, sealed: Any) -> None:
         """An answer to the call it is for (opened by the call itself)."""
         answers = self.waiting.get(ident)
         if answers is None:
-            return  # a call withdrawn meanwhile
+            if ident in self._health_asks:  # (not a call: nobody waits for it)
+                self._health_asks.discard(ident)
+                self._heard(kind, sealed)
+            return  # else a call withdrawn meanwhile
         if kind != "chunk":  # the call's last answer: the host is done with it
             self._forget(ident)
         answers.put_nowait((kind, sealed))
@@ -179,40 +284,95 @@ class Connection:
         for answers in waiting.values():
             answers.put_nowait(error())
 
+    def _heard(self, kind: str, sealed: Any) -> None:
+        """The answer to `ask_health`, for the owner."""
+        with contextlib.suppress(Exception):
+            health = open_sealed(sealed)
+            if kind == "result" and isinstance(health, Health):
+                self._on_health(health)
+
     def _fail_waiting(self, why: str) -> None:
         if self.open:
             self.open = False
             self._on_lost(why)
         waiting, self.waiting = self.waiting, {}
+        self._health_asks.clear()
         self._idle.set()
         for answers in waiting.values():
             answers.put_nowait(HostUnavailable(self.path, why))
         self.writer.close()
         self.segments.unlink_all()  # the items the host did not read: nobody will now
 
+    async def shut(self, why: str, until: float | None, cut: Callable[[], BaseException]) -> None:
+        """Let the calls waiting finish (until `until`, on `time.monotonic()`, if not
+        None; the owner stops new ones first: those still waiting then end with
+        `cut()`), then close (`close`)."""
+        left = None if until is None else max(0.0, until - time.monotonic())
+        try:
+            await asyncio.wait_for(self._idle.wait(), left)
+        except asyncio.TimeoutError:
+            self.cut(cut)
+        await self.close(why)
+
     async def close(self, why: str) -> None:
+        """Fail the calls still waiting (`HostUnavailable`) and close at once: what is
+        not written yet (to a host that stopped reading) is dropped, and the host
+        withdraws this connection's calls as it sees it closed."""
         self._reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._reader
         self._fail_waiting(why)
+        self.writer.transport.abort()
         with contextlib.suppress(Exception):
             await self.writer.wait_closed()
 
 
-def _received(answer: _Answer) -> tuple[str, list[Any]]:
-    if isinstance(answer, BaseException):
-        raise answer
-    return answer
+def _unsendable(path: str, exc: Exception) -> TypeError:
+    return TypeError(f"the call cannot be sent to the model host at {path}: {exc!r}")
+
+
+def _received(answer: _Answer) -> tuple[str, Any]:
+    if isinstance(answer, tuple):
+        return answer
+    if isinstance(answer, Deadline):
+        raise answer.exceeded()
+    raise answer
 
 
 def _opened(path: str, kind: str, sealed: list[Any]) -> Any:
     """An answer's value: a result or chunk, or its error raised."""
-    try:
-        value = open_sealed(sealed)
-    except _shm.SegmentLost as exc:  # the host closed before this call read it
-        raise HostUnavailable(path, f"the answer was lost ({exc})") from exc
-    except Exception as exc:  # fails this call alone
-        raise TypeError(f"the model host's answer cannot be read here: {exc!r}") from exc
+    value = _value(path, sealed)
     if kind == "error":
         raise unpack_error(value)
     return value
+
+
+def _outcome(path: str, kind: str, sealed: list[Any]) -> Any:
+    """One item's answer in a list's: its result, or its error, returned and never
+    raised (a traceback would keep this frame's callers, which hold the list it goes
+    in: a cycle)."""
+    try:
+        value = open_sealed(sealed)
+    except _shm.SegmentLost as exc:
+        return HostUnavailable(path, f"the answer was lost ({exc})")
+    except Exception as exc:
+        return _unreadable(exc)
+    return unpack_error(value) if kind == "error" else value
+
+
+def _first_failure(outcomes: list[Any]) -> Exception | None:
+    return next((outcome for outcome in outcomes if isinstance(outcome, Exception)), None)
+
+
+def _value(path: str, sealed: list[Any]) -> Any:
+    """A sealed value opened; one that cannot be is this call's error alone."""
+    try:
+        return open_sealed(sealed)
+    except _shm.SegmentLost as exc:  # the host closed before this call read it
+        raise HostUnavailable(path, f"the answer was lost ({exc})") from exc
+    except Exception as exc:  # fails this call alone
+        raise _unreadable(exc) from exc
+
+
+def _unreadable(exc: Exception) -> TypeError:
+    return TypeError(f"the model host's answer cannot be read here: {exc!r}")

@@ -5,11 +5,15 @@ One connection (`_connection.Connection`) per event loop (a web worker's, and th
 `BackgroundLoop` that plain threads call through), opened on its first call there and
 again on the first call after it was lost.
 
+Every wait of a call is bounded in this process by the call's own deadline
+(`_deadline`), whatever the host does; every health question by `connect_timeout`.
+
 For a web service (`Serving`), `start()` waits for the host (starting it, with
 `host=`: see `_launch`) and then watches it: one `health` question every
 `health_every` seconds, so readiness includes the host, and a lost host is seen (and
-started again, with `host=`) even while no request comes. `aclose()` lets the calls
-in flight finish, then closes.
+started again, with `host=`) even while no request comes. Each new connection asks
+once too, so `health` follows a reconnection without `start()`. `aclose()` lets the
+calls in flight on every loop finish, then closes.
 """
 
 from __future__ import annotations
@@ -17,11 +21,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import math
 import os
 import time
 import weakref
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +39,14 @@ from .._option_values import CallOptions, check_call
 from .._stats import Health
 from ._arguments import RemoteArguments, RemoteWithArguments
 from ._connection import Connection
+from ._deadline import Deadline
 from ._launch import Candidate, lock_is_free
 
 __all__ = ["RemoteProxy"]
 
 _HAND_OVER = 1.0
-"""Seconds `aclose()` waits for another loop to close its connection."""
-
-_SYNC_MARGIN = 0.5
-"""Seconds a thread waits beyond its call's timeout (which the host enforces) before it
-gives up on a host too busy to answer at all."""
+"""Seconds `aclose()` waits, past its own timeout, for another loop to close its
+connection (and how often it checks that the loop still runs)."""
 
 
 class RemoteProxy:
@@ -62,6 +65,14 @@ class RemoteProxy:
     with `DrainDeadline`, and a host that cannot be reached or is lost with the
     call in flight raises `HostUnavailable` (never a hang). Cancelling a call (or
     closing its stream early) cancels it in the host.
+
+    A call's `timeout` holds in this process too, whatever the host does: a host
+    that does not answer (its loop blocked, the process stopped) keeps the call
+    waiting at most 0.05 s (`_deadline.MARGIN`) past its deadline (for the
+    connection, to write the call, for its answer or a stream's next chunk). The
+    call then ends with `DeadlineExceeded`, and is withdrawn in the host if the
+    host ever reads it. (A host that runs answers first: its proxy counts the call
+    timed out.)
 
     In a `Serving` it is one of the service's proxies: `start()` waits up to
     `start_timeout` seconds for the host (with `host="module:factory"`, the first
@@ -129,26 +140,46 @@ class RemoteProxy:
     async def inference_many(
         self, items: Iterable[Any], *, return_exceptions: bool = False, **call: Unpack[CallOptions]
     ) -> list[Any]:
-        """Each item as its own call, all at once; results in order. With
-        `return_exceptions`, a failed item's exception takes its place instead of
-        the first failure raising (the other calls are then cancelled)."""
-        options = _options("inference_many()", call)  # checked once; one deadline for all
-        calls = [asyncio.ensure_future(self._call(item, options)) for item in items]
+        """The host proxy's `inference_many`: each item batched like a call of its own,
+        results in order, the list admitted whole or refused whole (`QueueFull`: the
+        model sees none of it). Without `return_exceptions` the first failure raises
+        (the other items are withdrawn); with it, a failed item's exception takes its
+        place, also for the call's deadline passing here and for `HostUnavailable`
+        (no host, or the host lost). A string, bytes or a mapping is refused
+        (`TypeError`), as by the proxy. One item that cannot be pickled fails alone
+        (in its place) with `return_exceptions`, else the whole call, before
+        anything is sent."""
+        if isinstance(items, (str, bytes, bytearray, Mapping)):
+            raise TypeError(
+                f"inference_many takes an iterable of items, got {type(items).__name__}; "
+                f"wrap a single item in a list or call inference()"
+            )
+        options = _options("inference_many()", call)  # checked even for no items
+        batch = list(items)
+        if not batch:
+            return []
+        deadline = Deadline.of(self.name, options)
         try:
-            return list(await asyncio.gather(*calls, return_exceptions=return_exceptions))
-        finally:
-            # (popped, not a loop variable: an error raised here keeps this frame in its
-            # traceback, and a failed call's task keeps the error: a cycle per failure)
-            while calls:
-                calls.pop().cancel()
+            connection = await self._connect(deadline)
+            return await connection.many(batch, options, return_exceptions, deadline)
+        except HostUnavailable as exc:
+            if not return_exceptions:
+                raise
+            path, detail = exc.path, exc.detail
+        except DeadlineExceeded:
+            if deadline is None or not deadline.passed or not return_exceptions:
+                raise  # (the host's own answer: a refusal of the whole list, `shed_late`)
+            return [deadline.exceeded() for _ in batch]  # the call's own deadline, here
+        return [HostUnavailable(path, detail) for _ in batch]
 
     async def stream(self, item: Any, **call: Unpack[CallOptions]) -> AsyncGenerator[Any, None]:
         """`item`'s chunks from the host proxy's `stream` as they come (its `timeout`
         bounds the whole stream). Leaving the loop early, closing the iterator or
         being cancelled cancels the call in the host."""
         options = _options("stream()", call)
-        connection = await self._connect()
-        async with contextlib.aclosing(connection.stream(item, options)) as chunks:
+        deadline = Deadline.of(self.name, options)
+        connection = await self._connect(deadline)
+        async with contextlib.aclosing(connection.stream(item, options, deadline)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
@@ -160,9 +191,10 @@ class RemoteProxy:
 
     def inference_sync(self, item: Any, **call: Unpack[CallOptions]) -> Any:
         """From a plain thread: block for `inference`'s result (on the process-wide
-        `BackgroundLoop`). An interrupted wait (`KeyboardInterrupt`) cancels the call.
-        Refused in a thread that runs an event loop, which it would block (`await
-        remote.inference(...)` there)."""
+        `BackgroundLoop`, which holds its deadline as `inference` does). An
+        interrupted wait (`KeyboardInterrupt`) cancels the call. Refused in a thread
+        that runs an event loop, which it would block (`await remote.inference(...)`
+        there)."""
         options = _options("inference_sync()", call)
         try:
             asyncio.get_running_loop()
@@ -174,17 +206,11 @@ class RemoteProxy:
                 f"which it would block: await remote.inference(...) there"
             )
         future = BackgroundLoop.default().submit(self._call(item, options))
-        seconds = options.get("timeout")
         try:
-            done, _ = concurrent.futures.wait(
-                [future], None if seconds is None else seconds + _SYNC_MARGIN
-            )
+            concurrent.futures.wait([future])  # (`_call` ends by its deadline)
         except BaseException:  # interrupted: the call is withdrawn, not left queued
             future.cancel()
             raise
-        if not done and future.cancel():  # (cancel() fails only if it just finished)
-            assert seconds is not None  # only a bounded wait ends without the result
-            raise DeadlineExceeded(self.name, seconds)
         return future.result()
 
     def with_args(self, *args: Any, **kwargs: Any) -> RemoteWithArguments:
@@ -196,9 +222,11 @@ class RemoteProxy:
         return RemoteWithArguments(self, RemoteArguments.of(args, kwargs))
 
     async def _call(self, item: Any, options: dict[str, Any]) -> Any:
-        """One call with its options checked (`_options`), on this loop's connection."""
-        connection = await self._connect()
-        return await connection.call(item, options)
+        """One call with its options checked (`_options`), on this loop's connection,
+        by its deadline."""
+        deadline = Deadline.of(self.name, options)
+        connection = await self._connect(deadline)
+        return await connection.call(item, options, deadline)
 
     # -- as a service's proxy -----------------------------------------------------------
 
@@ -208,8 +236,9 @@ class RemoteProxy:
 
     @property
     def health(self) -> Health:
-        """The host's health as last heard (`start()` keeps asking), or why not: no
-        host, the connection lost, or this proxy closed."""
+        """The host's health as last heard (`start()` keeps asking, and each new
+        connection asks once), or why not: no host, the connection lost, no answer
+        within `connect_timeout`, or this proxy closed."""
         if self._closed:
             return Health(False, f"{self.name} is closed", None)
         return self._health
@@ -222,9 +251,10 @@ class RemoteProxy:
     async def start(self) -> None:
         """Wait up to `start_timeout` for the host (starting one, with `host=`, if none
         answers), then watch its health from this loop. Raises `HostUnavailable` if no
-        host answered in time, and `RuntimeError` at once if the host it started
-        failed to load (its module cannot be imported, its factory raised): a
-        `Serving` then reports a failed load; idempotent."""
+        host answered in time (each health question waits `connect_timeout` at most:
+        a host that does not run holds no start), and `RuntimeError` at once if the
+        host it started failed to load (its module cannot be imported, its factory
+        raised): a `Serving` then reports a failed load; idempotent."""
         if self._closed:
             raise ProxyClosed(self.name)
         if self._watch is not None and not self._watch.done():
@@ -248,13 +278,16 @@ class RemoteProxy:
         self._watch = loop.create_task(self._watching(), name=f"batchproxy-{self.name}-watch")
 
     async def aclose(self, *, timeout: float | None = None) -> None:
-        """Stop taking calls (`ProxyClosed`), let those in flight finish (for up to
-        `timeout` seconds, the drain's deadline: then they fail with `DrainDeadline`, as
-        a proxy's do, and are withdrawn in the host), and close the connections
-        (another running loop's on that loop). Idempotent."""
+        """Stop taking calls (`ProxyClosed`), let those in flight on every loop finish
+        (this one's, and those of threads through the `BackgroundLoop`), for up to
+        `timeout` seconds, the drain's deadline (then they fail with `DrainDeadline`,
+        `running=True`, as a proxy's do, and are withdrawn in the host), and close the
+        connections (another running loop's on that loop). A host that does not run
+        holds the close no longer than its calls' deadlines, or `timeout`. Idempotent."""
         if timeout is not None:  # (>= 0, as for `Proxy.aclose`: a drain's deadline may be now)
             timeout = _validate.duration("timeout", timeout, allow_zero=True, allow_inf=True)
             timeout = None if timeout == math.inf else timeout
+        until = None if timeout is None else time.monotonic() + timeout
         self._closed = True
         watch, self._watch = self._watch, None
         if watch is not None:
@@ -262,52 +295,72 @@ class RemoteProxy:
             # (ProxyClosed: a question it was asking when this began found it closed)
             with contextlib.suppress(asyncio.CancelledError, ProxyClosed):
                 await watch
-        here = asyncio.get_running_loop()
         connections = list(self._connections.items())
         self._connections.clear()
         self._connecting.clear()  # (a finished one holds its connection)
-        mine = [connection for loop, connection in connections if loop is here]
-        if mine:
-            await self._drain(mine[0], timeout)
         why = f"{self.name} was closed"
-        for loop, connection in connections:
-            if loop is here:
-                await connection.close(why)
-            elif loop.is_running():
-                # bounded: a loop that stops before it runs this never answers
-                with contextlib.suppress(RuntimeError, asyncio.TimeoutError):
-                    closing = asyncio.run_coroutine_threadsafe(connection.close(why), loop)
-                    await asyncio.wait_for(asyncio.wrap_future(closing), _HAND_OVER)
-            # else: a loop that no longer runs; its transports go with it
+        seconds = float(timeout or 0.0)
+        cut = functools.partial(DrainDeadline, self.name, seconds, running=True)
+        await asyncio.gather(
+            *(self._shut(loop, connection, why, until, cut) for loop, connection in connections)
+        )
         if self._candidate is not None and not self._candidate.running:  # (reaped)
             self._candidate = None  # (one still running serves on, for the other workers)
 
-    async def _drain(self, connection: Connection, timeout: float | None) -> None:
-        """Wait up to `timeout` for the calls in flight on `connection`; those still
-        waiting then get `DrainDeadline` (`running=True`: the host may have begun them),
-        as a proxy's drain answers the calls its deadline cuts off."""
+    async def _shut(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        connection: Connection,
+        why: str,
+        until: float | None,
+        cut: Callable[[], BaseException],
+    ) -> None:
+        """Let `connection`'s calls finish (until `until`: those still waiting then end
+        with `cut()`, the drain's `DrainDeadline`), then close it, on its loop."""
+        if loop is asyncio.get_running_loop():
+            await connection.shut(why, until, cut)
+            return
+        if not loop.is_running():
+            return  # a loop that no longer runs: its transports go with it
+        shut = connection.shut(why, until, cut)
         try:
-            await asyncio.wait_for(connection.drained(), timeout)
-        except asyncio.TimeoutError:
-            seconds = float(timeout or 0.0)
-            connection.cut(lambda: DrainDeadline(self.name, seconds, running=True))
+            shutting = asyncio.run_coroutine_threadsafe(shut, loop)
+        except RuntimeError:  # (closed meanwhile)
+            shut.close()
+            return
+        done = asyncio.wrap_future(shutting)
+        # bounded: a loop that stops before it runs this never answers
+        while not done.done() and loop.is_running():
+            left = _HAND_OVER if until is None else until + _HAND_OVER - time.monotonic()
+            if left <= 0:
+                break
+            await asyncio.wait([done], timeout=min(left, _HAND_OVER))
+        if done.done() and not done.cancelled():
+            done.exception()  # (retrieved: nothing is logged)
 
     async def _watching(self) -> None:
         """Ask the host's health every `health_every` seconds; a host that cannot be
-        reached is unhealthy (and started again, with `host=`)."""
+        reached, or does not answer, is unhealthy (and started again, with `host=`,
+        unless one holds the host lock)."""
         while True:
             await asyncio.sleep(self.health_every)
             try:
-                self._heard(await asyncio.wait_for(self._ask(), self.connect_timeout))
+                self._heard(await self._ask())
             except HostUnavailable as exc:
                 self._lost(exc.detail)
                 self._start_host()
-            except asyncio.TimeoutError:
-                self._lost(f"no answer within {self.connect_timeout} s")
 
     async def _ask(self) -> Health:
-        connection = await self._connect()
-        return await connection.health()
+        """The host's health, asked now; `HostUnavailable` if it cannot be reached, or
+        does not answer within `connect_timeout`."""
+        seconds = self.connect_timeout
+        deadline = Deadline(self.name, seconds, time.monotonic() + seconds)
+        try:
+            connection = await self._connect(deadline)
+            return await connection.health(deadline)
+        except DeadlineExceeded:
+            pass
+        raise HostUnavailable(self.path, f"no answer within {seconds} s")
 
     def _heard(self, health: Health) -> None:
         self._health = health
@@ -340,7 +393,9 @@ class RemoteProxy:
 
     # -- connections --------------------------------------------------------------------
 
-    async def _connect(self) -> Connection:
+    async def _connect(self, deadline: Deadline | None) -> Connection:
+        """This loop's connection, opened if need be (within `connect_timeout`, and
+        `deadline` for this caller)."""
         if self._closed:
             raise ProxyClosed(self.name)
         loop = asyncio.get_running_loop()
@@ -350,7 +405,9 @@ class RemoteProxy:
         connecting = self._connecting.get(loop)
         if connecting is None or connecting.done():
             connecting = self._connecting[loop] = loop.create_task(self._open(loop))
-        return await asyncio.shield(connecting)
+        if deadline is None:
+            return await asyncio.shield(connecting)
+        return await deadline.bound(asyncio.shield(connecting))
 
     async def _open(self, loop: asyncio.AbstractEventLoop) -> Connection:
         try:
@@ -359,8 +416,9 @@ class RemoteProxy:
             )
         except (OSError, asyncio.TimeoutError) as exc:
             raise HostUnavailable(self.path, f"cannot connect ({exc!r})") from exc
-        connection = Connection(self.path, loop, reader, writer, self._lost)
+        connection = Connection(self.path, loop, reader, writer, self._lost, self._heard)
         self._connections[loop] = connection
+        connection.ask_health()  # (`health` follows a reconnection, watched or not)
         return connection
 
 

@@ -5,11 +5,13 @@ header, the pickle (protocol 5), each large buffer out of band, never copied int
 the pickle); on the socket it is the frame count, then each frame's length and bytes.
 
 - client to host: `("call", id, item, options)`, `("stream", id, item, options)`,
-  `("cancel", id)`, and `("health", id)` (answered with a `result`: the host's
-  `Health`);
+  `("many", id, [item, ...], options, return_exceptions)` (`inference_many`, each
+  item sealed on its own), `("cancel", id)`, and `("health", id)` (answered with a
+  `result`: the host's `Health`);
 - host to client: `("result", id, value)`, a stream's `("chunk", id, value)`s then
-  its `("end", id, None)`, and `("error", id, packed exception)` (a call's last
-  answer, as are a result and an end).
+  its `("end", id, None)`, a list's `("results", id, [(kind, value), ...])` (each
+  item's `"result"` or `"error"`, sealed on its own), and `("error", id, packed
+  exception)` (a call's last answer, as are a result, a list's results and an end).
 
 The item, the value and the packed exception travel sealed (`seal`: pickled on their
 own, their buffers still out of band) and are opened (`open_sealed`) by the call they

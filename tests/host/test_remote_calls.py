@@ -279,6 +279,20 @@ async def test_calls_through_a_host_leave_no_reference_cycle(
             await fails_with(remote.inference("bad"), batchproxy.InvalidItem)
             await fails_with(remote.inference("boom"), ValueError)
             await fails_with(remote.inference_many(["a", "bad"]), batchproxy.InvalidItem)
+            mixed = ["a", "bad", "boom", "unsendable", lambda: None]
+            answers = await remote.inference_many(mixed, return_exceptions=True)
+            assert [type(answer) for answer in answers[1:]] == [
+                batchproxy.InvalidItem,
+                ValueError,
+                TypeError,
+                TypeError,
+            ]
+            del answers  # (a list of errors: freed here, not by the collector)
+            await fails_with(remote.inference_many(["a", "unsendable"]), TypeError)
+            await fails_with(remote.inference_many(["a", lambda: None]), TypeError)
+            late = await remote.inference_many(["x"], timeout=1e-6, return_exceptions=True)
+            assert [type(answer) for answer in late] == [batchproxy.DeadlineExceeded]
+            del late
             await fails_with(remote.inference("late", timeout=1e-6), batchproxy.DeadlineExceeded)
             assert [chunk async for chunk in streams.stream(2)] == [(2, 0), (2, 1)]
             async with contextlib.aclosing(streams.stream(3)) as chunks:
