@@ -413,7 +413,8 @@ async def test_a_disconnect_under_an_http_middleware_logs_no_error(order: str) -
     middleware turned into ``RuntimeError: No response returned.``, logged as an
     ERROR); the middleware sees the 499 the aiohttp side answers too."""
     proxy = Held(batch_size=8, max_concurrent_batches=1)
-    serving = bp_fastapi.Serving(proxy)
+    stream = Endless(batch_size=4)
+    serving = bp_fastapi.Serving(proxy, stream)
     app = fastapi.FastAPI(lifespan=serving.lifespan)
     seen: list[int] = []
 
@@ -433,21 +434,36 @@ async def test_a_disconnect_under_an_http_middleware_logs_no_error(order: str) -
     async def run(request: Request) -> dict[str, str]:
         return {"out": await proxy.inference((await request.json())["x"])}
 
+    @app.get("/stream")
+    async def sse(x: str) -> StreamingResponse:
+        async def events() -> AsyncIterator[str]:
+            async for chunk in stream.stream(x):
+                yield f"data: {chunk}\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
     async with on_uvicorn(app) as (_, port):
-        with server_log() as records:
-            await asyncio.wait_for(serving.wait_ready(), 10)
-            blocker = await hold_the_model(port, proxy)
-            gone = [await Client.post(port, f"dead-{i}") for i in range(4)]
-            await wait_until(lambda: proxy.stats.queue_depth == 4)
-            await asyncio.gather(*(c.hang_up(reset=i % 2 == 1) for i, c in enumerate(gone)))
-            await wait_until(lambda: proxy.stats.disconnected == 4)
-            proxy.release.set()
-            assert await blocker.status() == 200
-            await blocker.hang_up()
-            answers = 5 if order.startswith("install") else 1
-            await wait_until(lambda: len(seen) + len(errors_in(records)) >= answers)
+        try:
+            with server_log() as records:
+                await asyncio.wait_for(serving.wait_ready(), 10)
+                blocker = await hold_the_model(port, proxy)
+                gone = [await Client.post(port, f"dead-{i}") for i in range(4)]
+                await wait_until(lambda: proxy.stats.queue_depth == 4)
+                await asyncio.gather(*(c.hang_up(reset=i % 2 == 1) for i, c in enumerate(gone)))
+                await wait_until(lambda: proxy.stats.disconnected == 4)
+                streaming = await Client.get_stream(port, "gone")
+                await wait_until(lambda: len(stream.steps) >= 3)
+                await streaming.hang_up()
+                await wait_until(lambda: stream.stats.disconnected == 1)
+                proxy.release.set()
+                assert await blocker.status() == 200
+                await blocker.hang_up()
+                answers = 6 if order.startswith("install") else 2
+                await wait_until(lambda: len(seen) + len(errors_in(records)) >= answers)
+        finally:
+            proxy.release.set()  # nothing left waiting on the model
     assert errors_in(records) == []
-    assert sorted(seen) == ([200, 499, 499, 499, 499] if order.startswith("install") else [200])
+    assert sorted(seen) == [200, 200] + ([499] * 4 if order.startswith("install") else [])
     assert proxy.seen == ["live-block"]
 
 
