@@ -193,28 +193,24 @@ class _Watch:
 
     async def receive(self) -> Message:
         if self._waiter is None:
-            if not self._body_read or self._complete:
-                return await self._read()
+            if not self._body_read or self._complete:  # the app reads from the server
+                self._reading = True
+                try:
+                    message = await self._receive()
+                finally:
+                    self._reading = False
+                    if self._due:  # the timer went off meanwhile
+                        self._due = False
+                        self._start()
+                if message["type"] == "http.request" and not message.get("more_body", False):
+                    self._body_read = True
+                return message
             # the app waits for what follows its body, the disconnect: the waiter reads it
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
             self._start()
         return await self._take()
-
-    async def _read(self) -> Message:
-        """The app reads from the server itself (the waiter has not started)."""
-        self._reading = True
-        try:
-            message = await self._receive()
-        finally:
-            self._reading = False
-            if self._due:  # the timer went off meanwhile
-                self._due = False
-                self._start()
-        if message["type"] == "http.request" and not message.get("more_body", False):
-            self._body_read = True
-        return message
 
     async def _take(self) -> Message:
         """The app takes the next message the waiter read."""

@@ -632,3 +632,38 @@ async def test_the_waiter_reads_ahead_no_more_than_READ_AHEAD() -> None:
         ("http.response.start", 499),
         ("http.response.body", None),
     ]
+
+
+async def test_a_body_still_coming_when_the_watch_starts_is_read_by_the_route() -> None:
+    """A client that sends its body slower than `WATCH_AFTER`: the route is reading it
+    when the watch is due, so the waiter starts once that read returns (two readers
+    would race for the server's messages); the route gets its whole body, and a client
+    that leaves after it is seen."""
+    proxy = Held(batch_size=8, max_concurrent_batches=1)
+    async with served("fastapi", proxy) as port:
+        blocker = await hold_the_model(port, proxy)
+        clients = []
+        for x in ("stays", "gone"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            body = json.dumps({"x": x}).encode()
+            writer.write(
+                b"POST /run HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body[:4])
+            )
+            await writer.drain()
+            clients.append((Client(reader, writer), body))
+        await asyncio.sleep(4 * WATCH_AFTER)  # each route waits for the rest of its body
+        for client, body in clients:
+            client.writer.write(body[4:])
+            await client.writer.drain()
+        await wait_until(lambda: proxy.stats.queue_depth == 2)
+        (stays, _), (gone, _) = clients
+        await gone.hang_up()
+        await wait_until(lambda: proxy.stats.disconnected == 1)
+        proxy.release.set()
+        assert [await c.status() for c in (blocker, stays)] == [200, 200]
+        answer = await asyncio.wait_for(stays.reader.read(4096), 10)
+        for c in (blocker, stays):
+            await c.hang_up()
+    assert b'{"out":"<stays>"}' in answer
+    assert proxy.seen == ["live-block", "stays"]
