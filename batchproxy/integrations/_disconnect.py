@@ -239,7 +239,10 @@ class _Watch:
         kind = message["type"]
         if kind == "http.response.start":
             self._started = True
-        elif kind == "http.response.body" and not message.get("more_body", False):
+        elif kind == "http.response.body":
+            if not message.get("more_body", False):
+                self._complete = True
+        elif kind == "http.response.pathsend":  # (the file is the whole body)
             self._complete = True
         return self._send(message)
 

@@ -667,3 +667,42 @@ async def test_a_body_still_coming_when_the_watch_starts_is_read_by_the_route() 
             await c.hang_up()
     assert b'{"out":"<stays>"}' in answer
     assert proxy.seen == ["live-block", "stays"]
+
+
+async def test_a_response_sent_as_a_file_is_complete() -> None:
+    """``http.response.pathsend`` (a `FileResponse` where the server supports it) is a
+    whole response: a client that leaves after it does not cancel what the app does
+    next (its background tasks), and no 499 follows it."""
+    from batchproxy.integrations._disconnect import CancelOnDisconnect
+
+    gone = asyncio.Event()
+    reads = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal reads
+        reads += 1
+        if reads == 1:
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    finished = False
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        nonlocal finished
+        await asyncio.sleep(3 * WATCH_AFTER)  # the waiter has started
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.pathsend", "path": "/dev/null"})
+        gone.set()
+        await asyncio.sleep(3 * WATCH_AFTER)  # a background task, after the response
+        finished = True
+
+    scope = {"type": "http", "headers": []}
+    await asyncio.wait_for(CancelOnDisconnect(app)(scope, receive, send), 10)
+    assert finished
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.pathsend"]
