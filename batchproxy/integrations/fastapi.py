@@ -32,8 +32,10 @@ async def embed(body: EmbedIn, proxy: Embedder = Depends(serving.provider(Embedd
 - A request whose client disconnects before its response is complete is cancelled
   (`cancel_on_disconnect`, on by default): each call it waits on leaves the
   queue without reaching the model (a running one has its result dropped), a
-  stream ends, and `stats.disconnected` counts them. One waiter task per request
-  sleeps in ASGI's `receive()` for ``http.disconnect``; see docs/serving.md.
+  stream ends, and `stats.disconnected` counts them, whether or not the route
+  reads its body. One waiter task per request slower than 50 ms sleeps in ASGI's
+  `receive()` for ``http.disconnect``; the response is completed with a 499 the
+  server drops, so a middleware around it gets a response; see docs/serving.md.
 
 Under uvicorn, shutdown first stops accepting connections and lets every request
 being handled finish (the proxies still serve them), then runs the lifespan exit,

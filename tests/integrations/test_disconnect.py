@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import hashlib
 import json
+import logging
 import socket
 import struct
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager, suppress
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager, suppress
 from typing import Any
 
 import pytest
-from _support import batchproxy_cycles, on_uvicorn, wait_until
+from _support import batchproxy_cycles, loop_errors, on_uvicorn, wait_until
 from typing_extensions import override
 
 import batchproxy
@@ -33,7 +35,7 @@ from fastapi.responses import StreamingResponse  # noqa: E402
 
 from batchproxy.integrations import aiohttp as bp_aiohttp  # noqa: E402
 from batchproxy.integrations import fastapi as bp_fastapi  # noqa: E402
-from batchproxy.integrations._disconnect import WATCH_AFTER  # noqa: E402
+from batchproxy.integrations._disconnect import READ_AHEAD, WATCH_AFTER  # noqa: E402
 
 KINDS = ["fastapi", "aiohttp"]
 
@@ -374,3 +376,333 @@ async def test_watched_requests_leave_no_reference_cycle(kind: str) -> None:
                 await client.hang_up()
             await asyncio.sleep(0.1)  # the server ends each request
         assert cycles == []
+
+
+@contextmanager
+def server_log() -> Iterator[list[logging.LogRecord]]:
+    """What uvicorn logs from now on: the records (its loggers do not propagate to
+    pytest's, and its `Config` replaces their handlers: enter once it is made)."""
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logger = logging.getLogger("uvicorn")
+    handler = Keep(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
+def errors_in(records: list[logging.LogRecord]) -> list[str]:
+    return [
+        f"{r.getMessage()} {r.exc_info[1]!r}" if r.exc_info else r.getMessage()
+        for r in records
+        if r.levelno >= logging.ERROR
+    ]
+
+
+@pytest.mark.parametrize("order", ["install, then middleware", "middleware, then install"])
+async def test_a_disconnect_under_an_http_middleware_logs_no_error(order: str) -> None:
+    """An ordinary ``@app.middleware("http")`` (Starlette's `BaseHTTPMiddleware`) and
+    the disconnect watch, in either order: a client that leaves mid-call is cancelled
+    and uvicorn logs nothing (the watch used to return without a response, which the
+    middleware turned into ``RuntimeError: No response returned.``, logged as an
+    ERROR); the middleware sees the 499 the aiohttp side answers too."""
+    proxy = Held(batch_size=8, max_concurrent_batches=1)
+    stream = Endless(batch_size=4)
+    serving = bp_fastapi.Serving(proxy, stream)
+    app = fastapi.FastAPI(lifespan=serving.lifespan)
+    seen: list[int] = []
+
+    async def timing(request: Request, call_next: Any) -> Any:
+        response = await call_next(request)
+        seen.append(response.status_code)
+        response.headers["x-seen"] = "1"
+        return response
+
+    if order.startswith("install"):
+        bp_fastapi.install(app, serving)
+    app.middleware("http")(timing)
+    if order.startswith("middleware"):
+        bp_fastapi.install(app, serving)
+
+    @app.post("/run")
+    async def run(request: Request) -> dict[str, str]:
+        return {"out": await proxy.inference((await request.json())["x"])}
+
+    @app.get("/stream")
+    async def sse(x: str) -> StreamingResponse:
+        async def events() -> AsyncIterator[str]:
+            async for chunk in stream.stream(x):
+                yield f"data: {chunk}\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async with on_uvicorn(app) as (_, port):
+        try:
+            with server_log() as records:
+                await asyncio.wait_for(serving.wait_ready(), 10)
+                blocker = await hold_the_model(port, proxy)
+                gone = [await Client.post(port, f"dead-{i}") for i in range(4)]
+                await wait_until(lambda: proxy.stats.queue_depth == 4)
+                await asyncio.gather(*(c.hang_up(reset=i % 2 == 1) for i, c in enumerate(gone)))
+                await wait_until(lambda: proxy.stats.disconnected == 4)
+                streaming = await Client.get_stream(port, "gone")
+                await wait_until(lambda: len(stream.steps) >= 3)
+                await streaming.hang_up()
+                await wait_until(lambda: stream.stats.disconnected == 1)
+                proxy.release.set()
+                assert await blocker.status() == 200
+                await blocker.hang_up()
+                answers = 6 if order.startswith("install") else 2
+                await wait_until(lambda: len(seen) + len(errors_in(records)) >= answers)
+        finally:
+            proxy.release.set()  # nothing left waiting on the model
+    assert errors_in(records) == []
+    assert sorted(seen) == [200, 200] + ([499] * 4 if order.startswith("install") else [])
+    assert proxy.seen == ["live-block"]
+
+
+@asynccontextmanager
+async def quiet_served(proxy: Held, **options: Any) -> AsyncIterator[int]:
+    """A FastAPI app whose routes call `proxy` without reading their body (GET /wait,
+    POST /ignore), or read it only after a call (POST /late), under uvicorn: its port."""
+    serving = bp_fastapi.Serving(proxy)
+    app = fastapi.FastAPI(lifespan=serving.lifespan, **options)
+    bp_fastapi.install(app, serving)
+
+    @app.get("/wait")
+    async def wait(x: str) -> dict[str, str]:
+        return {"out": await proxy.inference(x)}
+
+    @app.post("/ignore")
+    async def ignore(x: str) -> dict[str, str]:
+        return {"out": await proxy.inference(x)}
+
+    @app.post("/late")
+    async def late(request: Request, x: str) -> dict[str, Any]:
+        out = await proxy.inference(x)
+        body = await request.body()
+        return {"out": out, "size": len(body), "digest": hashlib.sha256(body).hexdigest()}
+
+    async with on_uvicorn(app) as (_, port):
+        try:
+            await asyncio.wait_for(serving.wait_ready(), 10)
+            yield port
+        finally:
+            proxy.release.set()  # nothing left waiting on the model
+
+
+async def raw(port: int, head: bytes, body: bytes = b"") -> Client:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head + b"\r\nHost: test\r\n" + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    await writer.drain()
+    return Client(reader, writer)
+
+
+@pytest.mark.parametrize(
+    ("request_line", "body"),
+    [
+        (b"GET /wait?x=dead HTTP/1.1", b""),
+        (b"POST /ignore?x=dead HTTP/1.1", json.dumps({"unread": "x" * 1000}).encode()),
+    ],
+    ids=["GET", "POST ignoring its body"],
+)
+async def test_a_route_that_never_reads_its_body_is_watched(
+    request_line: bytes, body: bytes
+) -> None:
+    """A route that never calls `receive()` (no body parameter) is still cancelled when
+    its client leaves: the watch used to start only once the app had read a body."""
+    proxy = Held(batch_size=8, max_concurrent_batches=1)
+    async with quiet_served(proxy) as port:
+        blocker = await raw(port, b"GET /wait?x=live-block HTTP/1.1")
+        await wait_until(lambda: proxy.stats.in_flight == 1)
+        gone = [await raw(port, request_line, body) for _ in range(4)]
+        await wait_until(lambda: proxy.stats.queue_depth == 4)
+        await asyncio.gather(*(c.hang_up(reset=i % 2 == 1) for i, c in enumerate(gone)))
+        await wait_until(lambda: proxy.stats.disconnected == 4)
+        assert proxy.stats.queue_depth == 0
+        proxy.release.set()
+        assert await blocker.status() == 200
+        await blocker.hang_up()
+    assert proxy.seen == ["live-block"]
+
+
+@pytest.mark.parametrize("size", [100, 2**20, -(2**20)], ids=["small", "1 MiB", "1 MiB, late"])
+async def test_a_route_that_reads_its_body_after_a_call_gets_all_of_it(size: int) -> None:
+    """The watch reads a body the route has not read yet, to see the disconnect
+    behind it: the route still gets every byte when it reads it, however late (a
+    negative size: the client sends the second half while the route waits), and a
+    client that leaves, its body within `READ_AHEAD`, is still seen."""
+    proxy = Held(batch_size=8)
+    late = size < 0
+    body = bytes(range(256)) * (abs(size) // 256) + b"!" * (abs(size) % 256)
+    async with quiet_served(proxy) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        client = Client(reader, writer)
+        try:
+            head = b"POST /late?x=a HTTP/1.1\r\nHost: test\r\nContent-Length: %d\r\n\r\n"
+            writer.write(head % len(body) + (body[: len(body) // 2] if late else body))
+            await writer.drain()
+            gone = await raw(port, b"POST /late?x=gone HTTP/1.1", body[:READ_AHEAD])
+            await wait_until(lambda: proxy.stats.queue_depth + proxy.stats.in_flight == 2)
+            await asyncio.sleep(4 * WATCH_AFTER)  # every watch has started
+            await gone.hang_up()
+            await wait_until(lambda: proxy.stats.disconnected == 1)
+            if late:
+                writer.write(body[len(body) // 2 :])
+                await writer.drain()
+            proxy.release.set()
+            assert await client.status() == 200
+            answer = await asyncio.wait_for(reader.read(2**16), 10)
+        finally:
+            await client.hang_up()
+    assert json.loads(answer.partition(b"\r\n\r\n")[2]) == {
+        "out": "<a>",
+        "size": len(body),
+        "digest": hashlib.sha256(body).hexdigest(),
+    }
+
+
+@pytest.mark.parametrize("size", [1000, 1001])
+async def test_a_body_read_ahead_past_the_apps_limit_fails_the_route_that_reads_it(
+    size: int,
+) -> None:
+    """``FastAPI(max_body_size=...)`` checks the body as it is received, outside the
+    watch: when the waiter reads ahead a body over the limit, the error goes to the
+    route when it reads (413, as without the watch), not to the waiter's task."""
+    proxy = Held(batch_size=8)
+    async with quiet_served(proxy, max_body_size=1000) as port:
+        with loop_errors() as errors:
+            client = await raw(port, b"POST /late?x=a HTTP/1.1", b"x" * size)
+            await wait_until(lambda: proxy.stats.in_flight == 1)
+            await asyncio.sleep(4 * WATCH_AFTER)  # the waiter has read the body
+            proxy.release.set()
+            assert await client.status() == (200 if size <= 1000 else 413)
+            await client.hang_up()
+    assert errors == []
+
+
+async def test_the_waiter_reads_ahead_no_more_than_READ_AHEAD() -> None:
+    """A body the app leaves unread is read ahead up to `READ_AHEAD` bytes, no more
+    (the rest waits in the server, as it would without the watch); the app then gets
+    every chunk in order, and the disconnect after them cancels it."""
+    from batchproxy.integrations._disconnect import CancelOnDisconnect
+
+    chunk = b"c" * 2**14
+    chunks = 4 * READ_AHEAD // len(chunk)
+    reads = 0
+    gone = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        nonlocal reads
+        reads += 1
+        if reads <= chunks:
+            return {"type": "http.request", "body": chunk, "more_body": reads < chunks}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    got: list[bytes] = []
+    ahead = 0
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        nonlocal ahead
+        await asyncio.sleep(3 * WATCH_AFTER)
+        ahead = reads
+        while (message := await receive())["type"] == "http.request":
+            got.append(message["body"])
+            if not message["more_body"]:
+                gone.set()
+        await asyncio.sleep(10)  # (cancelled)
+
+    scope = {"type": "http", "headers": [(b"content-length", b"%d" % (chunks * len(chunk)))]}
+    await asyncio.wait_for(CancelOnDisconnect(app)(scope, receive, send), 10)
+    assert ahead == READ_AHEAD // len(chunk) + 1
+    assert got == [chunk] * chunks
+    assert [(m["type"], m.get("status")) for m in sent] == [
+        ("http.response.start", 499),
+        ("http.response.body", None),
+    ]
+
+
+async def test_a_body_still_coming_when_the_watch_starts_is_read_by_the_route() -> None:
+    """A client that sends its body slower than `WATCH_AFTER`: the route is reading it
+    when the watch is due, so the waiter starts once that read returns (two readers
+    would race for the server's messages); the route gets its whole body, and a client
+    that leaves after it is seen."""
+    proxy = Held(batch_size=8, max_concurrent_batches=1)
+    async with served("fastapi", proxy) as port:
+        blocker = await hold_the_model(port, proxy)
+        clients = []
+        for x in ("stays", "gone"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            body = json.dumps({"x": x}).encode()
+            writer.write(
+                b"POST /run HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body[:4])
+            )
+            await writer.drain()
+            clients.append((Client(reader, writer), body))
+        await asyncio.sleep(4 * WATCH_AFTER)  # each route waits for the rest of its body
+        for client, body in clients:
+            client.writer.write(body[4:])
+            await client.writer.drain()
+        await wait_until(lambda: proxy.stats.queue_depth == 2)
+        (stays, _), (gone, _) = clients
+        await gone.hang_up()
+        await wait_until(lambda: proxy.stats.disconnected == 1)
+        proxy.release.set()
+        assert [await c.status() for c in (blocker, stays)] == [200, 200]
+        answer = await asyncio.wait_for(stays.reader.read(4096), 10)
+        for c in (blocker, stays):
+            await c.hang_up()
+    assert b'{"out":"<stays>"}' in answer
+    assert proxy.seen == ["live-block", "stays"]
+
+
+async def test_a_response_sent_as_a_file_is_complete() -> None:
+    """``http.response.pathsend`` (a `FileResponse` where the server supports it) is a
+    whole response: a client that leaves after it does not cancel what the app does
+    next (its background tasks), and no 499 follows it."""
+    from batchproxy.integrations._disconnect import CancelOnDisconnect
+
+    gone = asyncio.Event()
+    reads = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal reads
+        reads += 1
+        if reads == 1:
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    finished = False
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        nonlocal finished
+        await asyncio.sleep(3 * WATCH_AFTER)  # the waiter has started
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.pathsend", "path": "/dev/null"})
+        gone.set()
+        await asyncio.sleep(3 * WATCH_AFTER)  # a background task, after the response
+        finished = True
+
+    scope = {"type": "http", "headers": []}
+    await asyncio.wait_for(CancelOnDisconnect(app)(scope, receive, send), 10)
+    assert finished
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.pathsend"]

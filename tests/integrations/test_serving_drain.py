@@ -1,12 +1,15 @@
 """`Serving(drain_timeout=...)`: the drain at shutdown has a deadline, counted from its
 start (`aclose()`, or SIGTERM where a server handles it), `/readyz` says "draining"
 for all of it, and under uvicorn every request in flight at SIGTERM gets an HTTP
-answer by the deadline. And a failed load: logged, and no `Retry-After`."""
+answer by the deadline; aiohttp's `web.run_app`, SIGTERMed with calls in flight,
+closes its port, answers them and exits. And a failed load: logged, and no
+`Retry-After`."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import logging
 import math
@@ -235,3 +238,126 @@ async def test_sigterm_with_a_backlog_longer_than_the_deadline_answers_every_cli
     assert took < 4.0, took  # the deadline (1.5 s), not the backlog (6 s)
     assert report["drained_after"] < 2.5, report
     assert report["requests"] == report["succeeded"] + report["errors"] == 12, report
+
+
+# -- SIGTERM to a real aiohttp `web.run_app` -------------------------------------------------
+
+AIOHTTP_SERVER = Path(__file__).resolve().parents[1] / "_aiohttp_drain_server.py"
+
+
+async def refused(port: int) -> bool:
+    """Whether a new connection to `port` is refused (what a probe finds once the server
+    stopped listening); one that is accepted is closed at once."""
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+    except ConnectionRefusedError:
+        return True
+    writer.close()
+    with contextlib.suppress(ConnectionError):
+        await writer.wait_closed()
+    return False
+
+
+async def sigterm_run_app(
+    tmp_path: Path, *, requests: int, drain: str, grace: str, loop: str
+) -> tuple[list[tuple[Any, Any]], float, int, list[str], dict[str, Any]]:
+    """Start `_aiohttp_drain_server.py`, send `requests` requests, SIGTERM it once they
+    are all in the app, wait until its port is closed (with no deadline, check they are
+    all still in flight, then let the model go on); the answers, the seconds from the
+    signal to the exit, the exit status, its stderr's lines, its report. Stops only the
+    server it started, whatever happens."""
+    import aiohttp
+
+    report, log = tmp_path / "report.json", tmp_path / "server.log"
+    args = [str(AIOHTTP_SERVER), str(report), str(requests), drain, loop, grace]
+    with log.open("w") as errors:
+        server = await asyncio.to_thread(
+            subprocess.Popen,
+            [sys.executable, *args],
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+        )
+    try:
+        assert server.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(server.stdout.readline), 60)
+        assert line.strip().isdigit(), log.read_text()
+        port = int(line)
+        timeout = aiohttp.ClientTimeout(total=60)
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", timeout=timeout) as http:
+
+            async def get(n: int) -> tuple[Any, Any]:
+                try:
+                    async with http.get(f"/square/{n}") as response:
+                        return response.status, await response.json()
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    return None, type(exc).__name__
+
+            calls = [asyncio.ensure_future(get(n)) for n in range(requests)]
+            busy = await asyncio.wait_for(asyncio.to_thread(server.stdout.readline), 30)
+            assert busy.strip() == "busy", log.read_text()
+            signalled = time.monotonic()
+            server.send_signal(signal.SIGTERM)
+            while not await refused(port):
+                assert time.monotonic() < signalled + 20, "the port is still open"
+                await asyncio.sleep(0.05)
+            if drain == "none":
+                assert not any(call.done() for call in calls)  # held, not dropped
+                assert server.poll() is None  # waiting for them
+                server.send_signal(signal.SIGUSR1)  # the model goes on
+            answers = await asyncio.gather(*calls)
+        code = await asyncio.to_thread(server.wait, 30)
+        took = time.monotonic() - signalled
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+        if server.stdout is not None:
+            server.stdout.close()
+    return answers, took, code, log.read_text().splitlines(), json.loads(report.read_text())
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize(
+    ("drain", "grace"),
+    [("none", "60"), ("1.0", "60"), ("3.0", "1")],
+    ids=["no deadline", "a 1 s deadline", "shutdown_timeout first"],
+)
+async def test_sigterm_to_run_app_answers_the_calls_in_flight_and_exits(
+    tmp_path: Path, drain: str, grace: str, loop: str
+) -> None:
+    """`web.run_app` as the docs show it, SIGTERM with 6 calls in flight (held by the
+    model): the port closes at once (a new client, a readiness probe, is refused),
+    the calls in flight are answered (all 200 once the model goes on; with
+    `drain_timeout` and a model that never does, 503 `DrainDeadline` at the
+    deadline), then the helper's cleanup drains the proxy and the process exits 0,
+    leaving no thread and nothing on stderr but the deadline's warning. When
+    `run_app`'s `shutdown_timeout` passes before the deadline, aiohttp cancels the
+    handlers and closes their connections unanswered: their calls are cancelled
+    (not counted as disconnected) and the drain's deadline still ends the process.
+    On asyncio's loop and on uvloop (`run_app(..., loop=uvloop.new_event_loop())`)."""
+    pytest.importorskip("aiohttp")
+    pytest.importorskip(loop)
+    requests = 6
+    answers, took, code, lines, report = await sigterm_run_app(
+        tmp_path, requests=requests, drain=drain, grace=grace, loop=loop
+    )
+    assert code == 0, lines
+    assert len(lines) == (0 if drain == "none" else 1), lines
+    assert all(f"the drain deadline (timeout={drain[0]} s) passed" in line for line in lines)
+    assert report["state"] == "CLOSED"
+    assert report["threads"] == []
+    assert report["requests"] == requests
+    if drain == "none":
+        assert answers == [(200, {"square": n * n}) for n in range(requests)]
+        assert report["succeeded"] == requests, report
+    elif grace == "60":
+        assert all(
+            status == 503 and body["error"] == "DrainDeadline" for status, body in answers
+        ), answers
+        assert report["errors"] == requests, report
+        assert took < 15, took  # the deadline (1 s), not aiohttp's 60 s shutdown_timeout
+    else:
+        assert all(status is None for status, _ in answers), answers  # no answer
+        assert (report["cancelled"], report["disconnected"]) == (requests, 0), report
+        assert took < 15, took
