@@ -40,7 +40,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from typing import Generic, TypeVar
 
-from .queue import Composite, Queue, Request, RequestQueue
+from .queue import Composite, Cut, Queue, Request, RequestQueue, cut_limit
 
 __all__ = ["KeyedQueue"]
 
@@ -155,8 +155,10 @@ class KeyedQueue(Composite[T]):
         self._settle(request.key, record, live, cost)
         return left
 
-    def pop_batch(self, limit: int, now: float = 0.0) -> list[Request[T]]:
-        return self._pop(limit, None, lambda sub: sub.pop_batch(limit, now))
+    def pop_batch(
+        self, limit: int, now: float = 0.0, *, cut: Cut | None = None
+    ) -> list[Request[T]]:
+        return self._pop(limit, None, cut, lambda sub, size: sub.pop_batch(size, now))
 
     def pop_similar(
         self,
@@ -167,12 +169,14 @@ class KeyedQueue(Composite[T]):
         now: float = 0.0,
         group: bool = True,
         max_passes: int = 3,
+        cut: Cut | None = None,
     ) -> list[Request[T]]:
         return self._pop(
             limit,
             budget,
-            lambda sub: sub.pop_similar(
-                limit, budget, window, now=now, group=group, max_passes=max_passes
+            cut,
+            lambda sub, size: sub.pop_similar(
+                size, budget, window, now=now, group=group, max_passes=max_passes
             ),
         )
 
@@ -280,9 +284,12 @@ class KeyedQueue(Composite[T]):
         self,
         limit: int,
         budget: int | None,
-        take: Callable[[Queue[T]], list[Request[T]]],
+        cut: Cut | None,
+        take: Callable[[Queue[T], int], list[Request[T]]],
     ) -> list[Request[T]]:
-        """`take` a batch from the key that goes next; it goes to the back of the rotation."""
+        """`take` a batch (of a size) from the key that goes next for `limit` and
+        `budget`; it goes to the back of the rotation. With `cut`, the size is the one
+        allowed for that key's own requests: the key chosen is the key sized for."""
         while self.live:
             key = self._next_key(limit, budget)
             if key is _NOBODY:
@@ -290,7 +297,7 @@ class KeyedQueue(Composite[T]):
             record = self._subs[key]
             sub = record.sub
             live, cost = sub.live, sub.live_cost
-            batch = take(sub)
+            batch = take(sub, cut_limit(limit, live, cut))
             if key in self._subs:
                 self._subs.move_to_end(key)
                 record.turn = next(self._unique)

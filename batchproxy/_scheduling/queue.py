@@ -34,12 +34,25 @@ import bisect
 import contextvars
 import math
 from collections import deque
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any, Generic, Protocol, TypeVar
 
-__all__ = ["Composite", "Queue", "Request", "RequestQueue", "full_reason", "pick_similar"]
+__all__ = [
+    "Composite",
+    "Cut",
+    "Queue",
+    "Request",
+    "RequestQueue",
+    "cut_limit",
+    "full_reason",
+    "pick_similar",
+]
 
 T = TypeVar("T")
+
+Cut = Callable[[int], int]
+"""`batch_sizes` without a filler (`AllowedSizes.fit`): the size of a batch that may draw
+from n requests, the largest allowed size <= n."""
 
 _COMPACT_MIN_DEAD = 64
 _DEFAULT_ONLY = ((0, False),)  # the serving order when only the default level is in use
@@ -146,12 +159,16 @@ class RequestQueue(Generic[T]):
         self._collect()
         return True
 
-    def pop_batch(self, limit: int, now: float = 0.0) -> list[Request[T]]:
-        """Up to `limit` live requests in pop order (see the module docstring).
+    def pop_batch(
+        self, limit: int, now: float = 0.0, *, cut: Cut | None = None
+    ) -> list[Request[T]]:
+        """Up to `limit` live requests in pop order (see the module docstring); with
+        `cut`, up to the size it allows for the live requests (`cut_limit`).
 
         Requests whose future is already done (cancelled by their caller a moment
         ago) are dropped here rather than sent to the model.
         """
+        limit = cut_limit(limit, self.live, cut)
         batch: list[Request[T]] = []
         default_only = self.aging is None and self._order == [0]
         order = _DEFAULT_ONLY if default_only else self._serving_order(now)
@@ -200,9 +217,11 @@ class RequestQueue(Generic[T]):
         now: float = 0.0,
         group: bool = True,
         max_passes: int = 3,
+        cut: Cut | None = None,
     ) -> list[Request[T]]:
         """Up to `limit` requests of similar cost, so a padded batch wastes little
-        (see `pick_similar`)."""
+        (see `pick_similar`); `cut` as for `pop_batch`."""
+        limit = cut_limit(limit, self.live, cut)
         return pick_similar(self, limit, budget, window, now, group, max_passes)
 
     def take(self, requests: list[Request[T]]) -> None:
@@ -369,7 +388,13 @@ class Queue(Protocol[T]):
         """Out without being served (cancelled, expired); False if it had left."""
         ...
 
-    def pop_batch(self, limit: int, now: float = 0.0) -> list[Request[T]]: ...
+    def pop_batch(
+        self, limit: int, now: float = 0.0, *, cut: Cut | None = None
+    ) -> list[Request[T]]:
+        """Up to `limit` requests; with `cut` (`batch_sizes` without a filler), up to the
+        size `cut` allows for the requests the batch draws from (`next_live`): the
+        queue sizes the batch from the very requests (the very key) it takes it from."""
+        ...
 
     def pop_similar(
         self,
@@ -380,6 +405,7 @@ class Queue(Protocol[T]):
         now: float = 0.0,
         group: bool = True,
         max_passes: int = 3,
+        cut: Cut | None = None,
     ) -> list[Request[T]]: ...
 
     def in_pop_order(self, now: float) -> Iterator[Request[T]]:
@@ -403,7 +429,8 @@ class Queue(Protocol[T]):
     def next_live(self, limit: int, budget: int | None) -> int:
         """How many live requests the next pop (of `limit`, under `budget`) draws its
         batch from: all of them, or with batch keys the next key's only. (`batch_sizes`
-        without a filler sizes the batch, and waits for the next size, by it.)"""
+        without a filler waits for the next size by it; a pop with `cut` sizes its
+        batch by the same count.)"""
         ...
 
     def peek(self, now: float = 0.0) -> Request[T] | None: ...
@@ -433,6 +460,12 @@ class Composite(Generic[T]):
         self._aging = aging
         for sub in self.subqueues():
             sub.aging = aging
+
+
+def cut_limit(limit: int, live: int, cut: Cut | None) -> int:
+    """The most requests a batch that may draw from `live` takes: `limit`, or with
+    `cut` the allowed size for `min(live, limit)` (at least 1: cut mode allows 1)."""
+    return limit if cut is None else max(1, cut(min(live, limit)))
 
 
 def full_reason(queue: Queue[T], limit: int, budget: int | None) -> str | None:
