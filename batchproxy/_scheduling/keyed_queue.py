@@ -26,9 +26,16 @@ deadline" in O(log n) in the keys waiting, asking only the sub-queues that
 changed. Their entries are checked when they reach the top (a key's recorded
 value is never above its true one, so a checked top is the true minimum), and
 the heaps are rebuilt once stale entries outnumber the keys. A change of the
-batch limit or token budget rebuilds the heap of full keys (O(n)). When the last
-key leaves, the heaps are emptied and a rotation that held 1,024 keys or more
-frees the table it grew to: a drained queue keeps no key and no peak-sized table.
+batch limit asks only the keys whose answer can change: a key is full when as
+many requests as the limit wait in it, or their cost reaches the budget
+(`queue.full_reason`), so a higher limit makes no key full (one that stops being
+full is dropped when it reaches the top of the heap), and a lower one only the
+keys with as many waiting as it and fewer than the old one, found by the count
+of requests waiting (`_by_live`, kept as each key changes). A tighter token
+budget (never, in a proxy: it is fixed at construction) asks every key. When
+the last key leaves, the heaps are emptied and a rotation that held 1,024 keys
+or more frees the table it grew to: a drained queue keeps no key and no
+peak-sized table.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import heapq
 import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Generic, TypeVar
 
 from .queue import Composite, Cut, Queue, Request, RequestQueue, cut_limit
@@ -56,9 +63,10 @@ _Entry = tuple[float, int, Hashable]  # (value, unique, key): a heap entry
 class _Key(Generic[T]):
     """One waiting key: its sub-queue, its place in the rotation (`turn`, larger is
     later), and what the heaps hold for it: the turn of its entry among the full keys
-    (-1: none), its recorded oldest arrival and earliest deadline (inf: none)."""
+    (-1: none), its recorded oldest arrival and earliest deadline (inf: none); and
+    `live`, its requests waiting as `_by_live` files it (0: not filed)."""
 
-    __slots__ = ("arrival", "deadline", "full", "sub", "turn")
+    __slots__ = ("arrival", "deadline", "full", "live", "sub", "turn")
 
     def __init__(self, sub: Queue[T], turn: int) -> None:
         self.sub = sub
@@ -66,6 +74,7 @@ class _Key(Generic[T]):
         self.full = -1
         self.arrival = math.inf
         self.deadline = math.inf
+        self.live = 0
 
 
 class KeyedQueue(Composite[T]):
@@ -73,6 +82,7 @@ class KeyedQueue(Composite[T]):
 
     __slots__ = (
         "_arrivals",
+        "_by_live",
         "_clock",
         "_deadlines",
         "_full",
@@ -103,6 +113,8 @@ class KeyedQueue(Composite[T]):
         self._unique = itertools.count()  # turns and tie-breaks: keys are never compared
         self._full: list[tuple[int, Hashable]] = []  # (turn, key) of the keys that fill one
         self._limits: tuple[int, int | None] | None = None  # what `_full` is full for
+        # the waiting keys by their count of live requests: who a lower limit makes full
+        self._by_live: dict[int, set[Hashable]] = {}
         self._arrivals: list[_Entry] = []  # (oldest arrival, unique, key)
         self._deadlines: list[_Entry] = []  # (earliest deadline, unique, key)
         self._peak = 0  # the most keys waiting at once since the rotation last emptied
@@ -122,6 +134,7 @@ class KeyedQueue(Composite[T]):
         keyed = cls(clock, window, queue.aging, new)
         if queue.live:
             record = keyed._subs[None] = _Key(queue, next(keyed._unique))
+            keyed._file(None, record)
             keyed._note(None, record, queue.oldest_enqueued_at(), queue.earliest_deadline())
             keyed.live, keyed.live_cost = queue.live, queue.live_cost
         return keyed
@@ -142,6 +155,7 @@ class KeyedQueue(Composite[T]):
         record.sub.push(request)
         self.live += 1
         self.live_cost += request.cost
+        self._file(key, record)
         self._note(key, record, request.enqueued_at, request.deadline)
         self._check_full(key, record)
 
@@ -271,6 +285,7 @@ class KeyedQueue(Composite[T]):
     def drain(self) -> list[Request[T]]:
         drained = [request for record in self._subs.values() for request in record.sub.drain()]
         self._subs = OrderedDict()
+        self._by_live.clear()
         self._peak = 0
         self._full.clear()
         self._arrivals.clear()
@@ -327,13 +342,9 @@ class KeyedQueue(Composite[T]):
     def _first_full(self, limit: int, budget: int | None) -> Hashable:
         """The first key in the rotation that fills a batch of `limit` (or `budget`);
         `_NOBODY`: none does."""
+        if self._limits != (limit, budget):
+            self._relimit(limit, budget)
         heap, subs = self._full, self._subs
-        if self._limits != (limit, budget):  # full for other limits: ask every key
-            self._limits = (limit, budget)
-            heap.clear()
-            for waiting, its in subs.items():
-                its.full = -1
-                self._check_full(waiting, its)
         while heap:
             turn, key = heap[0]
             record = subs.get(key)
@@ -343,6 +354,45 @@ class KeyedQueue(Composite[T]):
                 record.full = -1  # no longer full: asked again when it changes
             heapq.heappop(heap)
         return _NOBODY
+
+    def _relimit(self, limit: int, budget: int | None) -> None:
+        """The full keys are wanted for other limits: ask the keys that may have become
+        full (see the module docstring). Those that stopped being full stay in the heap
+        until they reach its top, where `_first_full` checks them."""
+        old, self._limits = self._limits, (limit, budget)
+        if old is None or (budget is not None and (old[1] is None or budget < old[1])):
+            asked = list(self._subs.items())  # the first limits, or a tighter budget
+        elif limit < old[0]:  # those with limit to old limit - 1 waiting
+            by_live, subs = self._by_live, self._subs
+            if old[0] - limit <= len(by_live):
+                counts: Iterable[int] = range(limit, old[0])
+            else:
+                counts = [count for count in by_live if limit <= count < old[0]]
+            asked = [(key, subs[key]) for count in counts for key in by_live.get(count, ())]
+        else:
+            return  # no key became full
+        for key, record in asked:
+            self._check_full(key, record)
+
+    def _file(self, key: Hashable, record: _Key[T]) -> None:
+        """After `record`'s count of live requests may have changed: file it under the
+        new count in `_by_live` (under none once it has no request)."""
+        live, filed = record.sub.live, record.live
+        if live == filed:
+            return
+        by_live = self._by_live
+        if filed:
+            left = by_live[filed]
+            left.discard(key)
+            if not left:
+                del by_live[filed]
+        if live:
+            joined = by_live.get(live)
+            if joined is None:
+                by_live[live] = {key}
+            else:
+                joined.add(key)
+        record.live = live
 
     def _check_full(self, key: Hashable, record: _Key[T]) -> None:
         """After `record` changed: among the full keys if it fills a batch now."""
@@ -377,6 +427,7 @@ class KeyedQueue(Composite[T]):
         sub = record.sub
         self.live += sub.live - live
         self.live_cost += sub.live_cost - cost
+        self._file(key, record)
         if not sub.live:
             subs = self._subs
             if subs.get(key) is record:
@@ -395,6 +446,7 @@ class KeyedQueue(Composite[T]):
         self._full.clear()
         self._arrivals.clear()
         self._deadlines.clear()
+        self._by_live.clear()  # (empty already: each key left its count as it left)
         if self._peak >= _SHRINK_MIN_PEAK:
             self._subs.clear()  # an empty dict's clear() frees its table
         self._peak = 0

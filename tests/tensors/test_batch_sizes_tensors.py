@@ -171,7 +171,7 @@ async def test_padded_rows_counts_the_rows_the_model_ran_with_an_invalid_item(
 async def test_padded_rows_with_keys_counts_each_key_batch_from_its_collated_items() -> None:
     """Each key's batch is padded on its own: key 2 collates 3 items (one filler row), key 3
     collates 2 (none: its invalid item is in its batch, but not collated)."""
-    async with StaticNumpy(batch_size=8, batch_sizes=(2, 4, 8), key=lambda x: len(x)) as p:
+    async with StaticNumpy(batch_size=8, batch_sizes=(2, 4, 8), key=len) as p:
         items: list[Any] = [np.ones(2)] * 3 + [np.ones(3)] * 2 + [{1: np.ones(3)}]
         results = await asyncio.gather(*map(p.inference, items), return_exceptions=True)
         assert [isinstance(result, TypeError) for result in results] == [False] * 5 + [True]
