@@ -123,7 +123,7 @@ async def run_batch(
             error = runner.deliver(requests, results, finished)  # 4. settle
             if error is None and whole and not late:  # one timely call on the whole batch
                 runner.cost_model.add(units, finished - started)
-        if error is not None and not runner.abandoned(binding, task):
+        if error is not None and not binding.abandoned(task):
             runner.batch_failed(requests, error)
     finally:  # 5. release
         if watchdog is not None:
@@ -429,12 +429,6 @@ class Runner(Generic[In]):
         self.settlement.fail(requests, error)
         self.events.batch_failed(error, len(requests))
 
-    def abandoned(self, binding: Binding[In], task: asyncio.Task[Any]) -> bool:
-        """Whether the watchdog or a drain's deadline gave up on the batch of `task`: they
-        failed its callers and counted it (a failed batch, timed out) then, so however its
-        task ends, it is not counted again."""
-        return (bool(binding.overran) and task in binding.overran) or binding.was_cut
-
     def batch_ended(
         self,
         binding: Binding[In],
@@ -445,11 +439,9 @@ class Runner(Generic[In]):
         *,
         released: bool = False,
     ) -> None:
-        """The model call of a batch is over: record it, mark the proxy healthy again if
-        it answered in time, and free the batch slot (unless already handed on). A
-        batch abandoned by the watchdog or at a drain's deadline was counted then (timed
-        out, failed): it is not counted as finished (its model neither returned nor
-        raised for the proxy; `stats.model_time`, `Listener.batch_finished`)."""
+        """The model call of a batch is over: record it (not an abandoned one, counted when
+        abandoned), mark the proxy healthy again if it answered in time, and free the
+        batch slot (unless already handed on)."""
         if not binding.serving:
             return
         if binding.overran and binding.overran.pop(task, None) is not None:

@@ -218,7 +218,7 @@ async def run_stream(
             now = loop.time()
             if error is None:
                 runner.settlement.end_streams(requests, now)
-            elif not runner.abandoned(binding, task):  # (else counted when abandoned)
+            elif not binding.abandoned(task):  # (else counted when abandoned)
                 runner.batch_failed(requests, error)
             runner.batch_ended(binding, task, len(requests), now - started, error)
         runner.end_task(binding, task)

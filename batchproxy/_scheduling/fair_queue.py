@@ -42,16 +42,8 @@ import itertools
 from collections.abc import Callable, Hashable, Iterator
 from typing import Generic, TypeVar
 
-from .queue import (
-    Composite,
-    Cut,
-    Queue,
-    Request,
-    RequestQueue,
-    cut_limit,
-    full_reason,
-    pick_similar,
-)
+from .queue import Composite, Queue, Request, RequestQueue, full_reason, pick_similar
+from .sizes import Cut, cut_limit
 
 __all__ = ["FairQueue", "Weight", "stride"]
 

@@ -47,7 +47,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Generic, TypeVar
 
-from .queue import Composite, Cut, Queue, Request, RequestQueue, cut_limit
+from .queue import Composite, Queue, Request, RequestQueue
+from .sizes import Cut, cut_limit
 
 __all__ = ["KeyedQueue"]
 

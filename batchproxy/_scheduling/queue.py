@@ -29,78 +29,22 @@ length-aware batch from any of them.
 
 from __future__ import annotations
 
-import asyncio
 import bisect
-import contextvars
 import math
 from collections import deque
-from collections.abc import Callable, Hashable, Iterator
-from typing import Any, Generic, Protocol, TypeVar
+from collections.abc import Iterator
+from typing import Generic, Protocol, TypeVar
 
-__all__ = [
-    "Composite",
-    "Cut",
-    "Queue",
-    "Request",
-    "RequestQueue",
-    "cut_limit",
-    "full_reason",
-    "pick_similar",
-]
+from .request import NO_DEADLINE as _NO_DEADLINE
+from .request import Request
+from .sizes import Cut, cut_limit
+
+__all__ = ["Composite", "Queue", "Request", "RequestQueue", "full_reason", "pick_similar"]
 
 T = TypeVar("T")
 
-Cut = Callable[[int], int]
-"""`batch_sizes` without a filler (`AllowedSizes.fit`): the size of a batch that may draw
-from n requests, the largest allowed size <= n."""
-
 _COMPACT_MIN_DEAD = 64
 _DEFAULT_ONLY = ((0, False),)  # the serving order when only the default level is in use
-_NO_DEADLINE = math.inf  # a request's deadline when it has none
-
-
-class Request(Generic[T]):
-    """One call's item, its future, and where it stands. `context`, a copy of the
-    caller's `contextvars` context, is set (by intake) only with `caller_context`."""
-
-    __slots__ = (
-        "context",
-        "cost",
-        "deadline",
-        "deadline_timer",
-        "enqueued_at",
-        "future",
-        "item",
-        "key",
-        "passed_over",
-        "priority",
-        "queued",
-        "seq",
-        "tenant",
-    )
-    context: contextvars.Context  # unset unless intake sets it
-
-    def __init__(
-        self,
-        item: T,
-        future: asyncio.Future[Any],
-        priority: int,
-        enqueued_at: float,
-        cost: int = 1,
-        deadline: float = _NO_DEADLINE,
-    ) -> None:
-        self.item = item
-        self.future = future
-        self.priority = priority
-        self.enqueued_at = enqueued_at
-        self.cost = cost
-        self.deadline = deadline  # loop time; inf: none
-        self.seq = 0  # arrival order, set by the queue
-        self.queued = True
-        self.passed_over = 0  # times left out of a batch while among the oldest
-        self.deadline_timer: asyncio.TimerHandle | None = None
-        self.tenant: Hashable | None = None  # whose call (fair sharing); set by intake
-        self.key: Hashable | None = None  # batched only with its own key; set by intake
 
 
 class _Level(Generic[T]):
@@ -391,9 +335,8 @@ class Queue(Protocol[T]):
     def pop_batch(
         self, limit: int, now: float = 0.0, *, cut: Cut | None = None
     ) -> list[Request[T]]:
-        """Up to `limit` requests; with `cut` (`batch_sizes` without a filler), up to the
-        size `cut` allows for the requests the batch draws from (`next_live`): the
-        queue sizes the batch from the very requests (the very key) it takes it from."""
+        """Up to `limit`; with `cut`, the size it allows for the requests the batch draws
+        from (`next_live`): sized from the very requests (key) it takes it from."""
         ...
 
     def pop_similar(
@@ -460,12 +403,6 @@ class Composite(Generic[T]):
         self._aging = aging
         for sub in self.subqueues():
             sub.aging = aging
-
-
-def cut_limit(limit: int, live: int, cut: Cut | None) -> int:
-    """The most requests a batch that may draw from `live` takes: `limit`, or with
-    `cut` the allowed size for `min(live, limit)` (at least 1: cut mode allows 1)."""
-    return limit if cut is None else max(1, cut(min(live, limit)))
 
 
 def full_reason(queue: Queue[T], limit: int, budget: int | None) -> str | None:

@@ -21,16 +21,29 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = [
     "NO_ITEM",
     "AllowedSizes",
+    "Cut",
     "batch_sizes",
     "check_sizes",
+    "cut_limit",
     "refuse_streams",
 ]
+
+Cut = Callable[[int], int]
+"""Cut mode (`AllowedSizes.fit`): the size of a batch that may draw from n requests,
+the largest allowed size <= n. The queues take it (`Queue.pop_batch`), so that a
+batch is sized from the requests (with batch keys, the key) it is taken from."""
+
+
+def cut_limit(limit: int, live: int, cut: Cut | None) -> int:
+    """The most requests a batch that may draw from `live` takes: `limit`, or with
+    `cut` the allowed size for `min(live, limit)` (at least 1: cut mode allows 1)."""
+    return limit if cut is None else max(1, cut(min(live, limit)))
 
 
 class _NoItem:
