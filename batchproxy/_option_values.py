@@ -89,7 +89,7 @@ class BatchSizes:
     pad_item: Any = field(default=NO_ITEM, kw_only=True, compare=False)
 
     def __post_init__(self) -> None:
-        checked = check_sizes(self.sizes, sys.maxsize, NO_ITEM)
+        checked = check_sizes(self.sizes, sys.maxsize)
         if checked is None:
             raise TypeError("BatchSizes needs its sizes, e.g. BatchSizes((1, 2, 4, 8))")
         object.__setattr__(self, "sizes", checked)

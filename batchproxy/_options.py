@@ -374,7 +374,7 @@ def _batch_sizes(value: object, batch_size: int) -> BatchSizes | None:
     if value is None:
         return None
     sizes = value if isinstance(value, BatchSizes) else BatchSizes(value)  # type: ignore[arg-type]
-    check_sizes(sizes.sizes, batch_size, NO_ITEM)
+    check_sizes(sizes.sizes, batch_size)
     return sizes
 
 

@@ -56,13 +56,11 @@ class _NoItem:
 NO_ITEM: Any = _NoItem()
 
 
-def check_sizes(sizes: object, batch_size: int, pad_item: object) -> tuple[int, ...] | None:
+def check_sizes(sizes: object, batch_size: int) -> tuple[int, ...] | None:
     """`batch_sizes` checked, sorted ascending: positive ints, no duplicates, the
-    smallest no larger than `batch_size`; and `pad_item` given only with it. (Whether
-    1 is needed depends on the proxy: `batch_sizes`, below.)"""
+    smallest no larger than `batch_size`. (Whether 1 is needed depends on the proxy:
+    `batch_sizes`, below.)"""
     if sizes is None:
-        if pad_item is not NO_ITEM:
-            raise TypeError("pad_item fills batches up to an allowed size: it needs batch_sizes")
         return None
     if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence | set | frozenset):
         raise TypeError(f"batch_sizes must be a sequence of ints or None, got {sizes!r}")
