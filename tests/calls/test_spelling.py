@@ -421,7 +421,7 @@ def test_a_part_without_its_option_is_one_error_class(
 ) -> None:
     """Issue 38: one misuse, one class: a part given without the option it modifies is a
     `ValueError` (it was a `TypeError` for pad_item=), naming the missing option."""
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError) as raised:
+    with pytest.warns(DeprecationWarning, match="deprecated"), pytest.raises(ValueError) as raised:
         Echo(**options)
     assert type(raised.value) is ValueError
     assert f"{missing}=" in str(raised.value)
