@@ -30,8 +30,11 @@ batch limit asks only the keys whose answer can change: a key is full when as
 many requests as the limit wait in it, or their cost reaches the budget
 (`queue.full_reason`), so a higher limit makes no key full (one that stops being
 full is dropped when it reaches the top of the heap), and a lower one only the
-keys with as many waiting as it and fewer than the old one, found by the count
-of requests waiting (`_by_live`, kept as each key changes). A tighter token
+keys with as many waiting as it and fewer than the old one, found by their count
+of requests waiting: `_by_band` files each key under the bit length of its count
+(a key moves when its count crosses a power of two, not at every request; a key
+with one request, the most common, is never filed: a limit of 1 makes every key
+full, and asks every key). A tighter token
 budget (never, in a proxy: it is fixed at construction) asks every key. When
 the last key leaves, the heaps are emptied and a rotation that held 1,024 keys
 or more frees the table it grew to: a drained queue keeps no key and no
@@ -44,7 +47,7 @@ import heapq
 import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Generic, TypeVar
 
 from .queue import Composite, Queue, Request, RequestQueue
@@ -65,9 +68,9 @@ class _Key(Generic[T]):
     """One waiting key: its sub-queue, its place in the rotation (`turn`, larger is
     later), and what the heaps hold for it: the turn of its entry among the full keys
     (-1: none), its recorded oldest arrival and earliest deadline (inf: none); and
-    `live`, its requests waiting as `_by_live` files it (0: not filed)."""
+    `band`, where `_by_band` files it (0: not filed)."""
 
-    __slots__ = ("arrival", "deadline", "full", "live", "sub", "turn")
+    __slots__ = ("arrival", "band", "deadline", "full", "sub", "turn")
 
     def __init__(self, sub: Queue[T], turn: int) -> None:
         self.sub = sub
@@ -75,7 +78,7 @@ class _Key(Generic[T]):
         self.full = -1
         self.arrival = math.inf
         self.deadline = math.inf
-        self.live = 0
+        self.band = 0
 
 
 class KeyedQueue(Composite[T]):
@@ -83,7 +86,7 @@ class KeyedQueue(Composite[T]):
 
     __slots__ = (
         "_arrivals",
-        "_by_live",
+        "_by_band",
         "_clock",
         "_deadlines",
         "_full",
@@ -114,8 +117,9 @@ class KeyedQueue(Composite[T]):
         self._unique = itertools.count()  # turns and tie-breaks: keys are never compared
         self._full: list[tuple[int, Hashable]] = []  # (turn, key) of the keys that fill one
         self._limits: tuple[int, int | None] | None = None  # what `_full` is full for
-        # the waiting keys by their count of live requests: who a lower limit makes full
-        self._by_live: dict[int, set[Hashable]] = {}
+        # the waiting keys by the bit length of their count of live requests (2 and up):
+        # where to look for those a lower limit makes full
+        self._by_band: dict[int, set[Hashable]] = {}
         self._arrivals: list[_Entry] = []  # (oldest arrival, unique, key)
         self._deadlines: list[_Entry] = []  # (earliest deadline, unique, key)
         self._peak = 0  # the most keys waiting at once since the rotation last emptied
@@ -156,7 +160,9 @@ class KeyedQueue(Composite[T]):
         record.sub.push(request)
         self.live += 1
         self.live_cost += request.cost
-        self._file(key, record)
+        live = record.sub.live
+        if (live.bit_length() if live > 1 else 0) != record.band:  # (`_file`'s test, inline)
+            self._file(key, record)
         self._note(key, record, request.enqueued_at, request.deadline)
         self._check_full(key, record)
 
@@ -286,7 +292,7 @@ class KeyedQueue(Composite[T]):
     def drain(self) -> list[Request[T]]:
         drained = [request for record in self._subs.values() for request in record.sub.drain()]
         self._subs = OrderedDict()
-        self._by_live.clear()
+        self._by_band.clear()
         self._peak = 0
         self._full.clear()
         self._arrivals.clear()
@@ -361,39 +367,42 @@ class KeyedQueue(Composite[T]):
         full (see the module docstring). Those that stopped being full stay in the heap
         until they reach its top, where `_first_full` checks them."""
         old, self._limits = self._limits, (limit, budget)
-        if old is None or (budget is not None and (old[1] is None or budget < old[1])):
+        if (
+            old is None
+            or (budget is not None and (old[1] is None or budget < old[1]))
+            or (limit < 2 <= old[0])  # every key fills a batch of 1: each must be asked
+        ):
             asked = list(self._subs.items())  # the first limits, or a tighter budget
-        elif limit < old[0]:  # those with limit to old limit - 1 waiting
-            by_live, subs = self._by_live, self._subs
-            if old[0] - limit <= len(by_live):
-                counts: Iterable[int] = range(limit, old[0])
-            else:
-                counts = [count for count in by_live if limit <= count < old[0]]
-            asked = [(key, subs[key]) for count in counts for key in by_live.get(count, ())]
+        elif limit < old[0]:  # those with limit to old limit - 1 waiting (limit >= 2)
+            by_band, subs, top = self._by_band, self._subs, old[0]
+            bands = range(limit.bit_length(), (top - 1).bit_length() + 1)
+            filed = [(key, subs[key]) for band in bands for key in by_band.get(band, ())]
+            asked = [(key, record) for key, record in filed if limit <= record.sub.live < top]
         else:
             return  # no key became full
         for key, record in asked:
             self._check_full(key, record)
 
     def _file(self, key: Hashable, record: _Key[T]) -> None:
-        """After `record`'s count of live requests may have changed: file it under the
-        new count in `_by_live` (under none once it has no request)."""
-        live, filed = record.sub.live, record.live
-        if live == filed:
+        """After `record`'s count of live requests changed band: file it in `_by_band`
+        under the bit length of its count (under none below 2, or with no request)."""
+        live, filed = record.sub.live, record.band
+        band = live.bit_length() if live > 1 else 0
+        if band == filed:
             return
-        by_live = self._by_live
+        by_band = self._by_band
         if filed:
-            left = by_live[filed]
+            left = by_band[filed]
             left.discard(key)
             if not left:
-                del by_live[filed]
-        if live:
-            joined = by_live.get(live)
+                del by_band[filed]
+        if band:
+            joined = by_band.get(band)
             if joined is None:
-                by_live[live] = {key}
+                by_band[band] = {key}
             else:
                 joined.add(key)
-        record.live = live
+        record.band = band
 
     def _check_full(self, key: Hashable, record: _Key[T]) -> None:
         """After `record` changed: among the full keys if it fills a batch now."""
@@ -428,7 +437,9 @@ class KeyedQueue(Composite[T]):
         sub = record.sub
         self.live += sub.live - live
         self.live_cost += sub.live_cost - cost
-        self._file(key, record)
+        live = sub.live
+        if (live.bit_length() if live > 1 else 0) != record.band:  # (`_file`'s test, inline)
+            self._file(key, record)
         if not sub.live:
             subs = self._subs
             if subs.get(key) is record:
@@ -447,7 +458,7 @@ class KeyedQueue(Composite[T]):
         self._full.clear()
         self._arrivals.clear()
         self._deadlines.clear()
-        self._by_live.clear()  # (empty already: each key left its count as it left)
+        self._by_band.clear()  # (empty already: each key left its band as it left)
         if self._peak >= _SHRINK_MIN_PEAK:
             self._subs.clear()  # an empty dict's clear() frees its table
         self._peak = 0

@@ -5,6 +5,7 @@ its batch's key with `batch_key()`. On the virtual clock."""
 from __future__ import annotations
 
 import asyncio
+import random
 import sys
 from collections.abc import AsyncIterator, Hashable, Sequence
 from typing import Any
@@ -16,7 +17,7 @@ from typing_extensions import override
 import batchproxy
 from batchproxy import GenerationProxy, Step, batch_key
 from batchproxy._scheduling.fair_queue import FairQueue
-from batchproxy._scheduling.keyed_queue import KeyedQueue
+from batchproxy._scheduling.keyed_queue import _NOBODY, KeyedQueue
 from batchproxy._scheduling.queue import Request, RequestQueue
 
 pytestmark = pytest.mark.looptime
@@ -510,5 +511,33 @@ def test_a_limit_change_asks_only_the_keys_whose_answer_can_change(fair: bool) -
         assert queue.full_reason(1000, None) is None  # higher: the full keys, at the top
         assert set(asked) <= {0, "five", "nine"}
         assert len(asked) <= 6
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_full_keys_stay_exact_through_changing_limits(seed: int) -> None:
+    """Pushes, pops and cancellations under limits that rise and fall at random: the
+    first full key (by turn) is always the one a scan of every key finds."""
+    rng = random.Random(seed)
+    loop = asyncio.new_event_loop()
+    try:
+        queue: KeyedQueue[Any] = KeyedQueue(lambda: 0.0, lambda: 1.0)
+        queued: list[Request[Any]] = []
+        for _ in range(3000):
+            roll = rng.random()
+            if roll < 0.6:
+                request: Request[Any] = Request(None, loop.create_future(), 0, 0.0)
+                request.key = rng.randrange(12)
+                queue.push(request)
+                queued.append(request)
+            elif roll < 0.75 and queued:
+                queue.discard(queued.pop(rng.randrange(len(queued))))
+            elif roll < 0.85:
+                queue.pop_batch(rng.choice([1, 2, 3, 5, 8, 13]))
+            limit = rng.choice([1, 2, 3, 4, 6, 9, 16])
+            full = [key for key, count in queue.waiting_per_key().items() if count >= limit]
+            assert queue._first_full(limit, None) == (full[0] if full else _NOBODY)
+            queued = [r for r in queued if r.queued]
     finally:
         loop.close()
