@@ -1,7 +1,13 @@
 """Identical calls computed once (`dedup=`), with a bounded result cache on top.
 
 With `dedup`, each call has a key: the pair of its batch `key` (None without
-one) and `dedup(item)`, or the item itself with `dedup=True`. Always the pair, so
+one) and `dedup(item)`, or with `dedup=True` the item typed: `(type(item),
+item)`, as `functools.lru_cache(typed=True)` keys its arguments, so that `1`,
+`1.0` and `True` (equal, and equally hashed) are three calls, which a model may
+well answer differently (`repr`, a type check, a tokenizer). As there, the type
+is the item's own, not its contents': `(1,)` and `(1.0,)` are one item. A dedup
+function's value is taken as it is (the user's function defines identity).
+Always the pair, so
 that no call's key can equal another's by accident: with the bare item for a call
 without a batch key, `inference(("k", "x"))` would be `inference("x", key="k")`.
 Identical items for different batch keys (models, adapters, per-batch arguments)
@@ -114,8 +120,9 @@ class Deduplicator(Generic[T]):
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def key(self, item: T, batch_key: Hashable | None) -> tuple[Hashable, Hashable]:
-        """A call's key, `(batch_key, the item's key)`, or a `TypeError` saying how to
-        give one."""
+        """A call's key, `(batch_key, the item's key)`: the dedup function's value, or
+        the item typed (see the module docstring); or a `TypeError` saying how to give
+        one."""
         key = item if self._key_of is None else self._key_of(item)
         try:
             hash(key)
@@ -128,6 +135,8 @@ class Deduplicator(Generic[T]):
             raise TypeError(
                 f"{self.name}: dedup needs a hashable key, got {type(key).__name__}; {how}"
             ) from None
+        if self._key_of is None:
+            return (batch_key, (type(key), key))
         return (batch_key, key)
 
     def cached(self, key: Hashable, now: float) -> Any:

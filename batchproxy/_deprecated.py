@@ -49,8 +49,9 @@ def _outside_the_package() -> int:
 
 def fold_options(options: Mapping[str, Any]) -> dict[str, Any]:
     """Constructor keywords with the deprecated flat ones folded into the value they
-    modify (each warned about); a flat one given with the new value, or without the
-    option it modifies, is refused: it would mean nothing."""
+    modify (each warned about); a flat one given with the new value (a `TypeError`: one
+    spelling at a time), or without the option it modifies (a `ValueError` naming it),
+    is refused: it would mean nothing."""
     folded = dict(options)
     if not any(name in folded for name in FLAT):
         return folded
@@ -83,8 +84,8 @@ def fold_options(options: Mapping[str, Any]) -> dict[str, Any]:
             raise TypeError(
                 "pad_item= goes inside BatchSizes(...): BatchSizes(sizes, pad_item=...)"
             )
-        if sizes is None:
-            raise TypeError(
+        if sizes is None:  # a part without its option: a ValueError, as the others
+            raise ValueError(
                 "pad_item fills batches up to an allowed size: it needs batch_sizes "
                 "(write batch_sizes=BatchSizes(sizes, pad_item=...))"
             )

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypedDict, TypeVar
 
 from typing_extensions import Unpack
 
@@ -28,7 +28,7 @@ from ._deprecated import warn_renamed
 from ._errors import BatchSizeMismatch
 from ._executors.base import Executor
 from ._loops.binding import Binding
-from ._options import ConfigurableOptions
+from ._options import ConfigurableOptions, ProxyOptions, check_keywords
 from ._proxy import Proxy
 from ._runs.batches import RunKind, Runner
 from ._runs.streams import hand_element, let_consumers_read
@@ -91,6 +91,23 @@ StepResult = Sequence[Any]
 _CHANGEABLE = frozenset({"batch_size", "max_queue_size", "timeout", "stream_buffer"})
 
 
+class GenerationOptions(TypedDict, total=False):
+    """The keyword arguments of `GenerationProxy(...)` besides `batch_size`, `offload`
+    and `name` (see `GenerationProxy`)."""
+
+    max_batch_tokens: int | None
+    length: Callable[[Any], int] | None
+    max_queue_size: int | None
+    timeout: float | None
+    stream_buffer: int | None
+    # deprecated for one release (a DeprecationWarning names the new spelling)
+    max_tokens: int | None  # max_batch_tokens=
+    tokens: Callable[[Any], int] | None  # length=
+
+
+_KEYWORDS = frozenset(GenerationOptions.__annotations__) | {"batch_size", "offload", "name"}
+
+
 class GenerationProxy(Proxy[In, Out]):
     """Continuous batching for generation: implement `_step(step)`; callers use
     `async for chunk in proxy.stream(item)`.
@@ -103,13 +120,17 @@ class GenerationProxy(Proxy[In, Out]):
     worker thread, an `async def` on the event loop.
 
     - `batch_size`: the most active sequences in a step.
-    - `max_batch_tokens` with `length`: a budget for the sum of `length(item)` over
-      the active sequences (say prompt length + max new tokens: the most KV cache
-      a sequence can take). A request waits until its tokens fit; one whose tokens
-      alone exceed the budget is refused at once with `ValueError`. (`max_tokens`
-      and `tokens` are their deprecated names.)
+    - `max_batch_tokens`: a budget for the sum of `length(item)` over the active
+      sequences (say prompt length + max new tokens: the most KV cache a sequence
+      can take). A request waits until its tokens fit; one whose tokens alone
+      exceed the budget is refused at once with `ValueError`.
+    - `length`: an item's tokens; without it, as for `Proxy`, the budget measures
+      items with `batchproxy.tensors.length`. Given alone, items are measured (the
+      cost `stats` and the queue see) and no budget applies.
+      (`max_tokens` and `tokens` are the deprecated names of the two.)
     - `max_queue_size`, `timeout` (for the whole stream), `offload`, `name`,
-      `stream_buffer`: as for `Proxy`.
+      `stream_buffer`: as for `Proxy`. Any other keyword is a `TypeError` naming
+      the nearest one it takes.
     """
 
     _model_name = "_step"
@@ -118,34 +139,33 @@ class GenerationProxy(Proxy[In, Out]):
         self,
         batch_size: int = 64,
         *,
-        max_batch_tokens: int | None = None,
-        length: Callable[[In], int] | None = None,
-        max_queue_size: int | None = None,
-        timeout: float | None = None,
         offload: bool | Executor = False,
         name: str | None = None,
-        stream_buffer: int | None = 1024,
-        max_tokens: int | None = None,
-        tokens: Callable[[In], int] | None = None,
+        **options: Unpack[GenerationOptions],
     ) -> None:
         if type(self)._step is GenerationProxy._step:
             raise TypeError(f"{type(self).__name__} must implement _step(step)")
-        max_batch_tokens = _renamed("max_tokens", max_tokens, "max_batch_tokens", max_batch_tokens)
-        length = _renamed("tokens", tokens, "length", length)
-        if (max_batch_tokens is None) != (length is None):
-            raise TypeError("max_batch_tokens and length go together: give both or neither")
+        check_keywords(f"{type(self).__name__}()", options, _KEYWORDS)
+        max_batch_tokens = _renamed(
+            "max_tokens", options.get("max_tokens"), "max_batch_tokens",
+            options.get("max_batch_tokens"),
+        )  # fmt: skip
+        length = _renamed("tokens", options.get("tokens"), "length", options.get("length"))
         self._max_tokens = _validate.optional_count("max_batch_tokens", max_batch_tokens)
-        super().__init__(
-            batch_size,
-            max_delay_ms=0,
-            max_queue_size=max_queue_size,
-            timeout=timeout,
-            max_concurrent_batches=1,
-            offload=offload,
-            name=name,
-            length=length,
-            stream_buffer=stream_buffer,
-        )
+        # one step at a time, and never a wait for company; the rest as given
+        forwarded: ProxyOptions = {
+            "max_delay_ms": 0,
+            "max_concurrent_batches": 1,
+            "max_batch_tokens": max_batch_tokens,
+            "length": length,
+        }
+        if "max_queue_size" in options:
+            forwarded["max_queue_size"] = options["max_queue_size"]
+        if "timeout" in options:
+            forwarded["timeout"] = options["timeout"]
+        if "stream_buffer" in options:
+            forwarded["stream_buffer"] = options["stream_buffer"]
+        super().__init__(batch_size, offload=offload, name=name, **forwarded)
 
     def configure(self, **changes: Unpack[ConfigurableOptions]) -> None:
         """Change `batch_size` (the most active sequences, from the next step),

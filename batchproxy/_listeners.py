@@ -54,7 +54,10 @@ class Listener:
     def batch_finished(
         self, proxy: str, size: int, model_seconds: float, error: BaseException | None
     ) -> None:
-        """The model returned (or raised `error`) after `model_seconds`."""
+        """The model returned (or raised `error`) after `model_seconds`. Not called for a
+        batch abandoned by the watchdog (`batch_timed_out`) or at a drain's deadline:
+        `error` tells of it when it is abandoned, and its `model_seconds` would be no
+        model time (`stats.model_time` leaves it out too)."""
 
     def request_finished(self, proxy: str, outcome: str, seconds: float) -> None:
         """A call ended: `outcome` is succeeded, error, timed_out or cancelled.

@@ -40,9 +40,11 @@ __all__ = [
 class Dedup:
     """`dedup=Dedup(...)`: identical calls in flight are computed once.
 
-    - `key`: a function of the item giving its identity (default: the item itself,
-      which must then be hashable). Calls with equal keys share one slot in a batch
-      and its result.
+    - `key`: a function of the item giving its identity, compared with `==`
+      (default: the item itself, which must then be hashable, and its type, as
+      `functools.lru_cache(typed=True)` has it: `1`, `1.0` and `True` are three
+      calls; the contents of a tuple are compared with `==`). Calls with equal keys
+      share one slot in a batch and its result.
     - `cache_size`: also keep the results of this many recently used keys (least
       recently used out first) and answer a call with a kept key at once, without
       the queue or the model (`stats.cache_hits`). Errors are never kept.
@@ -87,7 +89,7 @@ class BatchSizes:
     pad_item: Any = field(default=NO_ITEM, kw_only=True, compare=False)
 
     def __post_init__(self) -> None:
-        checked = check_sizes(self.sizes, sys.maxsize, NO_ITEM)
+        checked = check_sizes(self.sizes, sys.maxsize)
         if checked is None:
             raise TypeError("BatchSizes needs its sizes, e.g. BatchSizes((1, 2, 4, 8))")
         object.__setattr__(self, "sizes", checked)

@@ -166,8 +166,10 @@ class Options:
       model still runs in a fresh context of its own.
     - `dedup` (opt-in): `Dedup(key=..., cache_size=..., cache_ttl=...)`, `True`
       (`Dedup()`) or a function of the item (`Dedup(key=f)`): identical calls in
-      flight are computed once. Calls with equal (hashable) items, or equal keys,
-      share one slot in a batch and its result. Each caller keeps its own
+      flight are computed once. Calls with equal (hashable) items of the same
+      type (`1`, `1.0` and `True` are three calls, as with
+      `functools.lru_cache(typed=True)`), or equal keys, share one slot in a
+      batch and its result. Each caller keeps its own
       deadline and cancellation; an `Exception` in the slot fails each of them.
       Counted in `stats.deduplicated`. Not for streaming proxies. `cache_size`:
       also keep the results of this many recent keys (least recently used out
@@ -372,7 +374,7 @@ def _batch_sizes(value: object, batch_size: int) -> BatchSizes | None:
     if value is None:
         return None
     sizes = value if isinstance(value, BatchSizes) else BatchSizes(value)  # type: ignore[arg-type]
-    check_sizes(sizes.sizes, batch_size, NO_ITEM)
+    check_sizes(sizes.sizes, batch_size)
     return sizes
 
 

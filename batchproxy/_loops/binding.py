@@ -190,6 +190,11 @@ class Binding(Generic[In]):
 
         self.deadline = (when, self.loop.call_at(when, passed))
 
+    def abandoned(self, task: asyncio.Task[Any]) -> bool:
+        """Whether the watchdog or the drain's deadline gave up on the batch of `task`: it
+        was counted then (failed, timed out), and is not again however its task ends."""
+        return (bool(self.overran) and task in self.overran) or self.was_cut
+
     @property
     def was_cut(self) -> bool:
         """Whether a drain's deadline passed (batches may have been abandoned)."""

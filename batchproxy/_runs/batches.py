@@ -123,7 +123,7 @@ async def run_batch(
             error = runner.deliver(requests, results, finished)  # 4. settle
             if error is None and whole and not late:  # one timely call on the whole batch
                 runner.cost_model.add(units, finished - started)
-        if error is not None:
+        if error is not None and not binding.abandoned(task):
             runner.batch_failed(requests, error)
     finally:  # 5. release
         if watchdog is not None:
@@ -439,13 +439,15 @@ class Runner(Generic[In]):
         *,
         released: bool = False,
     ) -> None:
-        """The model call of a batch is over: record it, mark the proxy healthy again if
-        it answered in time, and free the batch slot (unless already handed on)."""
+        """The model call of a batch is over: record it (not an abandoned one, counted when
+        abandoned), mark the proxy healthy again if it answered in time, and free the
+        batch slot (unless already handed on)."""
         if not binding.serving:
             return
-        self.events.batch_finished(size, seconds, error)
         if binding.overran and binding.overran.pop(task, None) is not None:
             return  # the watchdog failed its callers and freed its slot already
+        if not binding.was_cut:  # (past a drain's deadline every running batch was cut)
+            self.events.batch_finished(size, seconds, error)
         if not self.health.healthy and not binding.overran and self.lifecycle.open:
             self.health = HEALTHY  # the model answers in time again
         if not released:
@@ -475,7 +477,7 @@ class Runner(Generic[In]):
         binding.overran[task] = error
         self.health = Health(False, str(error), time.time())
         logger.error("%s", error)
-        self.settlement.fail(requests, error)
+        self.batch_failed(requests, error)  # counted now: whenever (if ever) its call ends
         self.events.batch_timed_out(len(requests), timeout)
         binding.scheduler.batch_finished()
         task.cancel()

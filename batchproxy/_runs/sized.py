@@ -55,7 +55,7 @@ class SizedExecutor(Executor):
 
     async def run(self, fn: ModelFn, items: list[Any]) -> Any:
         sizes, n = self.sizes, len(items)
-        if n in sizes.sizes:
+        if n in sizes.sizes and not self._model_pads:
             return await self.inner.run(fn, items)  # (the common case: a full batch)
         pieces = sizes.pieces(n)
         if len(pieces) == 1:  # one call (padded): what it raises, the batch's callers get
@@ -81,21 +81,37 @@ class SizedExecutor(Executor):
         row; its results checked and the filler's dropped; `BatchSizeMismatch` for a
         wrong count (no telling whose result is whose)."""
         count = len(items)
+        if self._model_pads:
+            return await self._run_self_padded(fn, items, start)
         extra = size - count
-        fillers = 0
         if extra:
             self._events.rows_padded(extra)
-            if not self._model_pads:  # (a model that pads itself narrows its own rows)
-                items = items + [self._filler] * extra
-                fillers = extra
-        with narrowed(range(start, start + count), fillers=fillers):
+            items = items + [self._filler] * extra
+        with narrowed(range(start, start + count), fillers=extra):
             results = await self.inner.run(fn, items)
-        if self._model_pads:
-            size = count  # its filler rows never leave the model
         rows = _rows(results)
         if len(rows) != size:
             raise BatchSizeMismatch(self.name, size, len(rows))
         return rows[:count] if extra else rows
+
+    async def _run_self_padded(self, fn: ModelFn, items: list[Any], start: int) -> Any:
+        """One call of a model that pads its batch axis itself (`TensorProxy`): it pads
+        the items it collates, those whose result is not an error (an invalid item gets
+        its error and no row), to the smallest allowed size; its filler rows (and their
+        contexts) never leave it. So the filler rows are counted from its results: the
+        call's length, invalid items included, says nothing of them."""
+        count = len(items)
+        with narrowed(range(start, start + count)):
+            results = await self.inner.run(fn, items)
+        rows = _rows(results)
+        if len(rows) != count:
+            raise BatchSizeMismatch(self.name, count, len(rows))
+        collated = sum(not isinstance(row, BaseException) for row in rows)
+        if collated:
+            extra = self.sizes.cover(collated) - collated
+            if extra:
+                self._events.rows_padded(extra)
+        return rows
 
 
 def _rows(results: Any) -> list[Any] | tuple[Any, ...]:

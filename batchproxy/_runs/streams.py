@@ -216,10 +216,10 @@ async def run_stream(
     finally:
         if binding.serving:  # else closed as garbage after its loop ended
             now = loop.time()
-            if error is not None:
-                runner.batch_failed(requests, error)
-            else:
+            if error is None:
                 runner.settlement.end_streams(requests, now)
+            elif not binding.abandoned(task):  # (else counted when abandoned)
+                runner.batch_failed(requests, error)
             runner.batch_ended(binding, task, len(requests), now - started, error)
         runner.end_task(binding, task)
 

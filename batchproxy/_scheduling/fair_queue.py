@@ -43,6 +43,7 @@ from collections.abc import Callable, Hashable, Iterator
 from typing import Generic, TypeVar
 
 from .queue import Composite, Queue, Request, RequestQueue, full_reason, pick_similar
+from .sizes import Cut, cut_limit
 
 __all__ = ["FairQueue", "Weight", "stride"]
 
@@ -165,9 +166,12 @@ class FairQueue(Composite[T]):
             self._leave(key, waiting)
         return True
 
-    def pop_batch(self, limit: int, now: float = 0.0) -> list[Request[T]]:
-        """Up to `limit` live requests, each tenant's share by weighted fair queuing,
-        each share in its tenant's own order."""
+    def pop_batch(
+        self, limit: int, now: float = 0.0, *, cut: Cut | None = None
+    ) -> list[Request[T]]:
+        """Up to `limit` live requests (`cut`: see `Queue.pop_batch`), each tenant's share
+        by weighted fair queuing, each share in its tenant's own order."""
+        limit = cut_limit(limit, self.live, cut)
         batch: list[Request[T]] = []
         while len(batch) < limit and self._tenants:  # again if some callers had left
             for key, (waiting, share, step) in self._shares(limit - len(batch)).items():
@@ -189,8 +193,10 @@ class FairQueue(Composite[T]):
         now: float = 0.0,
         group: bool = True,
         max_passes: int = 3,
+        cut: Cut | None = None,
     ) -> list[Request[T]]:
         """Requests of similar cost among the first `window` in fair order (`pick_similar`)."""
+        limit = cut_limit(limit, self.live, cut)
         return pick_similar(self, limit, budget, window, now, group, max_passes)
 
     def in_pop_order(self, now: float) -> Iterator[Request[T]]:

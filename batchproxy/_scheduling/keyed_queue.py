@@ -26,9 +26,19 @@ deadline" in O(log n) in the keys waiting, asking only the sub-queues that
 changed. Their entries are checked when they reach the top (a key's recorded
 value is never above its true one, so a checked top is the true minimum), and
 the heaps are rebuilt once stale entries outnumber the keys. A change of the
-batch limit or token budget rebuilds the heap of full keys (O(n)). When the last
-key leaves, the heaps are emptied and a rotation that held 1,024 keys or more
-frees the table it grew to: a drained queue keeps no key and no peak-sized table.
+batch limit asks only the keys whose answer can change: a key is full when as
+many requests as the limit wait in it, or their cost reaches the budget
+(`queue.full_reason`), so a higher limit makes no key full (one that stops being
+full is dropped when it reaches the top of the heap), and a lower one only the
+keys with as many waiting as it and fewer than the old one, found by their count
+of requests waiting: `_by_band` files each key under the bit length of its count
+(a key moves when its count crosses a power of two, not at every request; a key
+with one request, the most common, is never filed: a limit of 1 makes every key
+full, and asks every key). A tighter token
+budget (never, in a proxy: it is fixed at construction) asks every key. When
+the last key leaves, the heaps are emptied and a rotation that held 1,024 keys
+or more frees the table it grew to: a drained queue keeps no key and no
+peak-sized table.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from collections.abc import Callable, Hashable, Iterator
 from typing import Generic, TypeVar
 
 from .queue import Composite, Queue, Request, RequestQueue
+from .sizes import Cut, cut_limit
 
 __all__ = ["KeyedQueue"]
 
@@ -56,9 +67,10 @@ _Entry = tuple[float, int, Hashable]  # (value, unique, key): a heap entry
 class _Key(Generic[T]):
     """One waiting key: its sub-queue, its place in the rotation (`turn`, larger is
     later), and what the heaps hold for it: the turn of its entry among the full keys
-    (-1: none), its recorded oldest arrival and earliest deadline (inf: none)."""
+    (-1: none), its recorded oldest arrival and earliest deadline (inf: none); and
+    `band`, where `_by_band` files it (0: not filed)."""
 
-    __slots__ = ("arrival", "deadline", "full", "sub", "turn")
+    __slots__ = ("arrival", "band", "deadline", "full", "sub", "turn")
 
     def __init__(self, sub: Queue[T], turn: int) -> None:
         self.sub = sub
@@ -66,6 +78,7 @@ class _Key(Generic[T]):
         self.full = -1
         self.arrival = math.inf
         self.deadline = math.inf
+        self.band = 0
 
 
 class KeyedQueue(Composite[T]):
@@ -73,6 +86,7 @@ class KeyedQueue(Composite[T]):
 
     __slots__ = (
         "_arrivals",
+        "_by_band",
         "_clock",
         "_deadlines",
         "_full",
@@ -103,6 +117,9 @@ class KeyedQueue(Composite[T]):
         self._unique = itertools.count()  # turns and tie-breaks: keys are never compared
         self._full: list[tuple[int, Hashable]] = []  # (turn, key) of the keys that fill one
         self._limits: tuple[int, int | None] | None = None  # what `_full` is full for
+        # the waiting keys by the bit length of their count of live requests (2 and up):
+        # where to look for those a lower limit makes full
+        self._by_band: dict[int, set[Hashable]] = {}
         self._arrivals: list[_Entry] = []  # (oldest arrival, unique, key)
         self._deadlines: list[_Entry] = []  # (earliest deadline, unique, key)
         self._peak = 0  # the most keys waiting at once since the rotation last emptied
@@ -122,6 +139,7 @@ class KeyedQueue(Composite[T]):
         keyed = cls(clock, window, queue.aging, new)
         if queue.live:
             record = keyed._subs[None] = _Key(queue, next(keyed._unique))
+            keyed._file(None, record)
             keyed._note(None, record, queue.oldest_enqueued_at(), queue.earliest_deadline())
             keyed.live, keyed.live_cost = queue.live, queue.live_cost
         return keyed
@@ -142,6 +160,9 @@ class KeyedQueue(Composite[T]):
         record.sub.push(request)
         self.live += 1
         self.live_cost += request.cost
+        live = record.sub.live
+        if (live.bit_length() if live > 1 else 0) != record.band:  # (`_file`'s test, inline)
+            self._file(key, record)
         self._note(key, record, request.enqueued_at, request.deadline)
         self._check_full(key, record)
 
@@ -155,8 +176,10 @@ class KeyedQueue(Composite[T]):
         self._settle(request.key, record, live, cost)
         return left
 
-    def pop_batch(self, limit: int, now: float = 0.0) -> list[Request[T]]:
-        return self._pop(limit, None, lambda sub: sub.pop_batch(limit, now))
+    def pop_batch(
+        self, limit: int, now: float = 0.0, *, cut: Cut | None = None
+    ) -> list[Request[T]]:
+        return self._pop(limit, None, cut, lambda sub, size: sub.pop_batch(size, now))
 
     def pop_similar(
         self,
@@ -167,12 +190,14 @@ class KeyedQueue(Composite[T]):
         now: float = 0.0,
         group: bool = True,
         max_passes: int = 3,
+        cut: Cut | None = None,
     ) -> list[Request[T]]:
         return self._pop(
             limit,
             budget,
-            lambda sub: sub.pop_similar(
-                limit, budget, window, now=now, group=group, max_passes=max_passes
+            cut,
+            lambda sub, size: sub.pop_similar(
+                size, budget, window, now=now, group=group, max_passes=max_passes
             ),
         )
 
@@ -267,6 +292,7 @@ class KeyedQueue(Composite[T]):
     def drain(self) -> list[Request[T]]:
         drained = [request for record in self._subs.values() for request in record.sub.drain()]
         self._subs = OrderedDict()
+        self._by_band.clear()
         self._peak = 0
         self._full.clear()
         self._arrivals.clear()
@@ -280,9 +306,12 @@ class KeyedQueue(Composite[T]):
         self,
         limit: int,
         budget: int | None,
-        take: Callable[[Queue[T]], list[Request[T]]],
+        cut: Cut | None,
+        take: Callable[[Queue[T], int], list[Request[T]]],
     ) -> list[Request[T]]:
-        """`take` a batch from the key that goes next; it goes to the back of the rotation."""
+        """`take` a batch (of a size) from the key that goes next for `limit` and
+        `budget`; it goes to the back of the rotation. With `cut`, the size is the one
+        allowed for that key's own requests: the key chosen is the key sized for."""
         while self.live:
             key = self._next_key(limit, budget)
             if key is _NOBODY:
@@ -290,7 +319,7 @@ class KeyedQueue(Composite[T]):
             record = self._subs[key]
             sub = record.sub
             live, cost = sub.live, sub.live_cost
-            batch = take(sub)
+            batch = take(sub, cut_limit(limit, live, cut))
             if key in self._subs:
                 self._subs.move_to_end(key)
                 record.turn = next(self._unique)
@@ -320,13 +349,9 @@ class KeyedQueue(Composite[T]):
     def _first_full(self, limit: int, budget: int | None) -> Hashable:
         """The first key in the rotation that fills a batch of `limit` (or `budget`);
         `_NOBODY`: none does."""
+        if self._limits != (limit, budget):
+            self._relimit(limit, budget)
         heap, subs = self._full, self._subs
-        if self._limits != (limit, budget):  # full for other limits: ask every key
-            self._limits = (limit, budget)
-            heap.clear()
-            for waiting, its in subs.items():
-                its.full = -1
-                self._check_full(waiting, its)
         while heap:
             turn, key = heap[0]
             record = subs.get(key)
@@ -336,6 +361,48 @@ class KeyedQueue(Composite[T]):
                 record.full = -1  # no longer full: asked again when it changes
             heapq.heappop(heap)
         return _NOBODY
+
+    def _relimit(self, limit: int, budget: int | None) -> None:
+        """The full keys are wanted for other limits: ask the keys that may have become
+        full (see the module docstring). Those that stopped being full stay in the heap
+        until they reach its top, where `_first_full` checks them."""
+        old, self._limits = self._limits, (limit, budget)
+        if (
+            old is None
+            or (budget is not None and (old[1] is None or budget < old[1]))
+            or (limit < 2 <= old[0])  # every key fills a batch of 1: each must be asked
+        ):
+            asked = list(self._subs.items())  # the first limits, or a tighter budget
+        elif limit < old[0]:  # those with limit to old limit - 1 waiting (limit >= 2)
+            by_band, subs, top = self._by_band, self._subs, old[0]
+            bands = range(limit.bit_length(), (top - 1).bit_length() + 1)
+            filed = [(key, subs[key]) for band in bands for key in by_band.get(band, ())]
+            asked = [(key, record) for key, record in filed if limit <= record.sub.live < top]
+        else:
+            return  # no key became full
+        for key, record in asked:
+            self._check_full(key, record)
+
+    def _file(self, key: Hashable, record: _Key[T]) -> None:
+        """After `record`'s count of live requests changed band: file it in `_by_band`
+        under the bit length of its count (under none below 2, or with no request)."""
+        live, filed = record.sub.live, record.band
+        band = live.bit_length() if live > 1 else 0
+        if band == filed:
+            return
+        by_band = self._by_band
+        if filed:
+            left = by_band[filed]
+            left.discard(key)
+            if not left:
+                del by_band[filed]
+        if band:
+            joined = by_band.get(band)
+            if joined is None:
+                by_band[band] = {key}
+            else:
+                joined.add(key)
+        record.band = band
 
     def _check_full(self, key: Hashable, record: _Key[T]) -> None:
         """After `record` changed: among the full keys if it fills a batch now."""
@@ -370,6 +437,9 @@ class KeyedQueue(Composite[T]):
         sub = record.sub
         self.live += sub.live - live
         self.live_cost += sub.live_cost - cost
+        live = sub.live
+        if (live.bit_length() if live > 1 else 0) != record.band:  # (`_file`'s test, inline)
+            self._file(key, record)
         if not sub.live:
             subs = self._subs
             if subs.get(key) is record:
@@ -388,6 +458,7 @@ class KeyedQueue(Composite[T]):
         self._full.clear()
         self._arrivals.clear()
         self._deadlines.clear()
+        self._by_band.clear()  # (empty already: each key left its band as it left)
         if self._peak >= _SHRINK_MIN_PEAK:
             self._subs.clear()  # an empty dict's clear() frees its table
         self._peak = 0

@@ -29,13 +29,15 @@ length-aware batch from any of them.
 
 from __future__ import annotations
 
-import asyncio
 import bisect
-import contextvars
 import math
 from collections import deque
-from collections.abc import Hashable, Iterator
-from typing import Any, Generic, Protocol, TypeVar
+from collections.abc import Iterator
+from typing import Generic, Protocol, TypeVar
+
+from .request import NO_DEADLINE as _NO_DEADLINE
+from .request import Request
+from .sizes import Cut, cut_limit
 
 __all__ = ["Composite", "Queue", "Request", "RequestQueue", "full_reason", "pick_similar"]
 
@@ -43,51 +45,6 @@ T = TypeVar("T")
 
 _COMPACT_MIN_DEAD = 64
 _DEFAULT_ONLY = ((0, False),)  # the serving order when only the default level is in use
-_NO_DEADLINE = math.inf  # a request's deadline when it has none
-
-
-class Request(Generic[T]):
-    """One call's item, its future, and where it stands. `context`, a copy of the
-    caller's `contextvars` context, is set (by intake) only with `caller_context`."""
-
-    __slots__ = (
-        "context",
-        "cost",
-        "deadline",
-        "deadline_timer",
-        "enqueued_at",
-        "future",
-        "item",
-        "key",
-        "passed_over",
-        "priority",
-        "queued",
-        "seq",
-        "tenant",
-    )
-    context: contextvars.Context  # unset unless intake sets it
-
-    def __init__(
-        self,
-        item: T,
-        future: asyncio.Future[Any],
-        priority: int,
-        enqueued_at: float,
-        cost: int = 1,
-        deadline: float = _NO_DEADLINE,
-    ) -> None:
-        self.item = item
-        self.future = future
-        self.priority = priority
-        self.enqueued_at = enqueued_at
-        self.cost = cost
-        self.deadline = deadline  # loop time; inf: none
-        self.seq = 0  # arrival order, set by the queue
-        self.queued = True
-        self.passed_over = 0  # times left out of a batch while among the oldest
-        self.deadline_timer: asyncio.TimerHandle | None = None
-        self.tenant: Hashable | None = None  # whose call (fair sharing); set by intake
-        self.key: Hashable | None = None  # batched only with its own key; set by intake
 
 
 class _Level(Generic[T]):
@@ -146,12 +103,16 @@ class RequestQueue(Generic[T]):
         self._collect()
         return True
 
-    def pop_batch(self, limit: int, now: float = 0.0) -> list[Request[T]]:
-        """Up to `limit` live requests in pop order (see the module docstring).
+    def pop_batch(
+        self, limit: int, now: float = 0.0, *, cut: Cut | None = None
+    ) -> list[Request[T]]:
+        """Up to `limit` live requests in pop order (see the module docstring); with
+        `cut`, up to the size it allows for the live requests (`cut_limit`).
 
         Requests whose future is already done (cancelled by their caller a moment
         ago) are dropped here rather than sent to the model.
         """
+        limit = cut_limit(limit, self.live, cut)
         batch: list[Request[T]] = []
         default_only = self.aging is None and self._order == [0]
         order = _DEFAULT_ONLY if default_only else self._serving_order(now)
@@ -200,9 +161,11 @@ class RequestQueue(Generic[T]):
         now: float = 0.0,
         group: bool = True,
         max_passes: int = 3,
+        cut: Cut | None = None,
     ) -> list[Request[T]]:
         """Up to `limit` requests of similar cost, so a padded batch wastes little
-        (see `pick_similar`)."""
+        (see `pick_similar`); `cut` as for `pop_batch`."""
+        limit = cut_limit(limit, self.live, cut)
         return pick_similar(self, limit, budget, window, now, group, max_passes)
 
     def take(self, requests: list[Request[T]]) -> None:
@@ -369,7 +332,12 @@ class Queue(Protocol[T]):
         """Out without being served (cancelled, expired); False if it had left."""
         ...
 
-    def pop_batch(self, limit: int, now: float = 0.0) -> list[Request[T]]: ...
+    def pop_batch(
+        self, limit: int, now: float = 0.0, *, cut: Cut | None = None
+    ) -> list[Request[T]]:
+        """Up to `limit`; with `cut`, the size it allows for the requests the batch draws
+        from (`next_live`): sized from the very requests (key) it takes it from."""
+        ...
 
     def pop_similar(
         self,
@@ -380,6 +348,7 @@ class Queue(Protocol[T]):
         now: float = 0.0,
         group: bool = True,
         max_passes: int = 3,
+        cut: Cut | None = None,
     ) -> list[Request[T]]: ...
 
     def in_pop_order(self, now: float) -> Iterator[Request[T]]:
@@ -403,7 +372,8 @@ class Queue(Protocol[T]):
     def next_live(self, limit: int, budget: int | None) -> int:
         """How many live requests the next pop (of `limit`, under `budget`) draws its
         batch from: all of them, or with batch keys the next key's only. (`batch_sizes`
-        without a filler sizes the batch, and waits for the next size, by it.)"""
+        without a filler waits for the next size by it; a pop with `cut` sizes its
+        batch by the same count.)"""
         ...
 
     def peek(self, now: float = 0.0) -> Request[T] | None: ...

@@ -67,7 +67,8 @@ budget, and an item over the budget goes alone.
 
 Allowed batch sizes without a filler (`cut_to`, from `batch_sizes`): a batch
 takes the largest allowed size that the requests it draws from fill (the queue's,
-or with batch keys its key's: `Queue.next_live`), the rest stay queued; one due to
+or with batch keys its key's: `Queue.next_live`; the pop sizes it, from the key
+it takes it from, chosen as for a full batch), the rest stay queued; one due to
 leave at a size not allowed (but full, a full token budget, or draining) waits
 for the next allowed size while the missing requests are expected before its
 window closes and its deadline rule (`sizes.AllowedSizes.wait_until`). With a
@@ -357,17 +358,18 @@ class Scheduler(Generic[T]):
 
     def _take(self) -> list[Request[T]]:
         now = 0.0 if self.queue.aging is None else self.loop.time()  # only aging needs it
-        size = self._batch_size
-        if self._cut_to is not None:  # the largest allowed size the batch's requests fill
-            size = self._cut_to.fit(min(self.queue.next_live(size, self._budget), size))
+        # the largest allowed size the batch's requests fill: the queue sizes it from the
+        # requests (the key) it takes it from, chosen for the full limit and budget
+        cut = None if self._cut_to is None else self._cut_to.fit
         if not self._by_cost:
-            return self.queue.pop_batch(size, now)
+            return self.queue.pop_batch(self._batch_size, now, cut=cut)
         return self.queue.pop_similar(
-            size,
+            self._batch_size,
             self._budget,
             max(4 * self._batch_size, 64),
             now=now,
             group=self._group,
+            cut=cut,
         )
 
     def _trim_running(self) -> None:

@@ -21,16 +21,29 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = [
     "NO_ITEM",
     "AllowedSizes",
+    "Cut",
     "batch_sizes",
     "check_sizes",
+    "cut_limit",
     "refuse_streams",
 ]
+
+Cut = Callable[[int], int]
+"""Cut mode (`AllowedSizes.fit`): the size of a batch that may draw from n requests,
+the largest allowed size <= n. The queues take it (`Queue.pop_batch`), so that a
+batch is sized from the requests (with batch keys, the key) it is taken from."""
+
+
+def cut_limit(limit: int, live: int, cut: Cut | None) -> int:
+    """The most requests a batch that may draw from `live` takes: `limit`, or with
+    `cut` the allowed size for `min(live, limit)` (at least 1: cut mode allows 1)."""
+    return limit if cut is None else max(1, cut(min(live, limit)))
 
 
 class _NoItem:
@@ -43,13 +56,11 @@ class _NoItem:
 NO_ITEM: Any = _NoItem()
 
 
-def check_sizes(sizes: object, batch_size: int, pad_item: object) -> tuple[int, ...] | None:
+def check_sizes(sizes: object, batch_size: int) -> tuple[int, ...] | None:
     """`batch_sizes` checked, sorted ascending: positive ints, no duplicates, the
-    smallest no larger than `batch_size`; and `pad_item` given only with it. (Whether
-    1 is needed depends on the proxy: `batch_sizes`, below.)"""
+    smallest no larger than `batch_size`. (Whether 1 is needed depends on the proxy:
+    `batch_sizes`, below.)"""
     if sizes is None:
-        if pad_item is not NO_ITEM:
-            raise TypeError("pad_item fills batches up to an allowed size: it needs batch_sizes")
         return None
     if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence | set | frozenset):
         raise TypeError(f"batch_sizes must be a sequence of ints or None, got {sizes!r}")

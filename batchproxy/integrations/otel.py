@@ -12,7 +12,8 @@ them), current while the model runs (spans the model starts are its children),
 with these attributes: `batchproxy.proxy`, `batchproxy.batch.size`,
 `batchproxy.queue_wait.max_ms` and `.mean_ms` (how long its requests waited),
 `batchproxy.model.duration_ms`, and `batchproxy.outcome` (`ok` or `error`, with
-the error recorded and the span's status set). Each caller's span gets an event,
+the error recorded and the span's status set; `abandoned` for a batch the
+watchdog or a drain's deadline gave up on, ended with its task). Each caller's span gets an event,
 `batchproxy.batch_started`, when its batch starts. A streaming proxy gets a span
 per step.
 
@@ -23,9 +24,11 @@ nothing, and `import batchproxy` never imports OpenTelemetry.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
+import functools
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -36,7 +39,10 @@ from .. import Listener, Proxy, caller_contexts
 __all__ = ["instrument"]
 
 _TRACER_NAME = "batchproxy"
-_Started = tuple[trace.Span, contextvars.Token[otel_context.Context]]
+# the span, its context token, and the callback that ends it if its task ends first
+_Started = tuple[
+    trace.Span, contextvars.Token[otel_context.Context], Callable[[asyncio.Task[Any]], None]
+]
 _batch_span: contextvars.ContextVar[_Started | None] = contextvars.ContextVar(
     "batchproxy_otel_batch_span", default=None
 )
@@ -53,7 +59,9 @@ def instrument(
 
 class _BatchSpans(Listener):
     """Starts a batch's span when it starts and ends it when its model call ends: both
-    hooks run in the batch's own task, so the span is kept in its context."""
+    hooks run in the batch's own task, so the span is kept in its context. A batch
+    abandoned by the watchdog or a drain's deadline is not finished (no
+    `batch_finished`): its span ends, `abandoned`, when its task does."""
 
     def __init__(self, tracer: trace.Tracer) -> None:
         self._tracer = tracer
@@ -80,7 +88,11 @@ class _BatchSpans(Listener):
             attributes=attributes,
         )
         token = otel_context.attach(trace.set_span_in_context(span))
-        _batch_span.set((span, token))
+        ended = functools.partial(_abandoned, span)
+        task = asyncio.current_task()
+        if task is not None:
+            task.add_done_callback(ended)
+        _batch_span.set((span, token, ended))
 
     def batch_finished(
         self, proxy: str, size: int, seconds: float, error: BaseException | None
@@ -88,8 +100,11 @@ class _BatchSpans(Listener):
         started = _batch_span.get()
         if started is None:
             return
-        span, token = started
+        span, token, ended = started
         _batch_span.set(None)
+        task = asyncio.current_task()
+        if task is not None:
+            task.remove_done_callback(ended)
         span.set_attribute("batchproxy.model.duration_ms", seconds * 1e3)
         span.set_attribute("batchproxy.outcome", "ok" if error is None else "error")
         if error is not None:
@@ -97,6 +112,13 @@ class _BatchSpans(Listener):
             span.set_status(trace.Status(trace.StatusCode.ERROR, str(error)))
         otel_context.detach(token)
         span.end()
+
+
+def _abandoned(span: trace.Span, task: asyncio.Task[Any]) -> None:
+    """The batch's task ended without `batch_finished`: the batch was abandoned."""
+    span.set_attribute("batchproxy.outcome", "abandoned")
+    span.set_status(trace.Status(trace.StatusCode.ERROR, "the batch was abandoned"))
+    span.end()
 
 
 def _callers() -> list[contextvars.Context]:

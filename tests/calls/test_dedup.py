@@ -243,6 +243,76 @@ async def test_calls_with_different_batch_keys_never_share() -> None:
     await p.aclose()
 
 
+def typed_answers(items: list[Any]) -> list[Any]:
+    """A model that tells `1`, `1.0` and `True` apart (as `repr`, a type check or a
+    tokenizer does)."""
+    return [("out", repr(item)) for item in items]
+
+
+EQUAL_ACROSS_TYPES = [1, 1.0, True, 1 + 0j]
+
+
+@pytest.mark.parametrize("many", [False, True])
+async def test_equal_items_of_different_types_are_different_calls(many: bool) -> None:
+    """Issue 38: the identity is typed by default (`functools.lru_cache(typed=True)`):
+    `1`, `1.0` and `True` are equal, and one model answers them differently."""
+    p = Recorder(typed_answers, delay=1.0, batch_size=8, dedup=True)
+    items = [*EQUAL_ACROSS_TYPES, 1, True]
+    if many:
+        results = await p.inference_many(items)
+    else:
+        results = await asyncio.gather(*map(p.inference, items))
+    assert results == [("out", repr(item)) for item in items]
+    assert sorted(map(repr, p.batches[0])) == sorted(map(repr, EQUAL_ACROSS_TYPES))
+    assert p.stats.deduplicated == 2  # the second 1 and the second True only
+    await p.aclose()
+
+
+async def test_the_cache_is_typed_too() -> None:
+    p = Recorder(typed_answers, batch_size=8, dedup=Dedup(cache_size=8))
+    for item in EQUAL_ACROSS_TYPES:
+        assert await p.inference(item) == ("out", repr(item))
+    for item in EQUAL_ACROSS_TYPES:  # each from its own entry
+        assert await p.inference(item) == ("out", repr(item))
+    assert p.stats.cache_hits == len(EQUAL_ACROSS_TYPES)
+    await p.aclose()
+
+
+async def test_typed_identity_with_batch_keys_and_tenants() -> None:
+    p = Recorder(keyed_answers, delay=1.0, batch_size=8, dedup=Dedup(cache_size=8))
+    calls = [(1, "k", "a"), (True, "k", "b"), (1, "k", "b"), (1.0, "j", "a"), (1.0, "j", "b")]
+    results = await asyncio.gather(
+        *(p.inference(item, key=key, tenant=tenant) for item, key, tenant in calls)
+    )
+    assert [(key, repr(item)) for _, key, item in results] == [
+        ("k", "1"),
+        ("k", "True"),
+        ("k", "1"),
+        ("j", "1.0"),
+        ("j", "1.0"),
+    ]
+    assert p.stats.deduplicated == 2  # 1 under "k" twice; 1.0 under "j" twice
+    await p.aclose()
+
+
+async def test_a_dedup_function_defines_identity_untyped() -> None:
+    """The identity a dedup function returns is the user's own: its value, compared with
+    `==` (a function that wants types returns them)."""
+    p = Recorder(typed_answers, delay=1.0, batch_size=8, dedup=lambda item: item)
+    results = await asyncio.gather(*(p.inference(item) for item in EQUAL_ACROSS_TYPES))
+    assert results == [("out", "1")] * len(EQUAL_ACROSS_TYPES)
+    assert p.stats.deduplicated == len(EQUAL_ACROSS_TYPES) - 1
+    await p.aclose()
+
+
+async def test_unhashable_items_with_equal_keys_still_share() -> None:
+    p = Recorder(delay=1.0, batch_size=8, dedup=tuple)
+    results = await asyncio.gather(p.inference([1, 2]), p.inference([1, 2]), p.inference([2]))
+    assert results == [("out", [1, 2]), ("out", [1, 2]), ("out", [2])]
+    assert p.stats.deduplicated == 1
+    await p.aclose()
+
+
 def keyed_answers(items: list[Any]) -> list[Any]:
     """Each result carries what it was computed from: the batch's key and the item."""
     key = batchproxy.batch_key()
@@ -517,7 +587,7 @@ async def test_callers_that_leave_a_long_queued_slot_are_not_kept() -> None:
     patient = asyncio.create_task(p.inference("x"))
     leaving = [asyncio.create_task(p.inference("x", timeout=1.0 + i)) for i in range(1000)]
     await asyncio.gather(*leaving, return_exceptions=True)
-    slot = p._intake._dedup.inflight[None, "x"]  # type: ignore[union-attr]
+    slot = p._intake._dedup.inflight[None, (str, "x")]  # type: ignore[union-attr]
     assert slot.waiting == 1
     assert len(slot.callers) <= 2 + 16
     assert p.stats.timed_out == 1000

@@ -303,8 +303,8 @@ async def test_generation_takes_length_and_max_batch_tokens() -> None:
     with pytest.raises(ValueError, match="more than max_batch_tokens=10"):
         await _collect(proxy.stream(11))
     await proxy.aclose()
-    with pytest.raises(TypeError, match="max_batch_tokens and length go together"):
-        Countdown(max_batch_tokens=10)
+    alone = Countdown(max_batch_tokens=10)  # as Proxy: measured by tensors.length
+    assert alone.options.max_batch_tokens == 10
 
 
 async def test_generation_old_names_warn_and_work_the_same() -> None:
@@ -390,7 +390,7 @@ def test_configure_with_the_old_on_batch_timeout_warns_and_works() -> None:
     [
         ({"cache_size": 4}, ValueError, "need dedup="),
         ({"dedup": Dedup(), "cache_size": 4}, TypeError, r"go inside Dedup\(...\)"),
-        ({"pad_item": 0}, TypeError, "needs batch_sizes"),
+        ({"pad_item": 0}, ValueError, "needs batch_sizes"),
         ({"batch_sizes": BatchSizes((1, 2)), "pad_item": 0}, TypeError, "inside BatchSizes"),
         ({"on_batch_timeout": "stop"}, ValueError, "needs batch_timeout"),
         (
@@ -405,6 +405,28 @@ def test_a_meaningless_old_combination_is_refused_clearly(
 ) -> None:
     with pytest.warns(DeprecationWarning, match="deprecated"), pytest.raises(error, match=message):
         Echo(**options)
+
+
+@pytest.mark.parametrize(
+    ("options", "missing"),
+    [
+        ({"cache_size": 4}, "dedup"),
+        ({"cache_ttl": 4.0}, "dedup"),
+        ({"pad_item": 0}, "batch_sizes"),
+        ({"on_batch_timeout": "stop"}, "batch_timeout"),
+    ],
+)
+def test_a_part_without_its_option_is_one_error_class(
+    options: dict[str, Any], missing: str
+) -> None:
+    """Issue 38: one misuse, one class: a part given without the option it modifies is a
+    `ValueError` (it was a `TypeError` for pad_item=), naming the missing option."""
+    with pytest.warns(DeprecationWarning, match="deprecated"), pytest.raises(ValueError) as raised:
+        Echo(**options)
+    assert type(raised.value) is ValueError
+    assert f"{missing}=" in str(raised.value)
+    with pytest.raises(ValueError, match=r"Dedup\(cache_ttl=...\) needs cache_size="):
+        Dedup(cache_ttl=4.0)  # (the new spelling's part without its part)
 
 
 def test_configure_on_batch_timeout_without_a_watchdog_is_refused() -> None:

@@ -327,6 +327,8 @@ async def test_streams_end_with_the_drain_deadline() -> None:
     await proxy.aclose(timeout=1)
     await asyncio.sleep(0)  # the readers take their end
     assert_streams_cut(proxy, readers, [["0-first"], ["1-first"], []])
+    stats = proxy.stats  # the batch was counted once, failed when cut (issue 38)
+    assert (stats.batches, stats.failed_batches, stats.model_time.count) == (1, 1, 0)
 
 
 class Generates(batchproxy.GenerationProxy[Any, Any]):
@@ -347,6 +349,8 @@ async def test_generation_sequences_end_with_the_drain_deadline() -> None:
     assert loop.time() - start == pytest.approx(1.0)
     await asyncio.sleep(0)
     assert_streams_cut(proxy, readers, [["0-0"], ["1-0"], []])
+    stats = proxy.stats  # the step that hung: failed when cut, not a finished one
+    assert (stats.batches, stats.failed_batches, stats.model_time.count) == (2, 1, 1)
 
 
 @pytest.mark.looptime

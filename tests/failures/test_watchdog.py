@@ -159,3 +159,58 @@ def test_without_a_batch_timeout_the_proxy_is_always_healthy() -> None:
     proxy = Recorder()
     assert proxy.healthy
     assert proxy.health == batchproxy.Health(healthy=True, reason=None, since=None)
+
+
+class Finished(batchproxy.Listener):
+    """Records each `batch_finished` and `batch_timed_out`."""
+
+    def __init__(self) -> None:
+        self.finished: list[tuple[int, BaseException | None]] = []
+        self.timed_out: list[int] = []
+
+    def batch_finished(
+        self, proxy: str, size: int, model_seconds: float, error: BaseException | None
+    ) -> None:
+        self.finished.append((size, error))
+
+    def batch_timed_out(self, proxy: str, size: int, timeout: float) -> None:
+        self.timed_out.append(size)
+
+
+@pytest.mark.looptime
+@pytest.mark.parametrize("stubborn", [False, True])
+async def test_an_abandoned_batch_is_not_counted_as_finished(stubborn: bool) -> None:
+    """Issue 38: the watchdog counts its batch (`batch_timed_out`, a failed batch); when
+    the abandoned call then ended, it was counted in `batch_finished` too (a model time
+    that never was one: the model neither returned nor raised for the proxy)."""
+    listener = Finished()
+    async with Hangs(batch_timeout=2.0, batch_size=4, stubborn=stubborn) as proxy:
+        proxy.add_listener(listener)
+        with pytest.raises(batchproxy.BatchTimeout):
+            await proxy.inference("hang")
+        proxy.release.set()
+        await asyncio.sleep(1)  # the abandoned call ends (cancelled, or let go)
+        assert proxy.cancelled == 1
+        assert await proxy.inference("fine") == ("out", "fine")
+        assert listener.timed_out == [1]
+        assert listener.finished == [(1, None)]  # "fine"'s batch only
+        stats = proxy.stats
+        assert (stats.batches, stats.timed_out_batches, stats.failed_batches) == (2, 1, 1)
+        assert stats.model_time.count == 1
+
+
+@pytest.mark.looptime
+async def test_a_batch_abandoned_at_the_drain_deadline_is_not_counted_as_finished() -> None:
+    listener = Finished()
+    proxy = Hangs(batch_size=2)
+    proxy.add_listener(listener)
+    assert await proxy.inference("fine") == ("out", "fine")
+    task = asyncio.ensure_future(proxy.inference("hang"))
+    await asyncio.sleep(0.1)
+    await proxy.aclose(timeout=1)
+    assert isinstance(task.exception(), batchproxy.DrainDeadline)
+    await asyncio.sleep(0.1)  # its task has ended (cancelled)
+    assert proxy.cancelled == 1
+    assert listener.finished == [(1, None)]  # not the abandoned one, "ok" or otherwise
+    stats = proxy.stats
+    assert (stats.batches, stats.failed_batches, stats.model_time.count) == (2, 1, 1)

@@ -150,3 +150,31 @@ def test_importing_batchproxy_loads_no_opentelemetry() -> None:
 def _first_handler(handlers: Sequence[Any]) -> Any:
     """The context of the handler span of the first call (it had a batch of its own)."""
     return min(handlers, key=lambda h: h.start_time).context
+
+
+@pytest.mark.parametrize("cut", ["watchdog", "drain deadline"])
+async def test_an_abandoned_batch_span_ends_with_its_task(
+    provider: Any, exporter: InMemorySpanExporter, cut: str
+) -> None:
+    """An abandoned batch is not finished (no `batch_finished`, issue 38): its span ends
+    when its task does, `abandoned`."""
+    import batchproxy
+
+    tracer = provider.get_tracer("test")
+    options: dict[str, Any] = {"batch_timeout": 0.5} if cut == "watchdog" else {}
+    proxy = Held(tracer, **options)
+    instrument(proxy, tracer_provider=provider)
+    call = asyncio.ensure_future(proxy.inference(1))
+    await proxy.started.wait()
+    if cut == "watchdog":
+        with pytest.raises(batchproxy.BatchTimeout):
+            await call
+        await proxy.aclose()
+    else:
+        await proxy.aclose(timeout=0.5)
+        with pytest.raises(batchproxy.DrainDeadline):
+            await call
+    await wait_until(lambda: len(exporter.get_finished_spans()) == 1)
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes["batchproxy.outcome"] == "abandoned"
+    assert span.status.status_code is StatusCode.ERROR

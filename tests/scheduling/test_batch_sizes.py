@@ -97,7 +97,7 @@ def test_pad_item_needs_batch_sizes() -> None:
     # (the deprecated flat spelling: BatchSizes(sizes, pad_item=...) cannot miss its sizes)
     with (
         pytest.warns(DeprecationWarning, match="pad_item"),
-        pytest.raises(TypeError, match=r"pad_item .* needs batch_sizes"),
+        pytest.raises(ValueError, match=r"pad_item .* needs batch_sizes"),
     ):
         Proxy(pad_item=0)
 

@@ -150,3 +150,28 @@ async def test_a_keys_partial_batch_waits_for_its_own_next_size() -> None:
         assert await asyncio.gather(*tasks) == [2 * i for i in range(6)]
         assert proxy.calls == [[0], [1, 2, 3, 5], [4]]
         assert ms_since(proxy, start) == [0, 33, 63]
+
+
+@pytest.mark.parametrize("tenants", [False, True])  # with tenants: a fair queue per key
+async def test_a_keys_cut_batch_under_a_token_budget_is_the_key_it_was_sized_for(
+    tenants: bool,
+) -> None:
+    """The key a batch is sized for is the key it is taken from: key "b" fills the token
+    budget (a full batch does not wait behind "a"'s partial one), so "b" goes, sized by
+    its own 2 waiting; "a" was not sent a batch of 2 sized by "b"'s count."""
+
+    def call(item: str, key: str, i: int) -> asyncio.Task[Any]:
+        tenant = {"tenant": f"t{i % 2}"} if tenants else {}
+        return asyncio.create_task(proxy.inference(item, key=key, **tenant))
+
+    async with Strict(
+        batch_size=8, max_delay_ms=1000, max_batch_tokens=100, length=len, delay=10 * MS
+    ) as proxy:
+        first = asyncio.create_task(proxy.inference("x"))  # the model is busy for 10 ms
+        await asyncio.sleep(0)
+        cheap = [call(f"a{i}", "a", i) for i in range(7)]
+        await asyncio.sleep(0)  # "a" waits first: the front of the rotation
+        costly = [call("b" * 50, "b", i) for i in range(2)]
+        await asyncio.gather(first, *cheap, *costly)
+        assert [batch[0][0] for batch in proxy.calls] == ["x", "b", "a", "a", "a"]
+        assert proxy.sizes == [1, 2, 4, 2, 1]

@@ -5,8 +5,9 @@ its batch's key with `batch_key()`. On the virtual clock."""
 from __future__ import annotations
 
 import asyncio
+import random
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Hashable, Sequence
 from typing import Any
 
 import pytest
@@ -15,7 +16,8 @@ from typing_extensions import override
 
 import batchproxy
 from batchproxy import GenerationProxy, Step, batch_key
-from batchproxy._scheduling.keyed_queue import KeyedQueue
+from batchproxy._scheduling.fair_queue import FairQueue
+from batchproxy._scheduling.keyed_queue import _NOBODY, KeyedQueue
 from batchproxy._scheduling.queue import Request, RequestQueue
 
 pytestmark = pytest.mark.looptime
@@ -87,6 +89,29 @@ async def test_a_full_batch_overtakes_a_partial_one_inside_its_window() -> None:
         # keeps its place (it goes next when its window ends, or when nobody is full)
         assert proxy.batches[1:] == [["a0", "a1"], ["a2", "a3"], ["b0"]]
         assert proxy.started_at[-1] - start == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("tenant", [None, "t"])
+@pytest.mark.parametrize(("first", "then"), [(8, 4), (2, 4)], ids=["lowered", "raised"])
+async def test_a_batch_size_change_finds_the_keys_it_makes_full(
+    first: int, then: int, tenant: str | None
+) -> None:
+    """Lowered to 4, "a"'s 4 waiting fill a batch: it overtakes "b" (partial, inside its
+    window). Raised from 2, "a" fills one of 4 as it did one of 2; "b" waits still."""
+    async with Keyed(batch_size=first, delay=1.0, max_delay_ms=5000, window="fixed") as proxy:
+        # a keyed batch runs (its pop asked for the full keys at the first size)
+        busy = asyncio.create_task(proxy.inference("c0", key="c", tenant=tenant))
+        await asyncio.sleep(0.1)
+        assert proxy.batches == [["c0"]]
+        b = asyncio.create_task(proxy.inference("b0", key="b", tenant=tenant))
+        await asyncio.sleep(0)
+        calls = [proxy.inference(f"a{i}", key="a", tenant=tenant) for i in range(4)]
+        tasks = [asyncio.create_task(call) for call in calls]
+        await asyncio.sleep(0.1)
+        assert scheduler_of(proxy).queue.waiting_per_key() == {"b": 1, "a": 4}
+        proxy.configure(batch_size=then)
+        await asyncio.gather(busy, b, *tasks)
+        assert proxy.batches[1:] == [["a0", "a1", "a2", "a3"], ["b0"]]
 
 
 async def test_a_flooding_key_does_not_starve_a_partial_one_past_its_window() -> None:
@@ -439,3 +464,80 @@ async def test_the_oldest_arrival_survives_the_last_key_leaving_during_a_compact
     last.future.cancel()
     assert queue.oldest_enqueued_at() is None
     assert queue.live == 0
+
+
+@pytest.mark.parametrize("fair", [False, True], ids=["plain", "tenants"])
+def test_a_limit_change_asks_only_the_keys_whose_answer_can_change(fair: bool) -> None:
+    """Issue 38: a change of the batch limit (`configure(batch_size=...)`, the OOM cap)
+    asked every waiting key whether it filled a batch: O(keys). A lower limit can only
+    make full the keys with as many waiting as it and fewer than the old one; a higher
+    one makes none full (a key that stops being full is dropped when it reaches the top
+    of the full keys)."""
+    asked: list[Hashable] = []
+    base: type[Any] = FairQueue if fair else RequestQueue
+
+    class Counted(base):  # type: ignore[misc, valid-type]
+        name: Hashable = None
+
+        @override
+        def full_reason(self, limit: int, budget: int | None) -> str | None:
+            asked.append(self.name)
+            return super().full_reason(limit, budget)  # type: ignore[no-any-return]
+
+    loop = asyncio.new_event_loop()
+    try:
+        queue: KeyedQueue[Any] = KeyedQueue(lambda: 0.0, lambda: 1.0, new=Counted)
+        waiting: dict[Hashable, int] = {key: 1 for key in range(100_000)}
+        waiting |= {"five": 5, "nine": 9}
+        for key, count in waiting.items():
+            for _ in range(count):
+                request: Request[Any] = Request(key, loop.create_future(), 0, 0.0)
+                request.key = request.tenant = key
+                queue.push(request)
+            queue._subs[key].sub.name = key
+        assert queue.full_reason(32, None) is None  # the first limits: every key, once
+        asked.clear()
+        assert queue.full_reason(64, None) is None  # higher: no key can become full
+        assert asked == []
+        assert queue.full_reason(8, None) == "full"  # lower: only keys with 8 to 63 waiting
+        assert set(asked) == {"nine"}
+        assert len(asked) <= 3
+        asked.clear()
+        assert queue.full_reason(4, None) == "full"  # 4 to 7: "five", first by turn
+        assert set(asked) == {"five"}
+        assert len(asked) <= 3
+        asked.clear()
+        assert len(queue.pop_batch(4)) == 4  # "five"'s, at the front of the full keys
+        assert queue.full_reason(1000, None) is None  # higher: the full keys, at the top
+        assert set(asked) <= {0, "five", "nine"}
+        assert len(asked) <= 6
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_full_keys_stay_exact_through_changing_limits(seed: int) -> None:
+    """Pushes, pops and cancellations under limits that rise and fall at random: the
+    first full key (by turn) is always the one a scan of every key finds."""
+    rng = random.Random(seed)
+    loop = asyncio.new_event_loop()
+    try:
+        queue: KeyedQueue[Any] = KeyedQueue(lambda: 0.0, lambda: 1.0)
+        queued: list[Request[Any]] = []
+        for _ in range(3000):
+            roll = rng.random()
+            if roll < 0.6:
+                request: Request[Any] = Request(None, loop.create_future(), 0, 0.0)
+                request.key = rng.randrange(12)
+                queue.push(request)
+                queued.append(request)
+            elif roll < 0.75 and queued:
+                queue.discard(queued.pop(rng.randrange(len(queued))))
+            elif roll < 0.85:
+                queue.pop_batch(rng.choice([1, 2, 3, 5, 8, 13]))
+            limit = rng.choice([1, 2, 3, 4, 6, 9, 16])
+            full = [key for key, count in queue.waiting_per_key().items() if count >= limit]
+            assert queue._first_full(limit, None) == (full[0] if full else _NOBODY)
+            queued = [r for r in queued if r.queued]
+    finally:
+        loop.close()

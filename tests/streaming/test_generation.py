@@ -322,8 +322,6 @@ def test_misuse_is_refused_clearly() -> None:
 
     with pytest.raises(TypeError, match="must implement _step"):
         NoStep()
-    with pytest.raises(TypeError, match="max_batch_tokens and length go together"):
-        Counting(max_batch_tokens=10)
     with pytest.raises(ValueError, match="max_batch_tokens"):
         Counting(max_batch_tokens=0, length=len)
     proxy = Counting()
@@ -388,3 +386,53 @@ async def test_listeners_hear_each_step_as_a_batch_with_the_newcomers_queue_wait
     stats = proxy.stats
     assert (stats.batches, stats.queue_wait.count, stats.model_time.count) == (4, 2, 4)
     await proxy.aclose()
+
+
+def test_the_options_are_the_proxys_own_and_either_of_the_pair_is_taken() -> None:
+    """Issue 38: `max_batch_tokens` (enforced) was missing from `options`, and each of
+    `length` and `max_batch_tokens` was refused alone, where `Proxy` takes either."""
+    both = Counting(max_batch_tokens=100, length=len)
+    assert (both.options.max_batch_tokens, both.options.length) == (100, len)
+    alone = Counting(max_batch_tokens=100)  # costs by batchproxy.tensors.length, as Proxy's
+    assert (alone.options.max_batch_tokens, alone.options.length) == (100, None)
+    measured = Counting(length=len)  # costs measured, no budget
+    assert (measured.options.max_batch_tokens, measured.options.length) == (None, len)
+
+
+@pytest.mark.looptime
+async def test_max_batch_tokens_alone_measures_items_with_tensors_length() -> None:
+    np = pytest.importorskip("numpy")
+
+    class Lengths(GenerationProxy[Any, int]):
+        async def _step(self, step: Step[Any]) -> list[Any]:
+            await asyncio.sleep(1)
+            return [batchproxy.Last(len(slot.item)) for slot in step.active]
+
+    proxy = Lengths(max_batch_tokens=10)
+    calls = [asyncio.create_task(collect(proxy.stream(np.zeros(n)))) for n in (6, 4, 5)]
+    assert await asyncio.gather(*calls) == [[6], [4], [5]]
+    with pytest.raises(ValueError, match="needs 11 tokens, more than max_batch_tokens=10"):
+        await collect(proxy.stream(np.zeros(11)))
+    assert_settled(proxy.stats)
+    await proxy.aclose()
+
+
+@pytest.mark.looptime
+async def test_length_alone_runs_without_a_budget() -> None:
+    proxy = Counting(batch_size=8, length=lambda job: 1000 * job[1])
+    calls = [asyncio.create_task(collect(proxy.stream(job))) for job in (("a", 2), ("b", 1))]
+    assert await asyncio.gather(*calls) == [["a0", "a1"], ["b0"]]
+    assert proxy.steps[0][0] == ["a", "b"]  # no budget: both at once
+    await proxy.aclose()
+
+
+def test_an_unknown_keyword_names_the_nearest_one() -> None:
+    with pytest.raises(
+        TypeError,
+        match=r"got an unexpected keyword argument 'batch_sise'; did you mean `batch_size`\?",
+    ):
+        Counting(batch_sise=4)
+    with pytest.raises(TypeError, match=r"'max_batch_token'; did you mean `max_batch_tokens`\?"):
+        Counting(max_batch_token=4, length=len)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'max_delay_ms'; it takes"):
+        Counting(max_delay_ms=1)  # a Proxy option a generation proxy has no use for

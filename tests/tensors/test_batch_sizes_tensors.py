@@ -143,3 +143,37 @@ async def test_a_fixed_shape_torch_model() -> None:
             for item, result in zip(items, results, strict=True):
                 assert torch.allclose(result, layer(item))
         assert proxy.stats.padded_rows == 2
+
+
+@pytest.mark.parametrize(
+    ("valid", "model_sees", "fillers"),
+    [
+        (2, 2, 0),  # 2 collated: of an allowed size, no filler row
+        (3, 4, 1),  # 3 collated: padded to 4 (one filler row)
+        (0, None, 0),  # none collated: no model call, no filler row
+    ],
+)
+async def test_padded_rows_counts_the_rows_the_model_ran_with_an_invalid_item(
+    valid: int, model_sees: int | None, fillers: int
+) -> None:
+    """An invalid item is not collated: the filler rows are those that pad the valid ones
+    (the call's length, invalid item included, says nothing of them)."""
+    async with StaticNumpy(batch_size=8, batch_sizes=(2, 4, 8)) as proxy:
+        invalid = {1: np.ones(2)}  # measured (a length), but a dict key must be a str
+        items: list[Any] = [np.ones(2) for _ in range(valid)] + [invalid]
+        results = await asyncio.gather(*map(proxy.inference, items), return_exceptions=True)
+        assert isinstance(results[-1], TypeError)
+        assert all(not isinstance(result, Exception) for result in results[:-1])
+        assert [batch.data.shape[0] for batch in proxy.seen] == ([model_sees] if model_sees else [])
+        assert proxy.stats.padded_rows == fillers
+
+
+async def test_padded_rows_with_keys_counts_each_key_batch_from_its_collated_items() -> None:
+    """Each key's batch is padded on its own: key 2 collates 3 items (one filler row), key 3
+    collates 2 (none: its invalid item is in its batch, but not collated)."""
+    async with StaticNumpy(batch_size=8, batch_sizes=(2, 4, 8), key=len) as p:
+        items: list[Any] = [np.ones(2)] * 3 + [np.ones(3)] * 2 + [{1: np.ones(3)}]
+        results = await asyncio.gather(*map(p.inference, items), return_exceptions=True)
+        assert [isinstance(result, TypeError) for result in results] == [False] * 5 + [True]
+        assert sorted(batch.data.shape for batch in p.seen) == [(2, 3), (4, 2)]
+        assert p.stats.padded_rows == 1
