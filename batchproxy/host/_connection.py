@@ -104,7 +104,7 @@ class Connection:
         self._idle.clear()
         try:
             async with self._lock:
-                if not self.open:
+                if not self._writable():
                     raise HostUnavailable(self.path, "the connection to the host was lost")
                 self.writer.write(data)
                 self.segments.add(names)  # the host unlinks them as it reads the call
@@ -134,9 +134,16 @@ class Connection:
     def _leave(self, ident: int) -> None:
         """The caller is done with call `ident`: if the host may still be working on it
         (it is still listed: no final answer came), tell the host to drop it."""
-        if self._forget(ident) and self.open:
+        if self._forget(ident) and self._writable():
             with contextlib.suppress(Exception):
                 self.writer.write(message_bytes(("cancel", ident)))
+
+    def _writable(self) -> bool:
+        """Whether a message may be written: the connection is not known lost, neither
+        here (the reader task has not seen its end yet) nor by its transport, which
+        knows first (a write that failed, its peer gone) and drops, and past a few
+        logs, every later write."""
+        return self.open and not self.writer.is_closing()
 
     def _forget(self, ident: int) -> bool:
         """Unlist call `ident`; whether it was listed."""

@@ -196,6 +196,9 @@ class _Connection:
     def start(self, ident: int, item: Any, options: dict[str, Any], *, stream: bool) -> None:
         task = asyncio.get_running_loop().create_task(self._call(ident, item, options, stream))
         self.calls[ident] = task
+        # unlisted when it ends, however: a task cancelled before its first step (its
+        # cancel read with its call) never runs its coroutine, nor a `finally` in it
+        task.add_done_callback(lambda _: self.calls.pop(ident, None))
 
     def cancel(self, ident: int) -> None:
         task = self.calls.get(ident)
@@ -224,8 +227,6 @@ class _Connection:
             return  # the caller cancelled (or left): nobody waits for an answer
         except Exception as exc:
             await self.send_error(ident, exc)
-        finally:
-            self.calls.pop(ident, None)
 
     def _call_options(self, options: dict[str, Any]) -> dict[str, Any]:
         """The proxy's call options for a call: its deadline back to the time it has
