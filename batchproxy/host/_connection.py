@@ -22,11 +22,16 @@ from .._stats import Health
 from . import _shm
 from ._wire import message_bytes, open_sealed, read_message, sealed_message, unpack_error
 
-__all__ = ["Connection"]
+__all__ = ["Connection", "NotSent"]
 
 _Answer = tuple[str, list[Any]] | HostUnavailable
 """What a call's queue gets: an answer `(kind, sealed)` from the host, or the
 `HostUnavailable` of a lost connection."""
+
+
+class NotSent(HostUnavailable):
+    """The connection was lost before any of a call's message was written: nothing of it
+    reached the host, so it may be sent again on a new connection."""
 
 
 class Connection:
@@ -104,12 +109,18 @@ class Connection:
         self._idle.clear()
         try:
             async with self._lock:
-                if not self._writable():
-                    raise HostUnavailable(self.path, "the connection to the host was lost")
+                if not self.writable():
+                    raise NotSent(self.path, "the connection to the host was lost")
+                fresh = self.writer.transport.get_write_buffer_size() == 0
                 self.writer.write(data)
+                if fresh and self.writer.is_closing():  # its first byte already refused
+                    raise NotSent(self.path, "the connection to the host was lost")
                 self.segments.add(names)  # the host unlinks them as it reads the call
                 names = []
                 await self.writer.drain()
+        except NotSent:
+            self._leave(ident)
+            raise
         except ConnectionError as exc:
             self._leave(ident)
             raise HostUnavailable(self.path, f"the connection broke ({exc!r})") from exc
@@ -134,15 +145,15 @@ class Connection:
     def _leave(self, ident: int) -> None:
         """The caller is done with call `ident`: if the host may still be working on it
         (it is still listed: no final answer came), tell the host to drop it."""
-        if self._forget(ident) and self._writable():
+        if self._forget(ident) and self.writable():
             with contextlib.suppress(Exception):
                 self.writer.write(message_bytes(("cancel", ident)))
 
-    def _writable(self) -> bool:
+    def writable(self) -> bool:
         """Whether a message may be written: the connection is not known lost, neither
-        here (the reader task has not seen its end yet) nor by its transport, which
-        knows first (a write that failed, its peer gone) and drops, and past a few
-        logs, every later write."""
+        here nor by its transport, which may know first (a write failed: its peer is
+        gone, and the reader task has not seen the end yet) and drops every later
+        write (logging each, past a few)."""
         return self.open and not self.writer.is_closing()
 
     def _forget(self, ident: int) -> bool:

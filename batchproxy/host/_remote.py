@@ -32,7 +32,7 @@ from .._errors import DeadlineExceeded, HostUnavailable, ProxyClosed
 from .._loops.background_loop import BackgroundLoop
 from .._option_values import CallOptions, check_call
 from .._stats import Health
-from ._connection import Connection
+from ._connection import Connection, NotSent
 from ._launch import Candidate, lock_is_free
 
 __all__ = ["RemoteProxy"]
@@ -140,7 +140,17 @@ class RemoteProxy:
         being cancelled cancels the call in the host."""
         options = _options("stream()", call)
         connection = await self._connect()
-        async with contextlib.aclosing(connection.stream(item, options)) as chunks:
+        try:
+            chunks = connection.stream(item, options)
+            first = await chunks.__anext__()
+        except NotSent:  # (nothing sent, so nothing yielded: once more, connected again)
+            connection = await self._connect()
+            chunks = connection.stream(item, options)
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            return
+        async with contextlib.aclosing(chunks):
+            yield first
             async for chunk in chunks:
                 yield chunk
 
@@ -180,9 +190,12 @@ class RemoteProxy:
         return future.result()
 
     async def _call(self, item: Any, options: dict[str, Any]) -> Any:
-        """One call with its options checked (`_options`), on this loop's connection."""
-        connection = await self._connect()
-        return await connection.call(item, options)
+        """One call with its options checked (`_options`), on this loop's connection (a
+        new one if that was lost before the call could be written: `NotSent`)."""
+        try:
+            return await (await self._connect()).call(item, options)
+        except NotSent:
+            return await (await self._connect()).call(item, options)
 
     # -- as a service's proxy -----------------------------------------------------------
 
@@ -271,8 +284,10 @@ class RemoteProxy:
                 self._lost(f"no answer within {self.connect_timeout} s")
 
     async def _ask(self) -> Health:
-        connection = await self._connect()
-        return await connection.health()
+        try:
+            return await (await self._connect()).health()
+        except NotSent:
+            return await (await self._connect()).health()
 
     def _heard(self, health: Health) -> None:
         self._health = health
@@ -300,11 +315,12 @@ class RemoteProxy:
             raise ProxyClosed(self.name)
         loop = asyncio.get_running_loop()
         connection = self._connections.get(loop)
-        if connection is not None and connection.open:
+        if connection is not None and connection.writable():
             return connection
         connecting = self._connecting.get(loop)
         if connecting is None or connecting.done():
             connecting = self._connecting[loop] = loop.create_task(self._open(loop))
+            connecting.add_done_callback(_seen)
         return await asyncio.shield(connecting)
 
     async def _open(self, loop: asyncio.AbstractEventLoop) -> Connection:
@@ -317,6 +333,14 @@ class RemoteProxy:
         connection = Connection(self.path, loop, reader, writer, self._lost)
         self._connections[loop] = connection
         return connection
+
+
+def _seen(connecting: asyncio.Task[Connection]) -> None:
+    """A connecting task's failure is its callers' to raise (each through its shield);
+    marked seen here, so that one whose callers had all left (cancelled) is not
+    logged as never retrieved."""
+    if not connecting.cancelled():
+        connecting.exception()
 
 
 def _options(where: str, call: CallOptions) -> dict[str, Any]:

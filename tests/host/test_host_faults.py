@@ -13,9 +13,11 @@ runs N / 250 times as many.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -24,7 +26,7 @@ from _combinations import EXAMPLES
 from _host_faults import Call, Fault, HostProcess, Program, problems, programs, run
 from _host_models import Tagged
 from _support import wait_until
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import batchproxy
@@ -42,6 +44,8 @@ WALK = 8
     max_examples=max(1, EXAMPLES // 250) if EXAMPLES else WALK,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],  # (no shrinking: a second an
+    # example; a failure shows its program, a dozen calls at most, as drawn)
 )
 @given(program=programs())
 def test_every_call_ends_once_whatever_the_host_does(program: Program) -> None:
@@ -107,6 +111,50 @@ async def test_a_call_cancelled_before_its_task_ran_leaves_nothing_in_the_host(
         finally:
             writer.close()
             await writer.wait_closed()
+
+
+@pytest.mark.parametrize("form", ["inference", "stream", "health"])
+async def test_a_call_made_as_the_connection_drops_is_sent_on_a_new_one(
+    served: tuple[Tagged, ModelHost, RemoteProxy], form: str
+) -> None:
+    """Found by the fault walk: a call made after the connection was lost, before its
+    reader task had seen it, was written to the dead socket and failed with
+    `HostUnavailable`, though the host was there. Nothing of it was written (the
+    socket refused its first byte), so it is sent on a new connection."""
+    proxy, host, remote = served
+    assert (await remote.inference(1))[0] == 1  # connected
+    connection = next(iter(remote._connections.values()))
+    connection.writer.get_extra_info("socket").shutdown(socket.SHUT_RDWR)  # dropped
+    if form == "inference":
+        assert (await remote.inference(2))[0] == 2
+    elif form == "stream":
+        chunks = [chunk async for chunk in remote.stream(2)]
+        assert [chunk[0] for chunk in chunks] == [2]
+    else:  # the question a service's watch asks every second
+        assert (await remote._ask()).healthy
+    assert remote._connections[asyncio.get_running_loop()] is not connection
+    await wait_until(lambda: host.connections == 1)
+
+
+async def test_a_failed_connect_whose_callers_all_left_is_not_logged(
+    socket_path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by the fault walk: the task connecting to a host that is down, shared by
+    the calls waiting for it, failed after they had all been cancelled; nobody
+    retrieved its `HostUnavailable`, and asyncio logged "Task exception was never
+    retrieved" when it was collected."""
+    remote = RemoteProxy(socket_path)  # no host there
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        call = asyncio.ensure_future(remote.inference(1))
+        await asyncio.sleep(0)  # waiting for the connection, which is not tried yet
+        call.cancel()
+        await asyncio.wait([call])
+        await wait_until(lambda: all(t.done() for t in remote._connecting.values()))
+        assert call.cancelled()
+        del call  # (its CancelledError's traceback holds the connecting task)
+        await remote.aclose()  # (lets go of it too)
+        gc.collect()
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
 
 
 @pytest.mark.xfail(
