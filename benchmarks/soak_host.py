@@ -55,6 +55,7 @@ each client its open sockets and its live tasks and futures (after vs before).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import mmap
 import os
@@ -143,7 +144,9 @@ def read_counters(path: Path, names: Sequence[str]) -> dict[str, int]:
 
 
 def _slot(name: str) -> property:
-    return property(lambda self: self.counters[name], lambda self, v: self.counters.__setitem__(name, v))
+    return property(
+        lambda self: self.counters[name], lambda self, v: self.counters.__setitem__(name, v)
+    )
 
 
 class SharedTally(soak.Tally):
@@ -223,7 +226,11 @@ class HostChaotic(soak.Chaotic):
             await asyncio.wait([reconfigurer])
         await super().aclose(timeout=timeout)
         stats = self.stats
-        Path(self.final).write_text(json.dumps({key: getattr(stats, key) for key in soak.STATS}))
+        write_json(self.final, {key: getattr(stats, key) for key in soak.STATS})
+
+
+def write_json(path: str | Path, document: Any) -> None:
+    Path(path).write_text(json.dumps(document))
 
 
 def host_proxy() -> HostChaotic:
@@ -241,16 +248,14 @@ def open_sockets() -> int:
     """This process's open sockets."""
     count = 0
     for fd in os.listdir("/proc/self/fd"):
-        with_target = os.path.join("/proc/self/fd", fd)
-        try:
-            count += os.readlink(with_target).startswith("socket:")
-        except OSError:  # (the directory's own descriptor, gone)
-            pass
+        with contextlib.suppress(OSError):  # (the directory's own descriptor, gone)
+            count += os.readlink(os.path.join("/proc/self/fd", fd)).startswith("socket:")
     return count
 
 
-async def client(path: str, counters_path: str, result_path: str, requests: int,
-                 concurrency: int, seed: int) -> None:  # fmt: skip
+async def client(
+    path: str, counters_path: str, result_path: str, requests: int, concurrency: int, seed: int
+) -> None:
     """One client process: `requests` calls of the mix through a `RemoteProxy`; its
     tally in `counters_path` as it goes, its result in `result_path` at the end."""
     config = replace(
@@ -274,7 +279,7 @@ async def client(path: str, counters_path: str, result_path: str, requests: int,
         "census": {"before": asdict(before), "after": asdict(after), "closed": asdict(closed)},
         "sockets": {"before": sockets, "closed": open_sockets()},
     }
-    Path(result_path).write_text(json.dumps(result))
+    write_json(result_path, result)
     counters.close()
 
 
@@ -299,6 +304,7 @@ class Process:
     ended: str = "running"  # "exited N", "killed", "stopped N" (SIGTERM)
     rss: list[tuple[int, float]] = field(default_factory=list)  # (calls issued, MB)
     counts: dict[str, int] = field(default_factory=dict)  # its counters at the end
+    log: Path = Path(os.devnull)  # its stderr
 
     @property
     def pid(self) -> int:
@@ -345,15 +351,29 @@ class Run:
         final = self.folder / f"host{number}.json"
         log = self.folder / f"host{number}.log"
         env = environ()
-        env.update(SOAK_COUNTERS=str(counters), SOAK_FINAL=str(final),
-                   SOAK_SEED=str(self.config.seed + 100 * number))  # fmt: skip
+        env.update(
+            SOAK_COUNTERS=str(counters),
+            SOAK_FINAL=str(final),
+            SOAK_SEED=str(self.config.seed + 100 * number),
+        )
         with open(log, "wb") as stderr:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "batchproxy.host", "soak_host:host_proxy",
-                 "--socket", self.path, "--drain-timeout", "60"],  # fmt: skip
-                env=env, stdin=subprocess.DEVNULL, stderr=stderr, cwd=HERE,
-            )  # fmt: skip
-        host = Process("host", number, popen, counters, final, issued)
+                [
+                    sys.executable,
+                    "-m",
+                    "batchproxy.host",
+                    "soak_host:host_proxy",
+                    "--socket",
+                    self.path,
+                    "--drain-timeout",
+                    "60",
+                ],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stderr=stderr,
+                cwd=HERE,
+            )
+        host = Process("host", number, popen, counters, final, issued, log=log)
         self.hosts.append(host)
         deadline = time.monotonic() + 120
         while b"serving" not in log.read_bytes():
@@ -369,13 +389,26 @@ class Run:
         Counters(counters, TALLY, create=True).close()
         result = self.folder / f"client{serial}.json"
         seed = self.config.seed + 1_000 * (serial + 1)
-        with open(self.folder / f"client{serial}.log", "wb") as stderr:
+        log = self.folder / f"client{serial}.log"
+        with open(log, "wb") as stderr:
             popen = subprocess.Popen(
-                [sys.executable, __file__, "--client", self.path, str(counters), str(result),
-                 str(requests), str(self.config.concurrency), str(seed)],  # fmt: skip
-                env=environ(), stdin=subprocess.DEVNULL, stderr=stderr, cwd=HERE,
-            )  # fmt: skip
-        process = Process("client", number, popen, counters, result, issued)
+                [
+                    sys.executable,
+                    __file__,
+                    "--client",
+                    self.path,
+                    str(counters),
+                    str(result),
+                    str(requests),
+                    str(self.config.concurrency),
+                    str(seed),
+                ],
+                env=environ(),
+                stdin=subprocess.DEVNULL,
+                stderr=stderr,
+                cwd=HERE,
+            )
+        process = Process("client", number, popen, counters, result, issued, log=log)
         self.clients.append(process)
         return process
 
@@ -423,8 +456,12 @@ class Run:
                     host = self.start_host(issued)
                 else:
                     # the one with the most calls left (mid-way, surely)
-                    victim = max(live, key=lambda c: self.shares[c.number] - read_counters(
-                        c.counters, TALLY)["issued"])  # fmt: skip
+                    victim = max(
+                        live,
+                        key=lambda c: (
+                            self.shares[c.number] - read_counters(c.counters, TALLY)["issued"]
+                        ),
+                    )
                     self.kill(victim)
                     left = self.shares[victim.number] - victim.counts["issued"]
                     self.say(f"  client {victim.number} killed at {issued:,} calls; {left:,} left")
@@ -454,9 +491,8 @@ class Run:
     def logged(self) -> dict[str, list[str]]:
         """What each process wrote on stderr, but the host's line saying it serves."""
         logs = {}
-        for serial, process in enumerate([*self.hosts, *self.clients]):
-            name = f"{process.role}{process.number if process.role == 'host' else serial - len(self.hosts)}"
-            lines = (self.folder / f"{name}.log").read_text(errors="replace").splitlines()
+        for process in [*self.hosts, *self.clients]:
+            lines = process.log.read_text(errors="replace").splitlines()
             lines = [line for line in lines if not line.startswith("batchproxy.host: serving")]
             if lines:
                 logs[f"{process.role} {process.number} (pid {process.pid})"] = lines
@@ -464,8 +500,11 @@ class Run:
 
     def leftovers(self) -> list[str]:
         """What the run left: processes, the socket file, shared-memory segments."""
-        left = [f"{p.role} {p.number} (pid {p.pid}) still runs"
-                for p in [*self.hosts, *self.clients] if p.popen.poll() is None]  # fmt: skip
+        left = [
+            f"{p.role} {p.number} (pid {p.pid}) still runs"
+            for p in [*self.hosts, *self.clients]
+            if p.popen.poll() is None
+        ]
         if os.path.exists(self.path):
             left.append(f"the socket file {self.path}")
         pids = {os.getpid(), *(p.pid for p in [*self.hosts, *self.clients])}
@@ -473,9 +512,11 @@ class Run:
             names = os.listdir("/dev/shm")
         except OSError:
             names = []
-        left += [f"/dev/shm/{n}" for n in names
-                 if n.startswith("bp-") and n.split("-")[1].isdigit()
-                 and int(n.split("-")[1]) in pids]  # fmt: skip
+        left += [
+            f"/dev/shm/{n}"
+            for n in names
+            if n.startswith("bp-") and n.split("-")[1].isdigit() and int(n.split("-")[1]) in pids
+        ]
         return left
 
 
@@ -514,10 +555,29 @@ class Result:
                 continue
             t = c["counts"]
             ended = sum(t[name] for name in TALLY[1:-1])
-            out.append((f"client {c['serial']}: every call ended once",
-                        t["issued"] == ended and t["wrong"] == 0 and not c["result"]["tally"]["unexpected"],
-                        f"issued {t['issued']:,}, ended {ended:,}, wrong {t['wrong']}, "
-                        f"unexpected {c['result']['tally']['unexpected'][:3]}"))  # fmt: skip
+            replacement = " (the replacement)" if c["serial"] >= self.config.clients else ""
+            out.append(
+                (
+                    f"client {c['number']}{replacement}: every call ended once",
+                    t["issued"] == ended
+                    and t["wrong"] == 0
+                    and not c["result"]["tally"]["unexpected"],
+                    f"issued {t['issued']:,}, ended {ended:,}, wrong {t['wrong']}, "
+                    f"unexpected {c['result']['tally']['unexpected'][:3]}",
+                )
+            )
+            before, closed = c["result"]["census"]["before"], c["result"]["census"]["closed"]
+            sockets = c["result"]["sockets"]
+            out.append(
+                (
+                    f"client {c['number']}{replacement}: nothing left after aclose()",
+                    (closed["tasks"], closed["futures"], sockets["closed"])
+                    == (before["tasks"], before["futures"], sockets["before"]),
+                    f"tasks {before['tasks']} → {closed['tasks']}, futures "
+                    f"{before['futures']} → {closed['futures']}, sockets "
+                    f"{sockets['before']} → {sockets['closed']}",
+                )
+            )
         in_flight = self.config.clients * self.config.concurrency
         for h in self.hosts:
             n = h["counts"]
@@ -527,16 +587,26 @@ class Result:
                 what = f"host {h['number']} (killed): accepted - ended ≤ {in_flight:,} in flight"
             else:
                 stats = h["final"]
-                ok = (n["accepted"] == ended == stats["requests"]
-                      and n["rejected"] == stats["rejected"]
-                      and stats["queue_depth"] == stats["in_flight"] == 0)  # fmt: skip
+                ok = (
+                    n["accepted"] == ended == stats["requests"]
+                    and n["rejected"] == stats["rejected"]
+                    and stats["queue_depth"] == stats["in_flight"] == 0
+                )
                 what = f"host {h['number']} (stopped): every accepted call ended; = proxy.stats"
             out.append((what, ok, f"accepted {n['accepted']:,}, ended {ended:,}"))
         c, h, d = self.callers(), self.host_counts(), self.ambiguous()
-        for mine, theirs in (("succeeded", "succeeded"), ("failed", "error"), ("rejected", "rejected")):
-            out.append((f"{mine}: callers ≤ hosts ≤ callers + ambiguous",
-                        c[mine] <= h[theirs] <= c[mine] + d,
-                        f"{c[mine]:,} ≤ {h[theirs]:,} ≤ {c[mine]:,} + {d:,}"))  # fmt: skip
+        for mine, theirs in (
+            ("succeeded", "succeeded"),
+            ("failed", "error"),
+            ("rejected", "rejected"),
+        ):
+            out.append(
+                (
+                    f"{mine}: callers ≤ hosts ≤ callers + ambiguous",
+                    c[mine] <= h[theirs] <= c[mine] + d,
+                    f"{c[mine]:,} ≤ {h[theirs]:,} ≤ {c[mine]:,} + {d:,}",
+                )
+            )
         for name in ("timed_out", "cancelled"):
             out.append((f"hosts' {name} ≤ ambiguous", h[name] <= d, f"{h[name]:,} ≤ {d:,}"))
         seen = h["accepted"] + h["rejected"] + h["shed"]
@@ -551,23 +621,40 @@ def soak_through_host(config: Config, *, progress: bool = False) -> Result:
     try:
         seconds = run.drive()
         hosts = [
-            {"number": p.number, "pid": p.pid, "ended": p.ended, "counts": p.counts,
-             "final": json.loads(p.result.read_text()) if p.result.exists() else None}
+            {
+                "number": p.number,
+                "pid": p.pid,
+                "ended": p.ended,
+                "counts": p.counts,
+                "final": json.loads(p.result.read_text()) if p.result.exists() else None,
+            }
             for p in run.hosts
-        ]  # fmt: skip
+        ]
         clients = [
-            {"serial": serial, "number": p.number, "pid": p.pid, "ended": p.ended,
-             "counts": p.counts,
-             "result": json.loads(p.result.read_text()) if p.result.exists() else None}
+            {
+                "serial": serial,
+                "number": p.number,
+                "pid": p.pid,
+                "ended": p.ended,
+                "counts": p.counts,
+                "result": json.loads(p.result.read_text()) if p.result.exists() else None,
+            }
             for serial, p in enumerate(run.clients)
-        ]  # fmt: skip
+        ]
         warmup = max(1, config.requests // 10)
         rss = []
         for p in [*run.hosts, *run.clients]:
             measured = p.warm_and_growth(warmup)
-            rss.append({"role": p.role, "number": p.number, "pid": p.pid,
-                        "readings": p.rss, "warm_mb": measured and measured[0],
-                        "growth_mb": measured and measured[1]})  # fmt: skip
+            rss.append(
+                {
+                    "role": p.role,
+                    "number": p.number,
+                    "pid": p.pid,
+                    "readings": p.rss,
+                    "warm_mb": measured and measured[0],
+                    "growth_mb": measured and measured[1],
+                }
+            )
         leftovers = run.leftovers()
         logged = run.logged()
     finally:
@@ -602,7 +689,10 @@ def markdown(result: Result) -> str:
         "",
         "| check | holds | numbers |",
         "|---|---|---|",
-        *(f"| {what} | {'yes' if ok else '**no**'} | {numbers} |" for what, ok, numbers in result.checks()),
+        *(
+            f"| {what} | {'yes' if ok else '**no**'} | {numbers} |"
+            for what, ok, numbers in result.checks()
+        ),
         "",
         "| process | pid | ended | RSS at warm-up (MB) | growth after (MB) |",
         "|---|---:|---|---:|---:|",
@@ -610,8 +700,10 @@ def markdown(result: Result) -> str:
     ended = {("host", x["pid"]): x["ended"] for x in result.hosts} | {
         ("client", x["pid"]): x["ended"] for x in result.clients
     }
-    for r in result.rss:
+    for serial, r in enumerate(result.rss):
         ended_as = ended[r["role"], r["pid"]]
+        if r["role"] == "client" and serial - len(result.hosts) >= config.clients:
+            ended_as += " (the replacement)"
         warm = "too short" if r["warm_mb"] is None else f"{r['warm_mb']:.1f}"
         growth = "" if r["growth_mb"] is None else f"{r['growth_mb']:+.1f}"
         lines.append(f"| {r['role']} {r['number']} | {r['pid']} | {ended_as} | {warm} | {growth} |")
