@@ -13,11 +13,15 @@ batchproxy.host soak_host:host_proxy --socket PATH`, serving a `Chaotic` that
 reconfigures itself every 5 to 50 ms (a client cannot). While the calls run:
 
 - at 30 % and 65 % of the calls the host is killed (`SIGKILL`) and started again on
-  the same socket path (the calls in flight fail with `HostUnavailable`; each client's
-  next call connects to the new host; a caller told `HostUnavailable` waits 20 to 100
-  ms before its next call, as a web worker answering 503 would);
+  the same socket path (the calls in flight fail with `HostUnavailable`; each
+  client's next call connects to the new host; a caller told `HostUnavailable` waits
+  0.5 to 1 s before its next call, as a web worker's client told 503 would);
 - at 45 % one client is killed (`SIGKILL`) and a new one takes over the calls it had
   left, as a server restarts a worker that died.
+
+(Each fault waits until the host serving then has accepted a fortieth of the calls:
+on a loaded machine a restart takes seconds, during which the callers' calls end as
+`HostUnavailable` and count towards the total.)
 
 Counting. Each client keeps its tally (`soak.Tally`: how its calls ended, as its
 callers saw it) and each host generation its proxy's counts (a `Listener`: accepted,
@@ -448,7 +452,10 @@ class Run:
                     + " ".join(f"{c.rss[-1][1]:.1f}" for c in live if c.rss)
                 )
                 next_checkpoint = (issued // every + 1) * every
-            if events and issued >= events[0][0] * config.requests:
+            # (and not before the host serving now has served some: on a loaded machine a
+            # restart takes seconds, while the callers' HostUnavailable count as calls)
+            served = read_counters(host.counters, HOST)["accepted"]
+            if events and issued >= events[0][0] * config.requests and served >= every // 2:
                 _, what = events.pop(0)
                 if what == "host":
                     self.kill(host)

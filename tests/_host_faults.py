@@ -231,7 +231,6 @@ def run(program: Program) -> Run:
 async def _run(result: Run, path: str, folder: Path, hosts: list[HostProcess]) -> None:
     program = result.program
     loop = asyncio.get_running_loop()
-    start = loop.time()
     remote = RemoteProxy(path)
     for call in program.calls:
         for index in range(len(call.items)):
@@ -250,32 +249,10 @@ async def _run(result: Run, path: str, folder: Path, hosts: list[HostProcess]) -
                 result.outcomes[call.id, index].append(asyncio.CancelledError())
         result.spans[call.id] = (made, loop.time())
 
-    async def fault() -> None:
-        await asyncio.sleep(program.fault.at)
-        host = hosts[-1]
-        result.fault_from = loop.time()
-        if program.fault.kind == "kill":
-            host.process.kill()
-            await asyncio.to_thread(host.process.wait)
-            log = folder / f"host{len(hosts)}.log"
-            hosts.append(await asyncio.to_thread(HostProcess, path, log, program.delay))
-        elif program.fault.kind == "stall":
-            host.process.send_signal(signal.SIGSTOP)
-            try:
-                await asyncio.sleep(program.fault.stall)
-            finally:
-                host.process.send_signal(signal.SIGCONT)
-        else:
-            connection = remote._connections.get(loop)
-            if connection is not None:
-                sock = connection.writer.get_extra_info("socket")
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-        result.fault_to = loop.time()
-
     tasks_before = asyncio.all_tasks()
     try:
-        await asyncio.gather(fault(), *(caller(call) for call in program.calls))
+        fault = inflict(result, remote, folder, hosts)
+        await asyncio.gather(fault, *(caller(call) for call in program.calls))
         try:
             result.after = await remote.inference("after", timeout=30)
         except Exception as exc:
@@ -287,7 +264,41 @@ async def _run(result: Run, path: str, folder: Path, hosts: list[HostProcess]) -
     left = [t for t in left if t is not asyncio.current_task()]
     if left:
         result.leftovers.append(f"tasks left running: {left}")
-    del start
+
+
+async def inflict(result: Run, remote: RemoteProxy, folder: Path, hosts: list[HostProcess]) -> None:
+    """The program's fault, at its time; its span in `result`."""
+    fault = result.program.fault
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(fault.at)
+    host = hosts[-1]
+    result.fault_from = loop.time()
+    if fault.kind == "kill":
+        host.process.kill()
+        await asyncio.to_thread(host.process.wait)
+        log = folder / f"host{len(hosts)}.log"
+        delay = result.program.delay
+        hosts.append(await asyncio.to_thread(HostProcess, host.path, log, delay))
+    elif fault.kind == "stall":
+        host.process.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(fault.stall)
+        finally:
+            host.process.send_signal(signal.SIGCONT)
+    else:
+        connection = remote._connections.get(loop)
+        if connection is not None:
+            drop(connection.writer)
+    result.fault_to = loop.time()
+
+
+def drop(writer: asyncio.StreamWriter) -> None:
+    """Drop a connection under its transport: shut its socket down both ways (through a
+    duplicate of its descriptor: uvloop's transports lend no `shutdown`)."""
+    fd = writer.get_extra_info("socket").fileno()
+    duplicate = socket.fromfd(fd, socket.AF_UNIX, socket.SOCK_STREAM)
+    with duplicate, contextlib.suppress(OSError):
+        duplicate.shutdown(socket.SHUT_RDWR)
 
 
 async def one_call(remote: RemoteProxy, call: Call, result: Run) -> None:
@@ -368,5 +379,5 @@ def wrong(call: Call, item: Any, outcome: Any, fault: Fault, under_way: bool) ->
     if isinstance(outcome, batchproxy.HostUnavailable):
         if fault.kind in ("kill", "drop") and under_way:
             return None
-        return f"{outcome!r} ({'not under way during' if under_way is False else 'with'} a {fault.kind})"
+        return f"{outcome!r} ({'with' if under_way else 'not under way during'} a {fault.kind})"
     return f"unexpected {outcome!r}"
