@@ -57,6 +57,7 @@ class Connection:
         self._idle.set()
         self._ids = itertools.count()
         self._lock = asyncio.Lock()
+        self._carried = False  # a message was written whole (see `_unsent`)
         self._reader = loop.create_task(self._read(reader))
 
     async def call(self, item: Any, options: dict[str, Any]) -> Any:
@@ -110,14 +111,15 @@ class Connection:
         try:
             async with self._lock:
                 if not self.writable():
-                    raise NotSent(self.path, "the connection to the host was lost")
+                    raise self._unsent()
                 fresh = self.writer.transport.get_write_buffer_size() == 0
                 self.writer.write(data)
                 if fresh and self.writer.is_closing():  # its first byte already refused
-                    raise NotSent(self.path, "the connection to the host was lost")
+                    raise self._unsent()
                 self.segments.add(names)  # the host unlinks them as it reads the call
                 names = []
                 await self.writer.drain()
+                self._carried = True
         except NotSent:
             self._leave(ident)
             raise
@@ -130,6 +132,14 @@ class Connection:
         finally:
             _shm.unlink(names)  # never written (cancelled, or lost): nobody else knows them
         return ident, answers
+
+    def _unsent(self) -> HostUnavailable:
+        """The error of a call found the connection lost before any of it was written:
+        `NotSent` (to be sent on a new connection) if this connection carried calls
+        before, so was lost while it stood idle; else `HostUnavailable` (the host
+        ended it as it opened: it refuses this process, or died then)."""
+        kind = NotSent if self._carried else HostUnavailable
+        return kind(self.path, "the connection to the host was lost")
 
     def _sealed(
         self, kind: str, ident: int, item: Any, options: dict[str, Any]
