@@ -7,6 +7,11 @@ is the only code that delivers those answers; when the connection ends it delive
 call whose caller is done before its last answer (cancelled, a stream closed early)
 leaves with a `("cancel", id)` to the host. The items' shared-memory segments the
 host has not read when the connection ends are unlinked then (`_shm`).
+
+The transport may know the connection lost before the reader task does (a write
+failed: the host is gone); from then on nothing is written to it. A call that finds
+it so before any of its message was written raises `NotSent` if the connection had
+carried calls (it was lost while idle), and its `RemoteProxy` sends it on a new one.
 """
 
 from __future__ import annotations
