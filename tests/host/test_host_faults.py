@@ -159,6 +159,28 @@ async def test_a_failed_connect_whose_callers_all_left_is_not_logged(
 
 @pytest.mark.xfail(
     strict=True,
+    reason="aclose() forgets a connect under way (it clears _connecting); the connect "
+    "then registers its connection after the close, which nobody closes: its reader "
+    "task runs on and its socket stays open (aclose is on branch host-deadlines' list)",
+)
+async def test_aclose_during_a_connect_leaves_no_connection(
+    served: tuple[Tagged, ModelHost, RemoteProxy],
+) -> None:
+    _, host, _ = served
+    remote = RemoteProxy(host.path)
+    call = asyncio.ensure_future(remote.inference(1))
+    await asyncio.sleep(0)  # connecting: the connect task is scheduled, not run
+    await remote.aclose()
+    await asyncio.wait([call])  # (its outcome: its result, or ProxyClosed)
+    await asyncio.sleep(0.05)
+    left = dict(remote._connections)
+    for connection in left.values():  # (closed here, for the fixture's checks)
+        await connection.close("the test is over")
+    assert left == {}
+
+
+@pytest.mark.xfail(
+    strict=True,
     reason="the deadline of a call to a stalled host is held by the host alone: the "
     "caller waits until the host runs again (branch host-deadlines: deadlines held in "
     "the client)",
