@@ -40,6 +40,10 @@ Reported:
   requests beyond those queued (served, or dead entries left in the queue) must
   stay within the calls in flight at every checkpoint.
 
+`soak_host.py` runs the same `Load` through a model host (a `RemoteProxy` for the
+proxy): there a call may also end with `HostUnavailable` (counted `unavailable`; its
+caller then waits 0.5 to 1 s, `unavailable_backoff_ms`).
+
 `--deadlines` runs the load of issue 16 instead (`STEADY`, written to
 `soak-deadlines.*`): every call carries a 30 s deadline (none expires) and gets a
 fresh 10 KB result, and 256 callers keep a proxy with `batch_size=64` and one
