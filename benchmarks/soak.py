@@ -42,7 +42,8 @@ Reported:
 
 `soak_host.py` runs the same `Load` through a model host (a `RemoteProxy` for the
 proxy): there a call may also end with `HostUnavailable` (counted `unavailable`; its
-caller then waits 0.5 to 1 s, `unavailable_backoff_ms`).
+caller then waits 1 to 2 s, `unavailable_backoff_ms`: a `Serving`'s `Retry-After`
+is 1 s).
 
 `--deadlines` runs the load of issue 16 instead (`STEADY`, written to
 `soak-deadlines.*`): every call carries a 30 s deadline (none expires) and gets a
@@ -96,7 +97,7 @@ class Config:
     priorities: int = 3  # 0 to 2
     reconfigure_every_ms: tuple[float, float] | None = (5.0, 50.0)  # None: never
     rejected_backoff_ms: tuple[float, float] = (5.0, 20.0)  # a caller refused waits this long
-    unavailable_backoff_ms: tuple[float, float] = (500.0, 1000.0)  # after HostUnavailable
+    unavailable_backoff_ms: tuple[float, float] = (1000.0, 2000.0)  # after HostUnavailable
     timeout: float | None = None  # every call's deadline (deadline_rate's replace it)
     result_bytes: int = 0  # each result carries a fresh bytes object of this size
     # record the smallest queue depth at a batch start, told by listener hooks: exact

@@ -15,7 +15,7 @@ reconfigures itself every 5 to 50 ms (a client cannot). While the calls run:
 - at 30 % and 65 % of the calls the host is killed (`SIGKILL`) and started again on
   the same socket path (the calls in flight fail with `HostUnavailable`; each
   client's next call connects to the new host; a caller told `HostUnavailable` waits
-  0.5 to 1 s before its next call, as a web worker's client told 503 would);
+  1 to 2 s before its next call, as a client told 503 with `Retry-After: 1` would);
 - at 45 % one client is killed (`SIGKILL`) and a new one takes over the calls it had
   left, as a server restarts a worker that died.
 

@@ -47,7 +47,6 @@ def test_every_call_ended_once_and_the_counts_agree(result: soak_host.Result) ->
     assert callers["unavailable"] > 0  # the calls in flight at a host's death
     # and the mix: every kind of ending, through every host generation
     assert min(callers[name] for name in soak_host.TALLY[1:-1]) > 0
-    assert all(h["counts"]["accepted"] > 0 for h in result.hosts)
     assert sum(h["counts"]["reconfigurations"] for h in result.hosts) > 0
 
 
