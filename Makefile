@@ -6,7 +6,7 @@ BIN     = $(VENV)/bin
 # takes the CPU build on this machine and never resolves a newer torch with CUDA packages
 TORCH   = torch==2.13.0
 
-.PHONY: demo demo-publish test lint typecheck unit unit-uvloop package test-pythons docs docs-check bench bench-tensors bench-suite bench-servers bench-scheduling bench-scaleout bench-autoscale bench-dedup bench-soak bench-soak-deadlines bench-generation bench-keys bench-fairness bench-sizes bench-scale bench-host bench-ab bench-gpu bench-gpu-quick clean
+.PHONY: demo demo-publish test lint typecheck unit unit-uvloop package test-pythons docs docs-check bench bench-tensors bench-suite bench-servers bench-scheduling bench-scaleout bench-autoscale bench-dedup bench-soak bench-soak-deadlines bench-soak-host bench-generation bench-keys bench-fairness bench-sizes bench-scale bench-host bench-ab bench-gpu bench-gpu-quick clean
 
 # the real model over HTTP, regular vs batched: the table, and demo.{json,png} in
 # benchmarks/results/runs/ (git-ignored: a run changes no tracked file)
@@ -112,6 +112,11 @@ bench-soak: $(VENV)/.installed
 # every call with a deadline and a 10 KB result, the queue never empty (issue 16): live requests, RSS
 bench-soak-deadlines: $(VENV)/.installed
 	$(BIN)/python benchmarks/soak.py --deadlines
+
+# the soak's mix through a model host from four client processes, the host killed and restarted
+# twice and a client killed once: accounting on both sides, RSS of each process, leftovers
+bench-soak-host: $(VENV)/.installed
+	$(BIN)/python benchmarks/soak_host.py
 
 # a GPT-2 (random weights) with no batching, static and continuous batching: tokens/s, TTFT
 bench-generation: $(VENV)/.installed-dev

@@ -233,8 +233,10 @@ class HostUnavailable(BatchProxyError, ConnectionError):
     """A `RemoteProxy` could not reach its `ModelHost`, or lost it with the call in
     flight: the host process is not running, or stopped or died before it answered.
 
-    Nothing is retried: the call may or may not have reached the model. The next call
-    connects again, so calls succeed once the host is back.
+    Nothing that may have reached the host is retried: the call may or may not have
+    reached the model (a call that finds its connection lost while idle, before any
+    of it was written, is sent on a new one). The next call connects again, so calls
+    succeed once the host is back.
     """
 
     def __init__(self, path: str, detail: str) -> None:

@@ -40,6 +40,11 @@ Reported:
   requests beyond those queued (served, or dead entries left in the queue) must
   stay within the calls in flight at every checkpoint.
 
+`soak_host.py` runs the same `Load` through a model host (a `RemoteProxy` for the
+proxy): there a call may also end with `HostUnavailable` (counted `unavailable`; its
+caller then waits 1 to 2 s, `unavailable_backoff_ms`: a `Serving`'s `Retry-After`
+is 1 s).
+
 `--deadlines` runs the load of issue 16 instead (`STEADY`, written to
 `soak-deadlines.*`): every call carries a 30 s deadline (none expires) and gets a
 fresh 10 KB result, and 256 callers keep a proxy with `batch_size=64` and one
@@ -92,6 +97,7 @@ class Config:
     priorities: int = 3  # 0 to 2
     reconfigure_every_ms: tuple[float, float] | None = (5.0, 50.0)  # None: never
     rejected_backoff_ms: tuple[float, float] = (5.0, 20.0)  # a caller refused waits this long
+    unavailable_backoff_ms: tuple[float, float] = (1000.0, 2000.0)  # after HostUnavailable
     timeout: float | None = None  # every call's deadline (deadline_rate's replace it)
     result_bytes: int = 0  # each result carries a fresh bytes object of this size
     # record the smallest queue depth at a batch start, told by listener hooks: exact
@@ -184,11 +190,19 @@ class Tally:
     cancelled: int = 0
     rejected: int = 0
     timed_out: int = 0
+    unavailable: int = 0  # HostUnavailable: through a model host that is down or died
     wrong: int = 0  # got a result that was not its own (cross-talk); must stay 0
     unexpected: list[str] = field(default_factory=list)  # errors of no expected kind
 
     def ended(self) -> int:
-        return self.succeeded + self.failed + self.cancelled + self.rejected + self.timed_out
+        return (
+            self.succeeded
+            + self.failed
+            + self.cancelled
+            + self.rejected
+            + self.timed_out
+            + self.unavailable
+        )
 
 
 @dataclass(frozen=True)
@@ -318,7 +332,8 @@ class Load(batchproxy.Listener):
         return seconds
 
     def census(self) -> Census:
-        return census(self.tally.issued, self.started, self.proxy.stats.queue_depth)
+        stats = getattr(self.proxy, "stats", None)  # (a RemoteProxy has none: its host does)
+        return census(self.tally.issued, self.started, 0 if stats is None else stats.queue_depth)
 
     @override
     def request_queued(self, proxy: str, queue_depth: int) -> None:
@@ -360,6 +375,8 @@ class Load(batchproxy.Listener):
                     canceller.cancel()
             if outcome == "rejected":  # as a client told to retry later would, not at once
                 await asyncio.sleep(rng.uniform(*config.rejected_backoff_ms) / 1e3)
+            elif outcome == "unavailable":  # (a model host down: a web worker's 503, Retry-After)
+                await asyncio.sleep(rng.uniform(*config.unavailable_backoff_ms) / 1e3)
 
     async def ended(self, call: asyncio.Task[Answer], job: Job) -> str:
         """Await one call; count and return how it ended."""
@@ -377,6 +394,9 @@ class Load(batchproxy.Listener):
         except batchproxy.DeadlineExceeded:
             tally.timed_out += 1
             return "timed out"
+        except batchproxy.HostUnavailable:
+            tally.unavailable += 1
+            return "unavailable"
         except batchproxy.BatchSizeMismatch:
             tally.failed += 1  # a batch with a "short" job
             return "failed"

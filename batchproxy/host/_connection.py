@@ -11,6 +11,11 @@ deadline, a stream closed early) leaves with a `("cancel", id)` to the host. The
 items' shared-memory segments the host has not read when the connection ends are
 unlinked then (`_shm`). Each new connection asks the host's health at once, for its
 owner (`on_health`), without waiting for the answer.
+
+The transport may know the connection lost before the reader task does (a write
+failed: the host is gone); from then on nothing is written to it. A call that finds
+it so before any of its message was written raises `NotSent` if the connection had
+carried calls (it was lost while idle), and its `RemoteProxy` sends it on a new one.
 """
 
 from __future__ import annotations
@@ -36,12 +41,17 @@ from ._wire import (
     unpack_error,
 )
 
-__all__ = ["Connection"]
+__all__ = ["Connection", "NotSent"]
 
 _Answer = tuple[str, Any] | BaseException | Deadline
 """What a call's queue gets: an answer `(kind, sealed)` from the host, the error that
 ends it here (the `HostUnavailable` of a lost connection, a drain's `DrainDeadline`:
 `cut`), or the call's `Deadline` once it passed."""
+
+
+class NotSent(HostUnavailable):
+    """The connection was lost before any of a call's message was written: nothing of it
+    reached the host, so it may be sent again on a new connection."""
 
 
 class Connection:
@@ -71,6 +81,7 @@ class Connection:
         self._ids = itertools.count()
         self._lock = asyncio.Lock()  # one drain at a time (Python 3.10's streams allow no more)
         self._room = writer.transport.get_write_buffer_limits()[1]  # (then, writes pause)
+        self._carried = False  # a message was written whole (see `_unsent`)
         self._reader = loop.create_task(self._read(reader))
 
     async def call(self, item: Any, options: dict[str, Any], deadline: Deadline | None) -> Any:
@@ -184,15 +195,22 @@ class Connection:
         self.waiting[ident] = answers
         self._idle.clear()
         try:
-            if not self.open:
-                raise HostUnavailable(self.path, "the connection to the host was lost")
+            if not self.writable():
+                raise self._unsent()
+            fresh = self.writer.transport.get_write_buffer_size() == 0
             self.writer.write(data)  # (whole: the messages never interleave)
+            if fresh and self.writer.is_closing():  # its first byte already refused
+                raise self._unsent()
             self.segments.add(names)  # the host unlinks them as it reads the call
             names = []
+            self._carried = True
             if self.writer.transport.get_write_buffer_size() > self._room:
                 # the host reads slower than this process writes, or not at all
                 room = self._drain()
                 await (room if deadline is None else deadline.bound(room))
+        except NotSent:
+            self._leave(ident)
+            raise
         except ConnectionError as exc:
             self._leave(ident)
             raise HostUnavailable(self.path, f"the connection broke ({exc!r})") from exc
@@ -207,6 +225,14 @@ class Connection:
         """Until the socket has room again (for every call waiting for it)."""
         async with self._lock:
             await self.writer.drain()
+
+    def _unsent(self) -> HostUnavailable:
+        """The error of a call found the connection lost before any of it was written:
+        `NotSent` (to be sent on a new connection) if this connection carried calls
+        before, so was lost while it stood idle; else `HostUnavailable` (the host
+        ended it as it opened: it refuses this process, or died then)."""
+        kind = NotSent if self._carried else HostUnavailable
+        return kind(self.path, "the connection to the host was lost")
 
     def _sealed(
         self, kind: str, value: Any, options: dict[str, Any], extra: tuple[Any, ...] = ()
@@ -237,9 +263,16 @@ class Connection:
     def _leave(self, ident: int) -> None:
         """The caller is done with call `ident`: if the host may still be working on it
         (it is still listed: no final answer came), tell the host to drop it."""
-        if self._forget(ident) and self.open:
+        if self._forget(ident) and self.writable():
             with contextlib.suppress(Exception):
                 self.writer.write(message_bytes(("cancel", ident)))
+
+    def writable(self) -> bool:
+        """Whether a message may be written: the connection is not known lost, neither
+        here nor by its transport, which may know first (a write failed: its peer is
+        gone, and the reader task has not seen the end yet) and drops every later
+        write (logging each, past a few)."""
+        return self.open and not self.writer.is_closing()
 
     def _forget(self, ident: int) -> bool:
         """Unlist call `ident`; whether it was listed."""

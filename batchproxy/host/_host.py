@@ -253,6 +253,9 @@ class _Connection:
         self.calls[ident] = task
         if "deadline" in options:
             self.deadlines[ident] = options["deadline"]
+        # unlisted when it ends, however: a task cancelled before its first step (its
+        # cancel read with its call) never runs its coroutine, nor a `finally` in it
+        task.add_done_callback(lambda _: self._forget(ident))
 
     def cancel(self, ident: int) -> None:
         """The caller left: cancel its call. One whose deadline has passed (its caller
@@ -266,7 +269,6 @@ class _Connection:
         if deadline is not None and time.monotonic() >= deadline:
             asyncio.get_running_loop().call_later(MARGIN, task.cancel)
             return
-        self._forget(ident)  # (a task not started yet never runs its finally)
         task.cancel()
 
     def _forget(self, ident: int) -> None:
@@ -304,8 +306,6 @@ class _Connection:
             return  # the caller cancelled (or left): nobody waits for an answer
         except Exception as exc:
             await self.send_error(ident, exc)
-        finally:
-            self._forget(ident)
 
     async def _many(
         self,

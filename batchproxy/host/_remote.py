@@ -26,9 +26,9 @@ import math
 import os
 import time
 import weakref
-from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from typing_extensions import Unpack
 
@@ -38,11 +38,13 @@ from .._loops.background_loop import BackgroundLoop
 from .._option_values import CallOptions, check_call
 from .._stats import Health
 from ._arguments import RemoteArguments, RemoteWithArguments
-from ._connection import Connection
+from ._connection import Connection, NotSent
 from ._deadline import Deadline
 from ._launch import Candidate, lock_is_free
 
 __all__ = ["RemoteProxy"]
+
+T = TypeVar("T")
 
 _HAND_OVER = 1.0
 """Seconds `aclose()` waits, past its own timeout, for another loop to close its
@@ -160,8 +162,9 @@ class RemoteProxy:
             return []
         deadline = Deadline.of(self.name, options)
         try:
-            connection = await self._connect(deadline)
-            return await connection.many(batch, options, return_exceptions, deadline)
+            return await self._sent(
+                deadline, lambda c: c.many(batch, options, return_exceptions, deadline)
+            )
         except HostUnavailable as exc:
             if not return_exceptions:
                 raise
@@ -179,7 +182,17 @@ class RemoteProxy:
         options = _options("stream()", call)
         deadline = Deadline.of(self.name, options)
         connection = await self._connect(deadline)
-        async with contextlib.aclosing(connection.stream(item, options, deadline)) as chunks:
+        try:
+            chunks = connection.stream(item, options, deadline)
+            first = await chunks.__anext__()
+        except NotSent:  # (nothing sent, so nothing yielded: once more, connected again)
+            connection = await self._connect(deadline)
+            chunks = connection.stream(item, options, deadline)
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            return
+        async with contextlib.aclosing(chunks):
+            yield first
             async for chunk in chunks:
                 yield chunk
 
@@ -225,8 +238,7 @@ class RemoteProxy:
         """One call with its options checked (`_options`), on this loop's connection,
         by its deadline."""
         deadline = Deadline.of(self.name, options)
-        connection = await self._connect(deadline)
-        return await connection.call(item, options, deadline)
+        return await self._sent(deadline, lambda c: c.call(item, options, deadline))
 
     # -- as a service's proxy -----------------------------------------------------------
 
@@ -356,8 +368,7 @@ class RemoteProxy:
         seconds = self.connect_timeout
         deadline = Deadline(self.name, seconds, time.monotonic() + seconds)
         try:
-            connection = await self._connect(deadline)
-            return await connection.health(deadline)
+            return await self._sent(deadline, lambda c: c.health(deadline))
         except DeadlineExceeded:
             pass
         raise HostUnavailable(self.path, f"no answer within {seconds} s")
@@ -400,14 +411,25 @@ class RemoteProxy:
             raise ProxyClosed(self.name)
         loop = asyncio.get_running_loop()
         connection = self._connections.get(loop)
-        if connection is not None and connection.open:
+        if connection is not None and connection.writable():
             return connection
         connecting = self._connecting.get(loop)
         if connecting is None or connecting.done():
             connecting = self._connecting[loop] = loop.create_task(self._open(loop))
+            connecting.add_done_callback(_seen)
         if deadline is None:
             return await asyncio.shield(connecting)
         return await deadline.bound(asyncio.shield(connecting))
+
+    async def _sent(
+        self, deadline: Deadline | None, send: Callable[[Connection], Awaitable[T]]
+    ) -> T:
+        """`send(connection)` on this loop's connection; once more on a new one if that
+        was lost before any of the message could be written (`NotSent`)."""
+        try:
+            return await send(await self._connect(deadline))
+        except NotSent:
+            return await send(await self._connect(deadline))
 
     async def _open(self, loop: asyncio.AbstractEventLoop) -> Connection:
         try:
@@ -420,6 +442,14 @@ class RemoteProxy:
         self._connections[loop] = connection
         connection.ask_health()  # (`health` follows a reconnection, watched or not)
         return connection
+
+
+def _seen(connecting: asyncio.Task[Connection]) -> None:
+    """A connecting task's failure is its callers' to raise (each through its shield);
+    marked seen here, so that one whose callers had all left (cancelled) is not
+    logged as never retrieved."""
+    if not connecting.cancelled():
+        connecting.exception()
 
 
 def _options(where: str, call: CallOptions) -> dict[str, Any]:
