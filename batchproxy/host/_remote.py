@@ -438,6 +438,9 @@ class RemoteProxy:
             )
         except (OSError, asyncio.TimeoutError) as exc:
             raise HostUnavailable(self.path, f"cannot connect ({exc!r})") from exc
+        if self._closed:  # (closed meanwhile: `aclose()` has shut the connections it knew)
+            writer.transport.abort()
+            raise ProxyClosed(self.name)
         connection = Connection(self.path, loop, reader, writer, self._lost, self._heard)
         self._connections[loop] = connection
         connection.ask_health()  # (`health` follows a reconnection, watched or not)

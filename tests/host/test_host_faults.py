@@ -157,12 +157,6 @@ async def test_a_failed_connect_whose_callers_all_left_is_not_logged(
     assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="aclose() forgets a connect under way (it clears _connecting); the connect "
-    "then registers its connection after the close, which nobody closes: its reader "
-    "task runs on and its socket stays open (aclose is on branch host-deadlines' list)",
-)
 async def test_aclose_during_a_connect_leaves_no_connection(
     served: tuple[Tagged, ModelHost, RemoteProxy],
 ) -> None:
@@ -179,12 +173,6 @@ async def test_aclose_during_a_connect_leaves_no_connection(
     assert left == {}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the deadline of a call to a stalled host is held by the host alone: the "
-    "caller waits until the host runs again (branch host-deadlines: deadlines held in "
-    "the client)",
-)
 async def test_a_call_to_a_stalled_host_ends_by_its_deadline() -> None:
     folder = Path(tempfile.mkdtemp(prefix="bp-stall-", dir="/tmp"))
     path = str(folder / "m.sock")
