@@ -489,6 +489,8 @@ class Run:
     joinable_refused: list[str] = field(default_factory=list)
     max_batch_size: int = 0
     ended_at: dict[tuple[int, int], float] = field(default_factory=dict)  # per item, on the loop
+    drain_timeout: float | None = None  # the drain's deadline (the Serving walk's)
+    serving_closed: bool = False  # the Serving walk's service ended CLOSED
 
 
 class Queued:
@@ -832,6 +834,8 @@ def explain(
     if isinstance(outcome, batchproxy.QueueFull):
         counts["rejected"] += 1
         return None if config.limited or result.configured else f"refused: {outcome!r}"
+    if isinstance(outcome, batchproxy.DrainDeadline):
+        return drain_cut(result, call, item, outcome)
     if isinstance(outcome, batchproxy.ProxyClosed) and stopped(result, call, item):
         counts["unsure"] += 1  # queued when the watchdog stopped the proxy, or refused
         return None
@@ -963,3 +967,15 @@ def option_problems(result: Run, counts: dict[str, int]) -> Iterator[str]:
     for c in result.log.calls:
         if c.hung and not c.abandoned:
             yield f"the hung model call on {c.items} was never abandoned"
+
+
+def drain_cut(result: Run, call: Call, item: Hashable, outcome: Any) -> str | None:
+    """Why a `DrainDeadline` is wrong for this item of `call`, or None: only with a drain
+    deadline, once it passed (an accepted call: it counts as accepted)."""
+    if result.drain_timeout is None or result.closed_at is None:
+        return f"DrainDeadline without a drain deadline: {outcome!r}"
+    end = result.ended_at.get((call.id, call.items.index(item)), math.inf)
+    deadline = result.closed_at + result.drain_timeout
+    if end < deadline - 1e-9:
+        return f"DrainDeadline at {end}, before the drain's deadline {deadline}"
+    return None

@@ -37,7 +37,24 @@ from typing import Any
 
 import looptime
 import pytest
-from _combinations import EXAMPLES, Call, Config, Program, check, configs, programs, run
+from _combinations import (
+    EXAMPLES,
+    Call,
+    Config,
+    Program,
+    check,
+    configs,
+    item_length,
+    programs,
+    run,
+)
+from _serving_walk import (
+    ServingProgram,
+    run_serving,
+    serving_configs,
+    serving_problems,
+    serving_programs,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -215,6 +232,15 @@ FOUND: dict[str, tuple[str, Config, Program]] = {
         plain(keys=True, batch_size=3, batch_sizes=(1, 3)),
         Program([call(0, "x"), call(1, "boom"), call(2, "x", key="k")]),
     ),
+    # issue 38 item 3 (the walk with length=, on the code of 2026-11-29): a tenant's
+    # call cancelled as aclose() begins, on a length-aware @batch: the drain's scheduler
+    # found only that dead request (counted until its cancellation's callback ran) and
+    # asked again for ever, spinning the event loop
+    "a-caller-leaving-as-the-drain-begins": (
+        "issue 38 item 3",
+        Config("batch", {"batch_size": 1, "length": item_length}, False, False, 0.01),
+        Program([Call(0, 0.0, "inference", ("oom",), None, "", "b", 0, None, 0.0)], close_at=0.0),
+    ),
 }
 """Failures found by the walk on the code of 2026-11-26, each minimal: regression
 tests now that they are fixed (why: the issue item each one found)."""
@@ -231,4 +257,46 @@ def test_what_the_walk_found(config: Config, program: Program) -> None:
         result = loop.run_until_complete(asyncio.wait_for(run(config, program), timeout=3600))
     finally:
         loop.close()
+    check(result)
+
+
+# -- the Serving walk (issue 38 item 3) ----------------------------------------------------
+
+SERVING_WALK = 300
+SERVING_HORIZON = 0.1  # seconds: arrivals and the drain's deadline, beside WATCH_AFTER (50 ms)
+"""The Serving walk's examples in CI (virtual clock; about 15 s here)."""
+
+
+@pytest.mark.virtual_clock
+@time_limit(SERVING_WALK, 0.15)
+@combination_settings(SERVING_WALK)
+@given(data=st.data())
+def test_serving_with_disconnects_and_a_drain_deadline_keeps_every_promise(
+    data: st.DataObject,
+) -> None:
+    """A `Serving` of a proxy drawn with dedup (and the cache), keys and tenants; HTTP
+    requests through `CancelOnDisconnect` (FastAPI's middleware) whose clients may
+    disconnect mid-call; the drain with a deadline (`drain_timeout`) cutting off calls
+    still queued or running, hung ones among them (tests/_serving_walk.py). Every call
+    ends once, with its own result or the documented error (`DrainDeadline` only at
+    the deadline), a disconnect cancels it and counts it as disconnected, and
+    nothing is left running."""
+    config = data.draw(serving_configs(), label="config")
+    program = data.draw(serving_programs(config, SERVING_HORIZON), label="program")
+    on_virtual_clock_serving(config, program)
+
+
+def on_virtual_clock_serving(config: Config, program: ServingProgram) -> None:
+    loop = looptime.new_event_loop(start=0.0)
+    try:
+        tasks_before = len(asyncio.all_tasks(loop))
+        result, exchanges = loop.run_until_complete(
+            asyncio.wait_for(run_serving(config, program), timeout=3600)
+        )
+        left = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        assert len(left) <= tasks_before, f"tasks left running: {left}"
+    finally:
+        loop.close()
+    problems = list(serving_problems(result, exchanges))
+    assert not problems, "\n".join(problems)
     check(result)
