@@ -4,7 +4,10 @@ Hypothesis draws a configuration (dedup and the cache, tenants, their weights an
 queue limits, batch keys as an option and per call, allowed batch sizes cut or
 padded, per-batch arguments, caller contexts, `isolate_errors`, `oom_backoff`,
 priorities, aging, queue limits, the executor, a unary or a streaming model, a
-`Proxy` subclass or a decorated function: `@batch`, `@batch_args`) and a
+`Proxy` subclass or a decorated function: `@batch`, `@batch_args`; and issue 38
+item 3's options: `length=` with `max_batch_tokens`, `window` fixed or adaptive,
+`shed_late`, and a `batch_timeout` `Watchdog` serving on or stopping, with items
+that hang their model call) and a
 program of calls (`inference`, `inference_many`, `stream`, `submit` and
 `inference_sync` from threads, with deadlines, cancellations, `configure()` under
 load and `aclose()` mid-flight), runs it, and checks (tests/_combinations.py):
@@ -15,12 +18,25 @@ load and `aclose()` mid-flight), runs it, and checks (tests/_combinations.py):
 - every context a model call sees belongs to that call's items, in order;
 - every model call has an allowed size;
 - the stats add up;
-- a call that only joins a queued identical call is never refused (`QueueFull`);
+- a call that only joins a queued identical call is never refused (`QueueFull`)
+  nor shed;
+- no model call is over its token budget (members x largest `length`; an item over
+  it alone), a shed call ends with `DeadlineExceeded` whose `predicted` is past its
+  timeout, and `stats.shed` counts the calls shed;
+- a `BatchTimeout` goes only to callers of a batch that hung (on the virtual clock;
+  in real time a loaded machine may overrun a batch), `ProxyClosed` after a
+  stopping watchdog fired, `stats.timed_out_batches` counts them, and every hung
+  model call was abandoned (cancelled);
 - nothing is left running (tasks, threads).
+
+A second walk drives a `Serving` (tests/_serving_walk.py): HTTP requests through
+`CancelOnDisconnect` whose clients disconnect mid-call, and the drain with a
+deadline, on a proxy with dedup, keys and tenants.
 
 The loop's examples run on looptime's virtual clock; those with threads in real time.
 In CI the file takes one to two minutes: 2,000 examples on the virtual clock, 200
-with threads, 100 through a model host, 5 on worker processes.
+with threads, 100 through a model host, 5 on worker processes, and 300 of the
+Serving walk (about 15 s; the options of issue 38 added about 20 s to the rest).
 `BATCHPROXY_COMBINATIONS=20000` runs ten times as many of each. What it found
 (`FOUND`) stays as regression tests; what it found in threads (`@batch_args`'
 `inference_sync`, which took neither the function's arguments nor the
