@@ -428,6 +428,9 @@ def programs(draw: st.DrawFn, config: Config, horizon: float, *, threads: bool =
         forms += ["submit", "sync"]
     n = draw(st.integers(1, 24))
     items = [*ITEMS, HANG] if config.hangs else ITEMS
+    arrivals = [0.0, 0.0, horizon / 20, horizon / 4, horizon / 2]
+    if config.options.get("shed_late"):  # late ones too: once the cost model has a line
+        arrivals += [k * horizon for k in (1, 2, 3, 4, 5, 6)]
     calls = []
     for i in range(n):
         form = draw(st.sampled_from(forms))
@@ -435,7 +438,7 @@ def programs(draw: st.DrawFn, config: Config, horizon: float, *, threads: bool =
         calls.append(
             Call(
                 id=i,
-                at=draw(st.sampled_from([0.0, 0.0, horizon / 20, horizon / 4, horizon / 2])),
+                at=draw(st.sampled_from(arrivals)),
                 form=form,
                 items=tuple(draw(st.lists(st.sampled_from(items), min_size=count, max_size=count))),
                 key=draw(st.sampled_from(KEYS)) if config.keys else None,
