@@ -11,8 +11,8 @@ adds: a call ends once, with its own result, `ProxyClosed` (it came after the dr
 began), `DrainDeadline` (only at the deadline), `DeadlineExceeded` (its own timeout),
 or cancelled by its client's disconnect (then counted in `stats.disconnected`, and
 the middleware swallows the cancellation: the server's task ends quietly); the
-response is sent whole unless the client left; the service ends CLOSED with
-nothing left running.
+response is sent whole, the app's own unless the client left (then none, or the
+middleware's 499); the service ends CLOSED with nothing left running.
 """
 
 from __future__ import annotations
@@ -221,8 +221,10 @@ def serving_problems(result: Run, exchanges: dict[int, Exchange]) -> Iterator[st
         left = isinstance(outcomes[0], asyncio.CancelledError)
         cancelled += left
         types = [m["type"] for m in exchange.messages]
-        if left and types:
-            yield f"request {call.id}: its client left, yet it was answered: {types}"
+        status = exchange.messages[0].get("status") if exchange.messages else None
+        # (the middleware may complete a cancelled request's response: 499, dropped)
+        if left and types and status != 499:
+            yield f"request {call.id}: its client left, yet it was answered: {status} {types}"
         if not left and types != ["http.response.start", "http.response.body"]:
             yield f"request {call.id} ({outcomes[0]!r}): sent {types}"
         if left and call.cancel_after is None:
