@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import math
 import os
 import shutil
 import tempfile
@@ -28,6 +29,7 @@ from typing_extensions import override
 
 import batchproxy
 from batchproxy import Last
+from batchproxy._tasks import current_batch
 from batchproxy.host import ModelHost, RemoteProxy
 
 EXAMPLES = int(os.environ.get("BATCHPROXY_COMBINATIONS", "0"))
@@ -44,6 +46,18 @@ ITEMS: list[Hashable] = ["x", "x", "y", "bad", "boom", "oom", ("k", "x"), ("k", 
 KEYS: list[Hashable] = [None, "k", "j"]
 TAGS = ["", "t"]
 TENANTS: list[Hashable] = [None, "a", "b"]
+
+
+HANG = "hang"
+"""An item whose model call never returns (drawn only with a watchdog: `batch_timeout`)."""
+
+LENGTHS: dict[Hashable, int] = {"x": 1, "y": 2, "bad": 1, "boom": 3, "oom": 2, HANG: 1}
+"""Each item's cost for `length=` (a tuple: 4)."""
+
+
+def item_length(item: Hashable) -> int:
+    """The `length=` option: an item's cost, by `LENGTHS`."""
+    return LENGTHS.get(item, 4)
 
 
 def key_option(item: Hashable) -> Hashable:
@@ -79,6 +93,10 @@ class ModelCall:
     contexts: list[int | None] | None  # the caller ids of `caller_contexts()`, if on
     raised: str | None = None  # "boom" or "oom"
     done: bool = False  # the model returned or raised
+    batch: object = None  # the batch task it ran in (`current_batch`)
+    started: float = 0.0  # the loop's time when it began (the caller's loop)
+    hung: bool = False  # it held a "hang" item: it never returns
+    abandoned: bool = False  # ... and was cancelled (by the watchdog or a shutdown)
 
 
 class Log:
@@ -86,6 +104,7 @@ class Log:
 
     def __init__(self) -> None:
         self.calls: list[ModelCall] = []
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def record(
         self, items: list[Hashable], tag: str, contexts: bool, *, arguments: bool = False
@@ -96,9 +115,34 @@ class Log:
         if contexts:
             seen = [context.get(CALLER) for context in batchproxy.caller_contexts()]
         key = None if arguments else batchproxy.batch_key()
-        call = ModelCall(list(items), key, tag, seen)
+        call = ModelCall(list(items), key, tag, seen, batch=current_batch.get())
+        call.started = self.clock()
         self.calls.append(call)
         return call
+
+    def clock(self) -> float:
+        """The time on the loop the calls are made on (set by the run)."""
+        return self.loop.time() if self.loop is not None else 0.0
+
+    async def model(self, call: ModelCall, delay: float) -> list[Any]:
+        """What every async model here does with a call: hang on a "hang" item (until
+        cancelled), else take `delay`, then answer."""
+        if HANG in call.items:
+            await self.hang(call)
+        if delay:
+            await asyncio.sleep(delay)
+        return self.answer(call)
+
+    async def hang(self, call: ModelCall) -> None:
+        call.hung = True
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            call.abandoned = True
+            raise
+        finally:
+            call.done = True
+        raise AssertionError("a hung model call ran for an hour")
 
     def running(self, identity: Identity) -> bool:
         """Whether a model call on `identity` is under way."""
@@ -129,9 +173,7 @@ class Plain(batchproxy.Proxy[Hashable, Any]):
     @override
     async def _inference(self, items: list[Hashable]) -> Sequence[Any]:
         call = self.log.record(items, "", self.options.caller_context)
-        if self.delay:
-            await asyncio.sleep(self.delay)
-        return self.log.answer(call)
+        return await self.log.model(call, self.delay)
 
 
 class Tagged(batchproxy.Proxy[Hashable, Any]):
@@ -146,9 +188,7 @@ class Tagged(batchproxy.Proxy[Hashable, Any]):
         self, items: list[Hashable], /, *, tag: str = ""
     ) -> Sequence[Any]:
         call = self.log.record(items, tag, self.options.caller_context, arguments=True)
-        if self.delay:
-            await asyncio.sleep(self.delay)
-        return self.log.answer(call)
+        return await self.log.model(call, self.delay)
 
 
 class Streaming(batchproxy.Proxy[Hashable, Any]):
@@ -166,6 +206,8 @@ class Streaming(batchproxy.Proxy[Hashable, Any]):
         left = list(items)
         keep = yield [("c0", item, call.key, "") for item in left]
         left = [left[i] for i in keep]
+        if HANG in left:  # (its second step: the watchdog bounds each step)
+            await self.log.hang(call)
         if self.delay:
             await asyncio.sleep(self.delay)
         step = ModelCall(left, call.key, "", None)
@@ -185,18 +227,14 @@ def decorated(model: str, log: Log, delay: float, **options: Any) -> Any:
         @batchproxy.batch(**options)
         async def plain(items: list[Hashable]) -> Sequence[Any]:
             call = log.record(items, "", contexts)
-            if delay:
-                await asyncio.sleep(delay)
-            return log.answer(call)
+            return await log.model(call, delay)
 
         return plain
 
     @batchproxy.batch_args(**options)
     async def tagged(items: list[Hashable], /, *, tag: str = "") -> Sequence[Any]:
         call = log.record(items, tag, contexts, arguments=True)
-        if delay:
-            await asyncio.sleep(delay)
-        return log.answer(call)
+        return await log.model(call, delay)
 
     return tagged
 
@@ -218,6 +256,14 @@ class Config:
     offload: bool  # a WorkerThread runs the model
     delay: float  # the model's own time per call
     remote: bool = False  # served by a ModelHost, called through a RemoteProxy
+    # -- the options of issue 38 item 3 (`option_extras`) --
+    real_time: bool = False  # run in real time: a batch may overrun its watchdog by load
+
+    @property
+    def hangs(self) -> bool:
+        """Whether calls may hold a "hang" item: with a watchdog, on a model that can be
+        abandoned (not one in a worker process, whose model is not async)."""
+        return self.options.get("batch_timeout") is not None and self.model != "process"
 
     @property
     def arguments(self) -> bool:
@@ -324,7 +370,49 @@ def configs(
         options["key"] = key_option
     offload = threads and model not in ("streaming", "process") and draw(st.booleans())
     delay = draw(st.sampled_from([0.0, 0.001, 0.01]))
-    return Config(model, options, keys, offload, delay, remote)
+    real_time = threads or processes or remote
+    options.update(draw(option_extras(real_time)))
+    return Config(model, options, keys, offload, delay, remote, real_time)
+
+
+WATCHDOG_SECONDS = (0.5, 1.0)
+"""A watchdog's seconds on the virtual clock: more than any batch but a hung one takes
+(a batch of 8 re-run down to single items takes 15 model calls of 10 ms at most)."""
+
+WATCHDOG_SECONDS_REAL = (0.2,)
+"""... and in real time (where a batch may overrun them on a loaded machine: the oracle
+then allows a `BatchTimeout` to any call)."""
+
+
+@st.composite
+def option_extras(draw: st.DrawFn, real_time: bool) -> dict[str, Any]:
+    """The options of issue 38 item 3, drawn apart from the rest: `length` with
+    `max_batch_tokens`, `window`, `shed_late`, and a `batch_timeout` (a `Watchdog`
+    serving on or stopping), which puts "hang" items in the calls."""
+    options: dict[str, Any] = {}
+    if draw(st.booleans()):
+        options["length"] = item_length
+        options["max_batch_tokens"] = draw(st.none() | st.sampled_from([2, 4, 6]))
+    options["window"] = draw(st.sampled_from(["adaptive", "fixed"]))
+    options["shed_late"] = draw(st.booleans())
+    if draw(st.integers(0, 2)) == 0:  # one in three
+        seconds = draw(st.sampled_from(WATCHDOG_SECONDS_REAL if real_time else WATCHDOG_SECONDS))
+        on_timeout = draw(st.sampled_from(["serve", "serve", "stop"]))
+        options["batch_timeout"] = batchproxy.Watchdog(seconds, on_timeout=on_timeout)
+    return options
+
+
+def option_changes(config: Config) -> dict[str, Any]:
+    """What `configure()` may change of `option_extras`' options (a watchdog's seconds
+    alone, keeping what it does; never one removed while calls may hang)."""
+    seconds = WATCHDOG_SECONDS_REAL if config.real_time else WATCHDOG_SECONDS
+    changes: dict[str, Any] = {
+        "window": st.sampled_from(["adaptive", "fixed"]),
+        "shed_late": st.booleans(),
+    }
+    if config.options.get("batch_timeout") is not None:
+        changes["batch_timeout"] = st.sampled_from(seconds)
+    return changes
 
 
 @st.composite
@@ -339,6 +427,10 @@ def programs(draw: st.DrawFn, config: Config, horizon: float, *, threads: bool =
     elif threads:  # (a stream is read on the loop)
         forms += ["submit", "sync"]
     n = draw(st.integers(1, 24))
+    items = [*ITEMS, HANG] if config.hangs else ITEMS
+    arrivals = [0.0, 0.0, horizon / 20, horizon / 4, horizon / 2]
+    if config.options.get("shed_late"):  # late ones too: once the cost model has a line
+        arrivals += [k * horizon for k in (1, 2, 3, 4, 5, 6)]
     calls = []
     for i in range(n):
         form = draw(st.sampled_from(forms))
@@ -346,9 +438,9 @@ def programs(draw: st.DrawFn, config: Config, horizon: float, *, threads: bool =
         calls.append(
             Call(
                 id=i,
-                at=draw(st.sampled_from([0.0, 0.0, horizon / 20, horizon / 4, horizon / 2])),
+                at=draw(st.sampled_from(arrivals)),
                 form=form,
-                items=tuple(draw(st.lists(st.sampled_from(ITEMS), min_size=count, max_size=count))),
+                items=tuple(draw(st.lists(st.sampled_from(items), min_size=count, max_size=count))),
                 key=draw(st.sampled_from(KEYS)) if config.keys else None,
                 tag=draw(st.sampled_from(TAGS)) if config.arguments else "",
                 tenant=draw(st.sampled_from(TENANTS)),
@@ -373,6 +465,7 @@ def programs(draw: st.DrawFn, config: Config, horizon: float, *, threads: bool =
                     "aging_ms": st.none() | st.just(5.0),
                     "tenant_weights": st.none() | st.just({"b": 2.0}),
                     "max_queue_size_per_tenant": st.none() | st.integers(1, 3),
+                    **option_changes(config),
                 },
             )
         )
@@ -398,6 +491,9 @@ class Run:
     configured: bool = False
     joinable_refused: list[str] = field(default_factory=list)
     max_batch_size: int = 0
+    ended_at: dict[tuple[int, int], float] = field(default_factory=dict)  # per item, on the loop
+    drain_timeout: float | None = None  # the drain's deadline (the Serving walk's)
+    serving_closed: bool = False  # the Serving walk's service ended CLOSED
 
 
 class Queued:
@@ -470,6 +566,7 @@ async def run_on(
 ) -> Run:
     result = Run(config, program, proxy, log, {})
     result.max_batch_size = config.options["batch_size"]
+    loop = log.loop = asyncio.get_running_loop()
     queued = Queued(log, result)
     # (through a host, a call is admitted some steps after it is made: the tracker of
     # which calls surely wait in the queue cannot follow it there)
@@ -481,6 +578,7 @@ async def run_on(
     def settle(call: Call, outcome: Any, index: int | None = None) -> None:
         for i in range(len(call.items)) if index is None else [index]:
             result.outcomes[call.id, i].append(outcome)
+            result.ended_at.setdefault((call.id, i), loop.time())
 
     async def caller(call: Call) -> None:
         CALLER.set(call.id)
@@ -498,6 +596,10 @@ async def run_on(
         except batchproxy.QueueFull as exc:
             if joinable:
                 result.joinable_refused.append(f"call {call.id} ({call.form}): {exc}")
+            raise
+        except batchproxy.DeadlineExceeded as exc:
+            if joinable and exc.predicted is not None:  # shed, though it adds no work
+                result.joinable_refused.append(f"call {call.id} ({call.form}) shed: {exc}")
             raise
         finally:
             queued.ended(call, identities)
@@ -606,16 +708,19 @@ async def one_call(
 def check(result: Run) -> None:
     """Every promise, for one run (see the test module's docstring)."""
     # unsure: maybe never accepted; cancelled: callers who saw CancelledError
-    counts = {"rejected": 0, "refused": 0, "unsure": 0, "cancelled": 0}
+    counts = {"rejected": 0, "refused": 0, "unsure": 0, "cancelled": 0, "timed_out": 0}
     problems = [
         *model_calls_problems(result),
         *callers_problems(result, counts),
         *stats_problems(result, counts),
+        *option_problems(result, counts),
     ]
     if problems:
-        problems.append("model calls (items, key, tag, contexts, raised):")
+        problems.append("model calls (items, key, tag, contexts, raised, started, hung):")
         problems += [
-            f"  {c.items} {c.key!r} {c.tag!r} {c.contexts} {c.raised}" for c in result.log.calls
+            f"  {c.items} {c.key!r} {c.tag!r} {c.contexts} {c.raised} {c.started:.4f}"
+            f"{' hung' if c.hung else ''}"
+            for c in result.log.calls
         ]
     assert not problems, "\n".join(problems)
 
@@ -632,6 +737,12 @@ def model_calls_problems(result: Run) -> Iterator[str]:
             yield f"model call {number} has {size} items: {model_call.items}"
         if sizes is not None and config.model != "streaming" and size not in sizes:
             yield f"model call {number} of {size} items: not in {sizes}"
+        budget = config.options.get("max_batch_tokens")
+        real = [item for item in model_call.items if item != PAD]
+        if budget is not None and len(real) > 1:  # (an item over it runs alone)
+            tokens = len(real) * max(map(item_length, real))
+            if tokens > budget:
+                yield f"model call {number} on {real}: {tokens} tokens, over {budget}"
         if model_call.contexts is None:
             continue
         if len(model_call.contexts) != size:
@@ -686,7 +797,14 @@ def stats_problems(result: Run, counts: dict[str, int]) -> Iterator[str]:
     if not counts["rejected"] <= stats.rejected <= counts["rejected"] + slack:
         yield f"stats: rejected {stats.rejected}, callers saw {counts['rejected']}"
     items = sum(1 for c in log.calls for i in c.items if i != PAD)
-    if result.config.model not in ("streaming", "process") and stats.items > items:
+    # (a batch counts its items as it starts; one the watchdog abandoned in its first
+    # cut never ran the others)
+    abandoned = stats.timed_out_batches and result.config.options.get("batch_sizes")
+    if (
+        result.config.model not in ("streaming", "process")
+        and stats.items > items
+        and not abandoned
+    ):
         yield f"stats: {stats.items} items, the model saw {items}"
     total = sum(len(call.items) for call in result.program.calls)
     accepted = total - counts["refused"] - counts["rejected"]
@@ -726,9 +844,24 @@ def explain(
     if isinstance(outcome, batchproxy.QueueFull):
         counts["rejected"] += 1
         return None if config.limited or result.configured else f"refused: {outcome!r}"
+    if isinstance(outcome, batchproxy.DrainDeadline):
+        return drain_cut(result, call, item, outcome)
+    if isinstance(outcome, batchproxy.ProxyClosed) and stopped(result, call, item):
+        counts["unsure"] += 1  # queued when the watchdog stopped the proxy, or refused
+        return None
     if isinstance(outcome, batchproxy.ProxyClosed):
         counts["refused"] += 1
         return None if result.closed_at is not None else f"closed: {outcome!r}"
+    if isinstance(outcome, batchproxy.DeadlineExceeded) and outcome.predicted is not None:
+        counts["unsure"] += 1  # shed (an inference_many's items before it were accepted)
+        if not sheds(result):
+            return f"shed without shed_late: {outcome!r}"
+        if call.timeout is None or not outcome.predicted > outcome.timeout == call.timeout:
+            return f"shed, but expected within its timeout {call.timeout}: {outcome!r}"
+        return None
+    if isinstance(outcome, batchproxy.BatchTimeout):
+        counts["timed_out"] += 1
+        return overran(result, call, item, identity, ran)
     if isinstance(outcome, batchproxy.DeadlineExceeded):
         # its deadline may pass on the way to a host; a thread's own wait (its timeout
         # + 0.5 s, `inference_sync`'s guard against a loop too busy to answer) may end
@@ -767,3 +900,92 @@ def explain(
             return f"{outcome!r} with isolate_errors or oom_backoff"
         return None
     return f"unexpected outcome {outcome!r}"
+
+
+# -- the oracle of issue 38 item 3's options ----------------------------------------------
+
+
+def sheds(result: Run) -> bool:
+    """Whether `shed_late` was on at some point of the run."""
+    changes = result.program.changes
+    return bool(result.config.options.get("shed_late")) or (
+        result.configured and bool(changes.get("shed_late"))
+    )
+
+
+def stopped(result: Run, call: Call, item: Hashable) -> bool:
+    """Whether a watchdog that stops the proxy (`on_timeout="stop"`) may have stopped it
+    before this item of `call` ended: on the virtual clock, once a hung model call
+    began; in real time, a batch may have overrun by load at any time."""
+    watchdog = result.config.options.get("batch_timeout")
+    if watchdog is None or watchdog.on_timeout != "stop":
+        return False
+    if result.config.real_time:
+        return True
+    end = result.ended_at.get((call.id, call.items.index(item)), math.inf)
+    return any(c.hung and c.started <= end for c in result.log.calls)
+
+
+def overran(
+    result: Run,
+    call: Call,
+    item: Hashable,
+    identity: Identity,
+    ran: dict[Identity, list[ModelCall]],
+) -> str | None:
+    """Why a `BatchTimeout` is wrong for this item of `call`, or None: it needs a
+    watchdog, and on the virtual clock (where only a hung batch overruns) a batch
+    that hung with its item in it, or, where a batch runs in several model calls (cut
+    to allowed sizes), a hung one running when the call ended."""
+    if result.config.options.get("batch_timeout") is None:
+        return "BatchTimeout without a watchdog"
+    if result.config.real_time:
+        return None
+    log = result.log
+    hung = {id(c.batch) for c in log.calls if c.hung}
+    if any(id(c.batch) in hung for c in ran.get(identity, [])):
+        return None
+    sizes = result.config.options.get("batch_sizes")
+    if sizes is not None and not isinstance(sizes, batchproxy.BatchSizes):
+        end = result.ended_at.get((call.id, call.items.index(item)), math.inf)
+        if any(c.hung and c.started <= end for c in log.calls):
+            return None
+    return "BatchTimeout, but no batch it was in hung"
+
+
+def option_problems(result: Run, counts: dict[str, int]) -> Iterator[str]:
+    """What the stats say of the options of issue 38 item 3, against what the callers
+    saw; and every hung model call was abandoned (nothing left running)."""
+    stats = result.proxy.stats
+    shed = sum(
+        1
+        for call in result.program.calls
+        if any(
+            isinstance(o, batchproxy.DeadlineExceeded) and o.predicted is not None
+            for index in range(len(call.items))
+            for o in result.outcomes[call.id, index]
+        )
+    )
+    if not result.config.remote and stats.shed != shed:
+        yield f"stats: shed {stats.shed}, callers saw {shed} calls shed"
+    if counts["timed_out"] and not stats.timed_out_batches:
+        yield f"{counts['timed_out']} callers got BatchTimeout, but stats.timed_out_batches is 0"
+    if not result.config.real_time:
+        hung = {id(c.batch) for c in result.log.calls if c.hung}
+        if stats.timed_out_batches > len(hung):
+            yield f"stats: {stats.timed_out_batches} batches timed out, {len(hung)} hung"
+    for c in result.log.calls:
+        if c.hung and not c.abandoned:
+            yield f"the hung model call on {c.items} was never abandoned"
+
+
+def drain_cut(result: Run, call: Call, item: Hashable, outcome: Any) -> str | None:
+    """Why a `DrainDeadline` is wrong for this item of `call`, or None: only with a drain
+    deadline, once it passed (an accepted call: it counts as accepted)."""
+    if result.drain_timeout is None or result.closed_at is None:
+        return f"DrainDeadline without a drain deadline: {outcome!r}"
+    end = result.ended_at.get((call.id, call.items.index(item)), math.inf)
+    deadline = result.closed_at + result.drain_timeout
+    if end < deadline - 1e-9:
+        return f"DrainDeadline at {end}, before the drain's deadline {deadline}"
+    return None

@@ -260,7 +260,8 @@ class Scheduler(Generic[T]):
         self.in_flight -= 1
         self._trim_running()
         while self.in_flight < self._max_concurrent and self._full():
-            self._send("full")
+            if not self._send("full"):
+                break  # (dead requests, counted a moment longer: see `_decide`)
         self._slot_freed = True  # the rest, if a slot is left, go as after any batch
         self._schedule_decision()
         return True
@@ -322,11 +323,16 @@ class Scheduler(Generic[T]):
                 if wait is not None and wait > self.loop.time() + _TIME_TOLERANCE:
                     self._arm_timer(wait)  # the next allowed size is expected in time
                     return
-            self._send(why)
+            if not self._send(why):
+                # every queued request turned out to be dead: counted until their
+                # callers' callbacks (run next) take them out; a pop that does not
+                # retire them (`pop_similar`) would find none again, for ever
+                break
         if not queue.live:
             self.close()  # nothing waits: no timer left armed
 
-    def _send(self, why: str) -> None:
+    def _send(self, why: str) -> bool:
+        """Start a batch of the queued requests; False if none was live."""
         batch = self._take()
         if batch:  # empty when every queued request turned out to be dead
             self.in_flight += 1
@@ -335,6 +341,7 @@ class Scheduler(Generic[T]):
             if logger.isEnabledFor(logging.DEBUG):
                 self._log_departure(batch, why)
             self._start_batch(batch)
+        return bool(batch)
 
     def _log_departure(self, batch: list[Request[T]], why: str) -> None:
         waited = self.loop.time() - min(request.enqueued_at for request in batch)

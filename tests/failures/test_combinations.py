@@ -4,7 +4,10 @@ Hypothesis draws a configuration (dedup and the cache, tenants, their weights an
 queue limits, batch keys as an option and per call, allowed batch sizes cut or
 padded, per-batch arguments, caller contexts, `isolate_errors`, `oom_backoff`,
 priorities, aging, queue limits, the executor, a unary or a streaming model, a
-`Proxy` subclass or a decorated function: `@batch`, `@batch_args`) and a
+`Proxy` subclass or a decorated function: `@batch`, `@batch_args`; and issue 38
+item 3's options: `length=` with `max_batch_tokens`, `window` fixed or adaptive,
+`shed_late`, and a `batch_timeout` `Watchdog` serving on or stopping, with items
+that hang their model call) and a
 program of calls (`inference`, `inference_many`, `stream`, `submit` and
 `inference_sync` from threads, with deadlines, cancellations, `configure()` under
 load and `aclose()` mid-flight), runs it, and checks (tests/_combinations.py):
@@ -15,12 +18,27 @@ load and `aclose()` mid-flight), runs it, and checks (tests/_combinations.py):
 - every context a model call sees belongs to that call's items, in order;
 - every model call has an allowed size;
 - the stats add up;
-- a call that only joins a queued identical call is never refused (`QueueFull`);
+- a call that only joins a queued identical call is never refused (`QueueFull`)
+  nor shed;
+- no model call is over its token budget (members x largest `length`; an item over
+  it alone), a shed call ends with `DeadlineExceeded` whose `predicted` is past its
+  timeout, and `stats.shed` counts the calls shed;
+- a `BatchTimeout` goes only to callers of a batch that hung (on the virtual clock;
+  in real time a loaded machine may overrun a batch), `ProxyClosed` after a
+  stopping watchdog fired, `stats.timed_out_batches` counts them, and every hung
+  model call was abandoned (cancelled);
 - nothing is left running (tasks, threads).
+
+A second walk drives a `Serving` (tests/_serving_walk.py): HTTP requests through
+`CancelOnDisconnect` whose clients disconnect mid-call, and the drain with a
+deadline, on a proxy with dedup, keys and tenants.
 
 The loop's examples run on looptime's virtual clock; those with threads in real time.
 In CI the file takes one to two minutes: 2,000 examples on the virtual clock, 200
-with threads, 100 through a model host, 5 on worker processes.
+with threads, 100 through a model host, 5 on worker processes, and 300 of the
+Serving walk. Measured on the 2-core machine under load (2026-11-29): 94 s, against
+50 s before issue 38's options (virtual clock +20 s, threads +16 s: a watchdog's
+0.2 s waits in real time, the Serving walk 4 s).
 `BATCHPROXY_COMBINATIONS=20000` runs ten times as many of each. What it found
 (`FOUND`) stays as regression tests; what it found in threads (`@batch_args`'
 `inference_sync`, which took neither the function's arguments nor the
@@ -37,7 +55,24 @@ from typing import Any
 
 import looptime
 import pytest
-from _combinations import EXAMPLES, Call, Config, Program, check, configs, programs, run
+from _combinations import (
+    EXAMPLES,
+    Call,
+    Config,
+    Program,
+    check,
+    configs,
+    item_length,
+    programs,
+    run,
+)
+from _serving_walk import (
+    ServingProgram,
+    run_serving,
+    serving_configs,
+    serving_problems,
+    serving_programs,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -215,6 +250,15 @@ FOUND: dict[str, tuple[str, Config, Program]] = {
         plain(keys=True, batch_size=3, batch_sizes=(1, 3)),
         Program([call(0, "x"), call(1, "boom"), call(2, "x", key="k")]),
     ),
+    # issue 38 item 3 (the walk with length=, on the code of 2026-11-29): a tenant's
+    # call cancelled as aclose() begins, on a length-aware @batch: the drain's scheduler
+    # found only that dead request (counted until its cancellation's callback ran) and
+    # asked again for ever, spinning the event loop
+    "a-caller-leaving-as-the-drain-begins": (
+        "issue 38 item 3",
+        Config("batch", {"batch_size": 1, "length": item_length}, False, False, 0.01),
+        Program([Call(0, 0.0, "inference", ("oom",), None, "", "b", 0, None, 0.0)], close_at=0.0),
+    ),
 }
 """Failures found by the walk on the code of 2026-11-26, each minimal: regression
 tests now that they are fixed (why: the issue item each one found)."""
@@ -231,4 +275,46 @@ def test_what_the_walk_found(config: Config, program: Program) -> None:
         result = loop.run_until_complete(asyncio.wait_for(run(config, program), timeout=3600))
     finally:
         loop.close()
+    check(result)
+
+
+# -- the Serving walk (issue 38 item 3) ----------------------------------------------------
+
+SERVING_WALK = 300
+SERVING_HORIZON = 0.1  # seconds: arrivals and the drain's deadline, beside WATCH_AFTER (50 ms)
+"""The Serving walk's examples in CI (virtual clock; about 4 s here)."""
+
+
+@pytest.mark.virtual_clock
+@time_limit(SERVING_WALK, 0.15)
+@combination_settings(SERVING_WALK)
+@given(data=st.data())
+def test_serving_with_disconnects_and_a_drain_deadline_keeps_every_promise(
+    data: st.DataObject,
+) -> None:
+    """A `Serving` of a proxy drawn with dedup (and the cache), keys and tenants; HTTP
+    requests through `CancelOnDisconnect` (FastAPI's middleware) whose clients may
+    disconnect mid-call; the drain with a deadline (`drain_timeout`) cutting off calls
+    still queued or running, hung ones among them (tests/_serving_walk.py). Every call
+    ends once, with its own result or the documented error (`DrainDeadline` only at
+    the deadline), a disconnect cancels it and counts it as disconnected, and
+    nothing is left running."""
+    config = data.draw(serving_configs(), label="config")
+    program = data.draw(serving_programs(config, SERVING_HORIZON), label="program")
+    on_virtual_clock_serving(config, program)
+
+
+def on_virtual_clock_serving(config: Config, program: ServingProgram) -> None:
+    loop = looptime.new_event_loop(start=0.0)
+    try:
+        tasks_before = len(asyncio.all_tasks(loop))
+        result, exchanges = loop.run_until_complete(
+            asyncio.wait_for(run_serving(config, program), timeout=3600)
+        )
+        left = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        assert len(left) <= tasks_before, f"tasks left running: {left}"
+    finally:
+        loop.close()
+    problems = list(serving_problems(result, exchanges))
+    assert not problems, "\n".join(problems)
     check(result)

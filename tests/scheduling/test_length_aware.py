@@ -225,3 +225,34 @@ def test_no_request_starves(
                 if batch_index[left_out.id] != k:
                     passes[left_out.id] = passes.get(left_out.id, 0) + 1
                     assert passes[left_out.id] <= 3, f"{left_out} passed over 4 times"
+
+
+@pytest.mark.looptime
+@pytest.mark.timeout(60)
+async def test_a_caller_that_leaves_as_the_drain_begins_does_not_spin_the_loop() -> None:
+    """Found by the combination walk (issue 38 item 3): a length-aware proxy (`length=`)
+    with a tenant's call whose caller is cancelled in the iteration `aclose()` begins:
+    the request, dead but counted until its cancellation's callback runs, was all the
+    drain could send; `pop_similar` picks only live requests, found none, and the
+    scheduler asked again, for ever, so that callback never ran (the loop spun)."""
+    async with Recorder(batch_size=1, length=cost) as proxy:
+
+        async def call() -> Any:
+            await asyncio.sleep(0)
+            return await proxy.inference(("a", 1), tenant="b")
+
+        task = asyncio.create_task(call())
+
+        async def leave() -> None:
+            await asyncio.sleep(0)
+            task.cancel()
+
+        async def close() -> None:
+            await asyncio.sleep(0)
+            await proxy.aclose()
+
+        await asyncio.gather(leave(), close())
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    stats = proxy.stats
+    assert (stats.requests, stats.cancelled, stats.queue_depth, stats.batches) == (1, 1, 0, 0)

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
+import pytest
+
+from batchproxy._scheduling.fair_queue import FairQueue
+from batchproxy._scheduling.keyed_queue import KeyedQueue
 from batchproxy._scheduling.queue import Request, RequestQueue
 
 
@@ -82,5 +87,38 @@ def test_mixed_deadlines_keep_dead_entries_bounded() -> None:
                 assert all(r.deadline != float("inf") for r in queue.pop_batch(2))
             entries = len(queue._levels[0].fifo)
             assert entries <= 2 * queue.live + 64, entries
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("kind", ["plain", "fair", "keyed"])
+def test_reading_the_pop_order_changes_no_count(kind: str) -> None:
+    """Found by the combination walk (issue 38 item 3): with aging, a `RequestQueue`
+    retired a head whose caller had left while `in_pop_order` was read, so a composite
+    queue around it (tenants, keys), which follows its sub-queues' counts only through
+    its own calls, kept counting that request: the request's cancellation then found it
+    gone (`discard` False), the composite's `live` stayed one too high for good, and the
+    scheduler, with `live` requests and nothing to take, spun the event loop forever
+    (`length=` batches read the order: `pop_similar`)."""
+    loop = asyncio.new_event_loop()
+    try:
+        queue: Any
+        if kind == "plain":
+            queue = RequestQueue(aging=1.0)
+        elif kind == "fair":
+            queue = FairQueue(aging=1.0)
+        else:
+            queue = KeyedQueue(lambda: 0.0, lambda: 0.0, aging=1.0)
+        requests = [_request(loop, item, 0, float(item)) for item in range(3)]
+        for request in requests:
+            request.tenant, request.key = "a", "k"
+            queue.push(request)
+        requests[0].future.cancel()  # its caller left; its cancellation is on its way
+        assert [r.item for r in queue.in_pop_order(5.0)] == [1, 2]
+        assert queue.live == 3  # read, not changed
+        assert queue.discard(requests[0])  # the cancellation arrives: it leaves, counted
+        assert queue.live == 2
+        assert [r.item for r in queue.pop_similar(4, None, 64, now=5.0)] == [1, 2]
+        assert (queue.live, queue.live_cost) == (0, 0)
     finally:
         loop.close()
