@@ -856,7 +856,12 @@ def explain(
         counts["unsure"] += 1  # shed (an inference_many's items before it were accepted)
         if not sheds(result):
             return f"shed without shed_late: {outcome!r}"
-        if call.timeout is None or not outcome.predicted > outcome.timeout == call.timeout:
+        if call.timeout is None:
+            return f"shed without a timeout: {outcome!r}"
+        # (through a host, the proxy's timeout is the time left when the call arrived)
+        left = outcome.timeout
+        given = left <= call.timeout if config.remote else left == call.timeout
+        if not (outcome.predicted > left and given):
             return f"shed, but expected within its timeout {call.timeout}: {outcome!r}"
         return None
     if isinstance(outcome, batchproxy.BatchTimeout):
