@@ -46,6 +46,13 @@ TAGS = ["", "t"]
 TENANTS: list[Hashable] = [None, "a", "b"]
 
 
+def kinds() -> Any:
+    """tests/_combination_kinds.py (which imports this module)."""
+    import _combination_kinds
+
+    return _combination_kinds
+
+
 def key_option(item: Hashable) -> Hashable:
     """The `key=` option: a tuple item's first element, else None."""
     return item[0] if isinstance(item, tuple) else None
@@ -218,6 +225,13 @@ class Config:
     offload: bool  # a WorkerThread runs the model
     delay: float  # the model's own time per call
     remote: bool = False  # served by a ModelHost, called through a RemoteProxy
+    # -- the run kinds of tests/_combination_kinds.py ("generation", "tensor", "ray")
+    kind_options: dict[str, Any] = field(default_factory=dict)  # a kind's own options
+
+    @property
+    def elsewhere(self) -> bool:
+        """Whether the model runs in another process (its calls are not in the log)."""
+        return self.model in ("process", "ray")
 
     @property
     def arguments(self) -> bool:
@@ -227,6 +241,8 @@ class Config:
     def make(self, log: Log) -> tuple[batchproxy.Proxy[Hashable, Any], Any]:
         """The proxy, and what the calls go through: the proxy, or the decorated
         function."""
+        if self.model in kinds().MODELS:
+            return kinds().make(self, log)  # type: ignore[no-any-return]
         if self.model == "process":
             workers = batchproxy.ProcessWorkers(process_model, 1, name="combinations")
             proxy = batchproxy.Proxy(offload=workers, name="combo", **self.options)
@@ -330,7 +346,7 @@ def configs(
 @st.composite
 def programs(draw: st.DrawFn, config: Config, horizon: float, *, threads: bool = False) -> Program:
     forms = ["inference", "inference", "many"]
-    if config.model == "streaming":
+    if config.model in ("streaming", "generation"):
         forms = ["stream"]
     elif config.model == "args":  # (its inference_many has no return_exceptions)
         forms = ["inference"] + ["sync"] * threads
@@ -362,7 +378,9 @@ def programs(draw: st.DrawFn, config: Config, horizon: float, *, threads: bool =
         )
     configure_at = draw(st.none() | st.sampled_from([0.0, horizon / 4]))
     changes: dict[str, Any] = {}
-    if configure_at is not None:
+    if configure_at is not None and config.model == "generation":
+        changes = draw(kinds().GENERATION_CHANGES)
+    elif configure_at is not None:
         changes = draw(
             st.fixed_dictionaries(
                 {},
@@ -519,7 +537,7 @@ async def run_on(
             if not result.outcomes[call.id, index]:
                 settle(call, outcome, index)  # ended outside `one_call`
     await proxy.aclose()
-    if config.offload or config.model == "process":  # not the proxy's to close
+    if config.offload or config.elsewhere:  # not the proxy's to close
         await proxy._executor.aclose()
     return result
 
@@ -611,6 +629,7 @@ def check(result: Run) -> None:
         *model_calls_problems(result),
         *callers_problems(result, counts),
         *stats_problems(result, counts),
+        *kinds().problems(result),
     ]
     if problems:
         problems.append("model calls (items, key, tag, contexts, raised):")
@@ -686,7 +705,10 @@ def stats_problems(result: Run, counts: dict[str, int]) -> Iterator[str]:
     if not counts["rejected"] <= stats.rejected <= counts["rejected"] + slack:
         yield f"stats: rejected {stats.rejected}, callers saw {counts['rejected']}"
     items = sum(1 for c in log.calls for i in c.items if i != PAD)
-    if result.config.model not in ("streaming", "process") and stats.items > items:
+    # (a step of a generation counts its active sequences; a tensor model never sees the
+    # items its validation fails)
+    unseen = ("streaming", "process", "ray", "generation", "tensor")
+    if result.config.model not in unseen and stats.items > items:
         yield f"stats: {stats.items} items, the model saw {items}"
     total = sum(len(call.items) for call in result.program.calls)
     accepted = total - counts["refused"] - counts["rejected"]
@@ -715,7 +737,7 @@ def explain(
         counts["refused"] += 1
         return None
     if isinstance(outcome, tuple):
-        if call.form == "stream" and config.model == "streaming":
+        if call.form == "stream" and config.model in ("streaming", "generation"):
             want = (("c0", item, key, tag), expected)
             return None if outcome == want else f"got chunks {outcome}, want {want}"
         if outcome != expected:
@@ -745,7 +767,10 @@ def explain(
         if outcome.args != ("bad", item, key, tag):
             return f"cross-talk: got {outcome!r} for {identity}"
         return None
-    if config.model == "process":  # a worker process's model calls are not seen from here
+    decided, problem = kinds().explain(config, item, outcome, counts)
+    if decided:
+        return problem
+    if config.elsewhere:  # a worker process's model calls are not seen from here
         reruns = options.get("isolate_errors") or options.get("oom_backoff")
         if isinstance(outcome, RuntimeError) and str(outcome) == "boom":
             return None if item == "boom" or not options.get("isolate_errors") else "boom"

@@ -32,11 +32,12 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import looptime
 import pytest
+from _combination_kinds import generation_configs, ray_configs, tensor_configs
 from _combinations import EXAMPLES, Call, Config, Program, check, configs, programs, run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -49,6 +50,14 @@ HORIZON = 0.02  # seconds: arrivals, deadlines and the close within it
 WALK = 2000
 """The virtual-clock walk's examples in CI (about a minute); the real-time tests run
 fewer, in proportion: BATCHPROXY_COMBINATIONS=N scales them all to N / WALK."""
+
+
+GENERATION = 300
+TENSORS = 300
+GENERATION_THREADS = 30
+TENSORS_THREADS = 30
+RAY = 3
+"""The run kinds' examples in CI (tests/_combination_kinds.py)."""
 
 
 def examples(default: int) -> int:
@@ -131,6 +140,79 @@ def test_every_combination_through_a_model_host(data: st.DataObject) -> None:
     a socket, the options travel, errors are packed and unpacked, cancellations and
     the close go across; in real time, with calls from threads."""
     config = data.draw(configs(threads=True, remote=True), label="config")
+    program = data.draw(programs(config, HORIZON, threads=True), label="program")
+    in_real_time(config, program)
+
+
+# -- the run kinds of tests/_combination_kinds.py (issue 38 item 3) ------------------------
+
+
+@pytest.mark.virtual_clock
+@time_limit(GENERATION, 0.1)
+@combination_settings(GENERATION)
+@given(data=st.data())
+def test_every_combination_on_a_generation_proxy(data: st.DataObject) -> None:
+    """Continuous batching: sequences join and leave the running batch at each step."""
+    config = data.draw(generation_configs(), label="config")
+    program = data.draw(programs(config, HORIZON), label="program")
+    on_virtual_clock(config, program)
+
+
+@pytest.mark.virtual_clock
+@time_limit(TENSORS, 0.15)
+@combination_settings(TENSORS)
+@given(data=st.data())
+def test_every_combination_on_a_tensor_proxy(data: st.DataObject) -> None:
+    """Arrays and tensors, collated, padded (sequence axis, and batch axis to the allowed
+    sizes), split back to each caller."""
+    config = data.draw(tensor_configs(), label="config")
+    program = data.draw(programs(config, HORIZON), label="program")
+    on_virtual_clock(config, program)
+
+
+@time_limit(GENERATION_THREADS, 0.5)
+@combination_settings(GENERATION_THREADS)
+@given(data=st.data())
+def test_every_combination_on_a_generation_proxy_with_threads(data: st.DataObject) -> None:
+    """A plain `def _step` on a `WorkerThread`, in real time."""
+    config = data.draw(generation_configs(threads=True), label="config")
+    program = data.draw(programs(config, HORIZON, threads=True), label="program")
+    in_real_time(config, program)
+
+
+@time_limit(TENSORS_THREADS, 0.5)
+@combination_settings(TENSORS_THREADS)
+@given(data=st.data())
+def test_every_combination_on_a_tensor_proxy_with_threads(data: st.DataObject) -> None:
+    """A plain `def _forward` (its stages on a worker thread) or an offloaded one, and
+    calls from threads, in real time."""
+    config = data.draw(tensor_configs(threads=True), label="config")
+    program = data.draw(programs(config, HORIZON, threads=True), label="program")
+    in_real_time(config, program)
+
+
+@pytest.fixture(scope="module")
+def ray_instance() -> Iterator[None]:
+    """One local Ray instance for the Ray examples (seconds to start), as in
+    tests/executors/test_ray.py; its actors unpickle the models by value."""
+    ray = pytest.importorskip("ray")
+    import _combination_kinds
+    import _combinations
+
+    for module in (_combinations, _combination_kinds):
+        ray.cloudpickle.register_pickle_by_value(module)
+    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@time_limit(RAY, 20)
+@combination_settings(RAY)
+@given(data=st.data())
+def test_every_combination_on_ray_actors(ray_instance: None, data: st.DataObject) -> None:
+    """A few examples on `RayActors` (one actor each: slow to start), with calls from
+    threads; its model sees no batch key nor contexts, so none are drawn."""
+    config = data.draw(ray_configs(), label="config")
     program = data.draw(programs(config, HORIZON, threads=True), label="program")
     in_real_time(config, program)
 
