@@ -31,7 +31,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
-from _combinations import PAD, Config, Log, ModelCall, Run, answer, configs, key_option
+from _combinations import PAD, Call, Config, Log, ModelCall, Run, answer, configs, key_option
 from hypothesis import strategies as st
 from typing_extensions import override
 
@@ -350,15 +350,15 @@ def make(config: Config, log: Log) -> tuple[batchproxy.Proxy[Hashable, Any], Any
 
 
 def explain(
-    config: Config, item: Hashable, outcome: Any, counts: dict[str, int]
+    config: Config, call: Call, item: Hashable, outcome: Any, counts: dict[str, int]
 ) -> tuple[bool, str | None]:
     """(whether this kind decides `outcome`, and the problem with it or None); a call
     refused at once is counted in `counts` as "refused" (never accepted)."""
     message = str(outcome)
-    # measuring its length (its cost) refuses "bad" at once
+    # measuring its length (its cost) refuses "bad" at once, and a list holding it
     if config.model == "tensor" and isinstance(outcome, TypeError) and "measure a str" in message:
         counts["refused"] += 1
-        return True, None if item == "bad" else f"{item!r} refused: {outcome!r}"
+        return True, None if "bad" in call.items else f"{item!r} refused: {outcome!r}"
     if config.model == "generation" and isinstance(outcome, ValueError):
         budget = config.options.get("max_batch_tokens")
         if "more than max_batch_tokens" in message:  # refused at once

@@ -219,7 +219,8 @@ class Config:
     """The proxy's options and how it is made."""
 
     model: str  # "plain", "tagged" (with_args), "streaming", "process" (ProcessWorkers),
-    # "batch" (@batch) or "args" (@batch_args)
+    # "batch" (@batch) or "args" (@batch_args); "generation", "tensor" or "ray"
+    # (tests/_combination_kinds.py)
     options: dict[str, Any]
     keys: bool  # calls may pass key=
     offload: bool  # a WorkerThread runs the model
@@ -767,7 +768,7 @@ def explain(
         if outcome.args != ("bad", item, key, tag):
             return f"cross-talk: got {outcome!r} for {identity}"
         return None
-    decided, problem = kinds().explain(config, item, outcome, counts)
+    decided, problem = kinds().explain(config, call, item, outcome, counts)
     if decided:
         return problem
     if config.elsewhere:  # a worker process's model calls are not seen from here

@@ -266,26 +266,31 @@ class RequestQueue(Generic[T]):
 
     # -- internals ---------------------------------------------------------------------
 
-    def _serving_order(self, now: float) -> list[tuple[int, bool]]:
+    def _serving_order(self, now: float, *, retire: bool = True) -> list[tuple[int, bool]]:
         """Levels to serve, as (priority, oldest first?), most urgent first. With aging,
-        a level ranks by its oldest request's arrival minus `aging` per priority level."""
+        a level ranks by its oldest request's arrival minus `aging` per priority level.
+        `retire=False` (`in_pop_order`) leaves the queue as it is: the heads whose
+        caller left are skipped, not retired (a queue that holds this one, a tenant's
+        or a key's, counts its live requests and is not told of a retirement here)."""
         aging = self.aging
         if aging is None:
             return [(-negated, False) for negated in self._order]
-        self._clean_heads()
+        if retire:
+            self._clean_heads()
         ranked = []
         for negated in self._order:
             fifo = self._levels[-negated].fifo
-            if not fifo:
+            head = next((r for r in fifo if r.queued and not r.future.done()), None)
+            if head is None:
                 continue
-            arrived = fifo[0].enqueued_at
+            arrived = head.enqueued_at
             ranked.append((arrived + negated * aging, negated, now - arrived >= aging))
         ranked.sort()
         return [(-negated, aged) for _, negated, aged in ranked]
 
     def in_pop_order(self, now: float) -> Iterator[Request[T]]:
         """Live requests whose caller still waits, in the order a pop would take them."""
-        for priority, oldest_first in self._serving_order(now):
+        for priority, oldest_first in self._serving_order(now, retire=False):
             level = self._levels[priority]
             if not oldest_first:
                 for _, _, request in level.by_deadline:

@@ -4,7 +4,9 @@ Hypothesis draws a configuration (dedup and the cache, tenants, their weights an
 queue limits, batch keys as an option and per call, allowed batch sizes cut or
 padded, per-batch arguments, caller contexts, `isolate_errors`, `oom_backoff`,
 priorities, aging, queue limits, the executor, a unary or a streaming model, a
-`Proxy` subclass or a decorated function: `@batch`, `@batch_args`) and a
+`Proxy` subclass or a decorated function: `@batch`, `@batch_args`; and the run
+kinds of tests/_combination_kinds.py: a `GenerationProxy`, a `TensorProxy`, a
+`Proxy` on `RayActors`) and a
 program of calls (`inference`, `inference_many`, `stream`, `submit` and
 `inference_sync` from threads, with deadlines, cancellations, `configure()` under
 load and `aclose()` mid-flight), runs it, and checks (tests/_combinations.py):
