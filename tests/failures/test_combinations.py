@@ -56,11 +56,11 @@ WALK = 2000
 fewer, in proportion: BATCHPROXY_COMBINATIONS=N scales them all to N / WALK."""
 
 
-GENERATION = 300
-TENSORS = 300
-GENERATION_THREADS = 30
-TENSORS_THREADS = 30
-RAY = 3
+GENERATION = 100
+TENSORS = 60
+GENERATION_THREADS = 10
+TENSORS_THREADS = 10
+RAY = 2
 """The run kinds' examples in CI (tests/_combination_kinds.py)."""
 
 
