@@ -22,7 +22,10 @@ load and `aclose()` mid-flight), runs it, and checks (tests/_combinations.py):
 
 The loop's examples run on looptime's virtual clock; those with threads in real time.
 In CI the file takes one to two minutes: 2,000 examples on the virtual clock, 200
-with threads, 100 through a model host, 5 on worker processes.
+with threads, 100 through a model host, 5 on worker processes; the run kinds
+(tests/_combination_kinds.py) 100 on a `GenerationProxy` and 60 on a `TensorProxy`
+on the virtual clock, 10 of each with threads, 2 on Ray actors (about 35 s of
+them: Ray's start).
 `BATCHPROXY_COMBINATIONS=20000` runs ten times as many of each. What it found
 (`FOUND`) stays as regression tests; what it found in threads (`@batch_args`'
 `inference_sync`, which took neither the function's arguments nor the
