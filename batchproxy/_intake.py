@@ -103,10 +103,11 @@ class Intake(Generic[In]):
         *,
         stream: bool = False,
         identity: tuple[Hashable, Hashable] | None = None,
+        cost: int | None = None,
     ) -> Request[In]:
         """Queue one call on `binding` (its loop is running this): its request.
         `identity`: with `dedup`, the call's key (`Deduplicator.key`: its batch key
-        first) when `admit_many` has made it already."""
+        first), and `cost` its item's, when `admit_many` has made them already."""
         if stream is not self._streams:
             raise TypeError(
                 f"{self.name} streams its results (its _inference is a generator): "
@@ -122,8 +123,9 @@ class Intake(Generic[In]):
         if tenant is not None or key is not None:  # before anything is made for the call
             self._place(binding, tenant, key)
         if self._dedup is not None:
-            return self._admit_shared(binding, item, seconds, priority, tenant, key, identity)
-        cost = 1 if self._cost is None else self._cost(item)
+            return self._admit_shared(binding, item, seconds, priority, tenant, key, identity, cost)
+        if cost is None:
+            cost = 1 if self._cost is None else self._cost(item)
         loop, scheduler = binding.loop, binding.scheduler
         if (
             not self._lifecycle.open  # (`check_room`, inline: every call passes here)
@@ -172,6 +174,7 @@ class Intake(Generic[In]):
         tenant: object,
         key: object,
         identity: tuple[Hashable, Hashable] | None,
+        cost: int | None,
     ) -> Request[In]:
         """`admit` with `dedup`: answer the call from the cache, or make it a caller of
         the slot in flight for its key (a new slot, queued like any request, if none)."""
@@ -192,7 +195,8 @@ class Intake(Generic[In]):
         joins = slot is not None
         deadline = math.inf if seconds is None else now + seconds
         if slot is None:  # the first call with this key: a new slot, checked like any call
-            cost = 1 if self._cost is None else self._cost(item)
+            if cost is None:
+                cost = 1 if self._cost is None else self._cost(item)
             self.check_room(binding, 1, tenant)
             slot = SharedSlot(item, binding.new_future(), priority, now, cost, deadline)
             slot.tenant, slot.key = tenant, key
@@ -247,12 +251,24 @@ class Intake(Generic[In]):
                 identities.append(dedup.key(item, batch_key))
             wanted = dedup.new_slots(identities, binding.loop, binding.clock())
         self.check_room(binding, wanted, tenant, calls=len(items))
+        # every item measured before any is queued: one that cannot be refuses the list
+        # with none of its items counted as calls accepted (then withdrawn)
+        costs = [None if self._cost is None else self._cost(item) for item in items]
         requests: list[Request[In]] = []
         try:
             for index, item in enumerate(items):
                 identity = None if identities is None else identities[index]
                 requests.append(
-                    self.admit(binding, item, timeout, priority, tenant, key, identity=identity)
+                    self.admit(
+                        binding,
+                        item,
+                        timeout,
+                        priority,
+                        tenant,
+                        key,
+                        identity=identity,
+                        cost=costs[index],
+                    )
                 )
         except BaseException:  # an item refused (its length, shed_late) refuses the list:
             self.withdraw(binding, requests)  # those queued before it never reach the model

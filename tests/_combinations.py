@@ -60,6 +60,13 @@ def item_length(item: Hashable) -> int:
     return LENGTHS.get(item, 4)
 
 
+def kinds() -> Any:
+    """tests/_combination_kinds.py (which imports this module)."""
+    import _combination_kinds
+
+    return _combination_kinds
+
+
 def key_option(item: Hashable) -> Hashable:
     """The `key=` option: a tuple item's first element, else None."""
     return item[0] if isinstance(item, tuple) else None
@@ -250,7 +257,8 @@ class Config:
     """The proxy's options and how it is made."""
 
     model: str  # "plain", "tagged" (with_args), "streaming", "process" (ProcessWorkers),
-    # "batch" (@batch) or "args" (@batch_args)
+    # "batch" (@batch) or "args" (@batch_args); "generation", "tensor" or "ray"
+    # (tests/_combination_kinds.py)
     options: dict[str, Any]
     keys: bool  # calls may pass key=
     offload: bool  # a WorkerThread runs the model
@@ -258,12 +266,19 @@ class Config:
     remote: bool = False  # served by a ModelHost, called through a RemoteProxy
     # -- the options of issue 38 item 3 (`option_extras`) --
     real_time: bool = False  # run in real time: a batch may overrun its watchdog by load
+    # -- the run kinds of tests/_combination_kinds.py ("generation", "tensor", "ray")
+    kind_options: dict[str, Any] = field(default_factory=dict)  # a kind's own options
 
     @property
     def hangs(self) -> bool:
         """Whether calls may hold a "hang" item: with a watchdog, on a model that can be
         abandoned (not one in a worker process, whose model is not async)."""
         return self.options.get("batch_timeout") is not None and self.model != "process"
+
+    @property
+    def elsewhere(self) -> bool:
+        """Whether the model runs in another process (its calls are not in the log)."""
+        return self.model in ("process", "ray")
 
     @property
     def arguments(self) -> bool:
@@ -273,6 +288,8 @@ class Config:
     def make(self, log: Log) -> tuple[batchproxy.Proxy[Hashable, Any], Any]:
         """The proxy, and what the calls go through: the proxy, or the decorated
         function."""
+        if self.model in kinds().MODELS:
+            return kinds().make(self, log)  # type: ignore[no-any-return]
         if self.model == "process":
             workers = batchproxy.ProcessWorkers(process_model, 1, name="combinations")
             proxy = batchproxy.Proxy(offload=workers, name="combo", **self.options)
@@ -418,7 +435,7 @@ def option_changes(config: Config) -> dict[str, Any]:
 @st.composite
 def programs(draw: st.DrawFn, config: Config, horizon: float, *, threads: bool = False) -> Program:
     forms = ["inference", "inference", "many"]
-    if config.model == "streaming":
+    if config.model in ("streaming", "generation"):
         forms = ["stream"]
     elif config.model == "args":  # (its inference_many has no return_exceptions)
         forms = ["inference"] + ["sync"] * threads
@@ -454,7 +471,9 @@ def programs(draw: st.DrawFn, config: Config, horizon: float, *, threads: bool =
         )
     configure_at = draw(st.none() | st.sampled_from([0.0, horizon / 4]))
     changes: dict[str, Any] = {}
-    if configure_at is not None:
+    if configure_at is not None and config.model == "generation":
+        changes = draw(kinds().GENERATION_CHANGES)
+    elif configure_at is not None:
         changes = draw(
             st.fixed_dictionaries(
                 {},
@@ -621,7 +640,7 @@ async def run_on(
             if not result.outcomes[call.id, index]:
                 settle(call, outcome, index)  # ended outside `one_call`
     await proxy.aclose()
-    if config.offload or config.model == "process":  # not the proxy's to close
+    if config.offload or config.elsewhere:  # not the proxy's to close
         await proxy._executor.aclose()
     return result
 
@@ -714,6 +733,7 @@ def check(result: Run) -> None:
         *callers_problems(result, counts),
         *stats_problems(result, counts),
         *option_problems(result, counts),
+        *kinds().problems(result),
     ]
     if problems:
         problems.append("model calls (items, key, tag, contexts, raised, started, hung):")
@@ -798,13 +818,11 @@ def stats_problems(result: Run, counts: dict[str, int]) -> Iterator[str]:
         yield f"stats: rejected {stats.rejected}, callers saw {counts['rejected']}"
     items = sum(1 for c in log.calls for i in c.items if i != PAD)
     # (a batch counts its items as it starts; one the watchdog abandoned in its first
-    # cut never ran the others)
+    # cut never ran the others; a step of a generation counts its active sequences; a
+    # tensor model never sees the items its validation fails)
     abandoned = stats.timed_out_batches and result.config.options.get("batch_sizes")
-    if (
-        result.config.model not in ("streaming", "process")
-        and stats.items > items
-        and not abandoned
-    ):
+    unseen = ("streaming", "process", "ray", "generation", "tensor")
+    if result.config.model not in unseen and stats.items > items and not abandoned:
         yield f"stats: {stats.items} items, the model saw {items}"
     total = sum(len(call.items) for call in result.program.calls)
     accepted = total - counts["refused"] - counts["rejected"]
@@ -833,7 +851,7 @@ def explain(
         counts["refused"] += 1
         return None
     if isinstance(outcome, tuple):
-        if call.form == "stream" and config.model == "streaming":
+        if call.form == "stream" and config.model in ("streaming", "generation"):
             want = (("c0", item, key, tag), expected)
             return None if outcome == want else f"got chunks {outcome}, want {want}"
         if outcome != expected:
@@ -883,7 +901,10 @@ def explain(
         if outcome.args != ("bad", item, key, tag):
             return f"cross-talk: got {outcome!r} for {identity}"
         return None
-    if config.model == "process":  # a worker process's model calls are not seen from here
+    decided, problem = kinds().explain(config, call, item, outcome, counts)
+    if decided:
+        return problem
+    if config.elsewhere:  # a worker process's model calls are not seen from here
         reruns = options.get("isolate_errors") or options.get("oom_backoff")
         if isinstance(outcome, RuntimeError) and str(outcome) == "boom":
             return None if item == "boom" or not options.get("isolate_errors") else "boom"

@@ -4,10 +4,11 @@ Hypothesis draws a configuration (dedup and the cache, tenants, their weights an
 queue limits, batch keys as an option and per call, allowed batch sizes cut or
 padded, per-batch arguments, caller contexts, `isolate_errors`, `oom_backoff`,
 priorities, aging, queue limits, the executor, a unary or a streaming model, a
-`Proxy` subclass or a decorated function: `@batch`, `@batch_args`; and issue 38
+`Proxy` subclass or a decorated function: `@batch`, `@batch_args`; issue 38
 item 3's options: `length=` with `max_batch_tokens`, `window` fixed or adaptive,
 `shed_late`, and a `batch_timeout` `Watchdog` serving on or stopping, with items
-that hang their model call) and a
+that hang their model call; and the run kinds of tests/_combination_kinds.py: a
+`GenerationProxy`, a `TensorProxy`, a `Proxy` on `RayActors`) and a
 program of calls (`inference`, `inference_many`, `stream`, `submit` and
 `inference_sync` from threads, with deadlines, cancellations, `configure()` under
 load and `aclose()` mid-flight), runs it, and checks (tests/_combinations.py):
@@ -36,9 +37,12 @@ deadline, on a proxy with dedup, keys and tenants.
 The loop's examples run on looptime's virtual clock; those with threads in real time.
 In CI the file takes one to two minutes: 2,000 examples on the virtual clock, 200
 with threads, 100 through a model host, 5 on worker processes, and 300 of the
-Serving walk. Measured on the 2-core machine under load (2026-11-29): 94 s, against
-50 s before issue 38's options (virtual clock +20 s, threads +16 s: a watchdog's
-0.2 s waits in real time, the Serving walk 4 s).
+Serving walk; the run kinds (tests/_combination_kinds.py) 100 on a
+`GenerationProxy` and 60 on a `TensorProxy` on the virtual clock, 10 of each with
+threads, 2 on Ray actors (about 35 s of them: Ray's start). Measured on the 2-core
+machine under load (2026-11-29): 94 s without the run kinds, against 50 s before
+issue 38's options (virtual clock +20 s, threads +16 s: a watchdog's 0.2 s waits
+in real time, the Serving walk 4 s).
 `BATCHPROXY_COMBINATIONS=20000` runs ten times as many of each. What it found
 (`FOUND`) stays as regression tests; what it found in threads (`@batch_args`'
 `inference_sync`, which took neither the function's arguments nor the
@@ -48,13 +52,16 @@ Serving walk. Measured on the 2-core machine under load (2026-11-29): 94 s, agai
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 import sys
 import threading
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import looptime
 import pytest
+from _combination_kinds import generation_configs, ray_configs, tensor_configs
 from _combinations import (
     EXAMPLES,
     Call,
@@ -86,6 +93,14 @@ WALK = 2000
 fewer, in proportion: BATCHPROXY_COMBINATIONS=N scales them all to N / WALK."""
 
 
+GENERATION = 100
+TENSORS = 60
+GENERATION_THREADS = 10
+TENSORS_THREADS = 10
+RAY = 2
+"""The run kinds' examples in CI (tests/_combination_kinds.py)."""
+
+
 def examples(default: int) -> int:
     return max(1, round(default * EXAMPLES / WALK)) if EXAMPLES else default
 
@@ -104,13 +119,45 @@ def combination_settings(default: int) -> settings:
     )
 
 
+class BusyLoop(BaseException):
+    """An example ran past `BUSY` seconds of real time on the virtual clock: its event
+    loop spins (a `BaseException`, so the library's guards let it through)."""
+
+
+BUSY = 60.0
+
+
+@contextlib.contextmanager
+def real_time_guard() -> Iterator[None]:
+    """A spinning event loop never reaches the virtual timeout: fail it after `BUSY`
+    real seconds instead (where `SIGALRM` is at hand, in the main thread)."""
+    if (
+        not hasattr(signal, "setitimer")
+        or threading.current_thread() is not threading.main_thread()
+    ):
+        yield
+        return
+
+    def busy(*_: object) -> None:
+        raise BusyLoop(f"the event loop ran {BUSY} s of real time without ending")
+
+    previous = signal.signal(signal.SIGALRM, busy)
+    signal.setitimer(signal.ITIMER_REAL, BUSY, 1.0)  # (again each second, till it ends)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def on_virtual_clock(config: Config, program: Program) -> None:
     loop = looptime.new_event_loop(start=0.0)
     try:
         tasks_before = len(asyncio.all_tasks(loop))
-        result = loop.run_until_complete(
-            asyncio.wait_for(run(config, program), timeout=3600)  # virtual: a hang fails fast
-        )
+        with real_time_guard():
+            result = loop.run_until_complete(
+                asyncio.wait_for(run(config, program), timeout=3600)  # virtual: a hang fails fast
+            )
         left = [t for t in asyncio.all_tasks(loop) if not t.done()]
         assert len(left) <= tasks_before, f"tasks left running: {left}"
     finally:
@@ -166,6 +213,79 @@ def test_every_combination_through_a_model_host(data: st.DataObject) -> None:
     a socket, the options travel, errors are packed and unpacked, cancellations and
     the close go across; in real time, with calls from threads."""
     config = data.draw(configs(threads=True, remote=True), label="config")
+    program = data.draw(programs(config, HORIZON, threads=True), label="program")
+    in_real_time(config, program)
+
+
+# -- the run kinds of tests/_combination_kinds.py (issue 38 item 3) ------------------------
+
+
+@pytest.mark.virtual_clock
+@time_limit(GENERATION, 0.1)
+@combination_settings(GENERATION)
+@given(data=st.data())
+def test_every_combination_on_a_generation_proxy(data: st.DataObject) -> None:
+    """Continuous batching: sequences join and leave the running batch at each step."""
+    config = data.draw(generation_configs(), label="config")
+    program = data.draw(programs(config, HORIZON), label="program")
+    on_virtual_clock(config, program)
+
+
+@pytest.mark.virtual_clock
+@time_limit(TENSORS, 0.15)
+@combination_settings(TENSORS)
+@given(data=st.data())
+def test_every_combination_on_a_tensor_proxy(data: st.DataObject) -> None:
+    """Arrays and tensors, collated, padded (sequence axis, and batch axis to the allowed
+    sizes), split back to each caller."""
+    config = data.draw(tensor_configs(), label="config")
+    program = data.draw(programs(config, HORIZON), label="program")
+    on_virtual_clock(config, program)
+
+
+@time_limit(GENERATION_THREADS, 0.5)
+@combination_settings(GENERATION_THREADS)
+@given(data=st.data())
+def test_every_combination_on_a_generation_proxy_with_threads(data: st.DataObject) -> None:
+    """A plain `def _step` on a `WorkerThread`, in real time."""
+    config = data.draw(generation_configs(threads=True), label="config")
+    program = data.draw(programs(config, HORIZON, threads=True), label="program")
+    in_real_time(config, program)
+
+
+@time_limit(TENSORS_THREADS, 0.5)
+@combination_settings(TENSORS_THREADS)
+@given(data=st.data())
+def test_every_combination_on_a_tensor_proxy_with_threads(data: st.DataObject) -> None:
+    """A plain `def _forward` (its stages on a worker thread) or an offloaded one, and
+    calls from threads, in real time."""
+    config = data.draw(tensor_configs(threads=True), label="config")
+    program = data.draw(programs(config, HORIZON, threads=True), label="program")
+    in_real_time(config, program)
+
+
+@pytest.fixture(scope="module")
+def ray_instance() -> Iterator[None]:
+    """One local Ray instance for the Ray examples (seconds to start), as in
+    tests/executors/test_ray.py; its actors unpickle the models by value."""
+    ray = pytest.importorskip("ray")
+    import _combination_kinds
+    import _combinations
+
+    for module in (_combinations, _combination_kinds):
+        ray.cloudpickle.register_pickle_by_value(module)
+    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@time_limit(RAY, 20)
+@combination_settings(RAY)
+@given(data=st.data())
+def test_every_combination_on_ray_actors(ray_instance: None, data: st.DataObject) -> None:
+    """A few examples on `RayActors` (one actor each: slow to start), with calls from
+    threads; its model sees no batch key nor contexts, so none are drawn."""
+    config = data.draw(ray_configs(), label="config")
     program = data.draw(programs(config, HORIZON, threads=True), label="program")
     in_real_time(config, program)
 
@@ -259,6 +379,28 @@ FOUND: dict[str, tuple[str, Config, Program]] = {
         Config("batch", {"batch_size": 1, "length": item_length}, False, False, 0.01),
         Program([Call(0, 0.0, "inference", ("oom",), None, "", "b", 0, None, 0.0)], close_at=0.0),
     ),
+    # a queued caller of tenant "b" cancelled on a proxy with aging and `length` (a
+    # TensorProxy measures every item): reading the pop order retired it behind the
+    # tenants' queue's back, which then counted 1 request with no tenant: the event
+    # loop spun (tests/scheduling/test_queue.py pins the cause)
+    "aging-retired-a-tenants-caller-unseen": (
+        "issue 38 item 3 (found by the walk on a TensorProxy)",
+        Config(
+            "tensor",
+            {"batch_size": 4, "max_delay_ms": 0.0, "aging_ms": 1.0},
+            False,
+            False,
+            0.0,
+            kind_options={
+                "library": "numpy",
+                "padding_side": "right",
+                "pad_to_multiple_of": None,
+                "length_aware": False,
+                "forward": "async",
+            },
+        ),
+        Program([Call(0, 0.0, "inference", ("y",), None, "", "b", 0, None, 0.0)]),
+    ),
 }
 """Failures found by the walk on the code of 2026-11-26, each minimal: regression
 tests now that they are fixed (why: the issue item each one found)."""
@@ -272,7 +414,8 @@ tests now that they are fixed (why: the issue item each one found)."""
 def test_what_the_walk_found(config: Config, program: Program) -> None:
     loop = looptime.new_event_loop(start=0.0)
     try:
-        result = loop.run_until_complete(asyncio.wait_for(run(config, program), timeout=3600))
+        with real_time_guard():
+            result = loop.run_until_complete(asyncio.wait_for(run(config, program), timeout=3600))
     finally:
         loop.close()
     check(result)

@@ -122,3 +122,28 @@ def test_reading_the_pop_order_changes_no_count(kind: str) -> None:
         assert (queue.live, queue.live_cost) == (0, 0)
     finally:
         loop.close()
+
+
+def test_reading_the_pop_order_with_aging_changes_no_queue() -> None:
+    """Regression (found by the combination walk on a `TensorProxy`, issue 38): with
+    aging, reading a queue's pop order retired a head whose caller had left, behind
+    the back of the tenants' queue around it, whose count of live requests then
+    stayed 1 with no tenant left; a proxy with `length`, `aging_ms` and a tenant
+    whose one queued caller was cancelled spun its event loop forever."""
+    from batchproxy._scheduling.fair_queue import FairQueue
+
+    loop = asyncio.new_event_loop()
+    try:
+        queue: FairQueue[int] = FairQueue(aging=1.0)
+        left = _request(loop, 1, 0, at=0.0)
+        left.tenant = "b"
+        queue.push(left)
+        left.future.cancel()  # the caller left; it has not withdrawn its request yet
+        assert list(queue.in_pop_order(now=5.0)) == []
+        assert queue.live == 1 == sum(t.queue.live for t in queue._tenants.values())
+        assert queue.pop_similar(4, None, 64, now=5.0) == []
+        assert queue.live == sum(t.queue.live for t in queue._tenants.values())
+        assert queue.oldest_enqueued_at() is None  # retired here, and counted
+        assert queue.live == 0
+    finally:
+        loop.close()
