@@ -45,8 +45,13 @@ def test_every_call_ended_once_and_the_counts_agree(result: soak_host.Result) ->
     ended = [c["ended"] for c in result.clients]
     assert sorted(ended) == ["exited 0"] * 4 + ["killed"]
     assert callers["unavailable"] > 0  # the calls in flight at a host's death
-    # and the mix: every kind of ending, through every host generation
-    assert min(callers[name] for name in soak_host.TALLY[1:-1]) > 0
+    # and the mix: results and the model's errors (the plan's items) every time; the
+    # endings that depend on timing (a cancel landing before the answer, a full queue,
+    # a deadline) together, as one of them may miss on 12,000 calls (CI's fresh-clone
+    # run on a loaded machine saw one at 0)
+    assert callers["succeeded"] > 0
+    assert callers["failed"] > 0
+    assert callers["cancelled"] + callers["rejected"] + callers["timed_out"] > 0
     assert sum(h["counts"]["reconfigurations"] for h in result.hosts) > 0
 
 
