@@ -760,7 +760,7 @@ def model_calls_problems(result: Run) -> Iterator[str]:
         budget = config.options.get("max_batch_tokens")
         real = [item for item in model_call.items if item != PAD]
         if budget is not None and len(real) > 1:  # (an item over it runs alone)
-            tokens = len(real) * max(map(item_length, real))
+            tokens = len(real) * max(map(kinds().cost(config), real))
             if tokens > budget:
                 yield f"model call {number} on {real}: {tokens} tokens, over {budget}"
         if model_call.contexts is None:
