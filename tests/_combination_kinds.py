@@ -386,10 +386,13 @@ def explain(
     return False, None
 
 
-def cost(config: Config) -> Callable[[Hashable], int]:
-    """An item's cost for `max_batch_tokens`, by its name: a `TensorProxy`'s is its
-    shape (`tensors.length` of what it travels as: `LENGTHS` here), every other
-    kind's the drawn `length=` (`item_length`)."""
+def cost(config: Config) -> Callable[[Hashable], int] | None:
+    """An item's cost for a batch's `max_batch_tokens` (members x the largest), by its
+    name: a `TensorProxy`'s is its shape (`tensors.length` of what it travels as:
+    `LENGTHS` here), a plain model's the drawn `length=` (`item_length`). None for a
+    `GenerationProxy`, whose budget is a step's sum of `tokens` (`problems` checks it)."""
+    if config.model == "generation":
+        return None
     if config.model == "tensor":
         return LENGTHS.__getitem__
     return item_length

@@ -759,8 +759,9 @@ def model_calls_problems(result: Run) -> Iterator[str]:
             yield f"model call {number} of {size} items: not in {sizes}"
         budget = config.options.get("max_batch_tokens")
         real = [item for item in model_call.items if item != PAD]
-        if budget is not None and len(real) > 1:  # (an item over it runs alone)
-            tokens = len(real) * max(map(kinds().cost(config), real))
+        cost = kinds().cost(config)
+        if budget is not None and cost is not None and len(real) > 1:  # (one over it: alone)
+            tokens = len(real) * max(map(cost, real))
             if tokens > budget:
                 yield f"model call {number} on {real}: {tokens} tokens, over {budget}"
         if model_call.contexts is None:
