@@ -31,7 +31,18 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
-from _combinations import PAD, Call, Config, Log, ModelCall, Run, answer, configs, key_option
+from _combinations import (
+    PAD,
+    Call,
+    Config,
+    Log,
+    ModelCall,
+    Run,
+    answer,
+    configs,
+    item_length,
+    key_option,
+)
 from hypothesis import strategies as st
 from typing_extensions import override
 
@@ -373,6 +384,18 @@ def explain(
             counts["refused"] += 1
             return True, None if too_many else f"refused: {outcome!r}"
     return False, None
+
+
+def cost(config: Config) -> Callable[[Hashable], int] | None:
+    """An item's cost for a batch's `max_batch_tokens` (members x the largest), by its
+    name: a `TensorProxy`'s is its shape (`tensors.length` of what it travels as:
+    `LENGTHS` here), a plain model's the drawn `length=` (`item_length`). None for a
+    `GenerationProxy`, whose budget is a step's sum of `tokens` (`problems` checks it)."""
+    if config.model == "generation":
+        return None
+    if config.model == "tensor":
+        return LENGTHS.__getitem__
+    return item_length
 
 
 def problems(result: Run) -> Iterator[str]:

@@ -757,12 +757,12 @@ def model_calls_problems(result: Run) -> Iterator[str]:
             yield f"model call {number} has {size} items: {model_call.items}"
         if sizes is not None and config.model != "streaming" and size not in sizes:
             yield f"model call {number} of {size} items: not in {sizes}"
-        # (a run kind with lengths of its own checks its budget itself: _combination_kinds)
+        # (each run kind measures its items its own way: _combination_kinds.cost)
         budget = config.options.get("max_batch_tokens")
         real = [item for item in model_call.items if item != PAD]
-        mine = config.options.get("length") is item_length
-        if budget is not None and mine and len(real) > 1:  # (an item over it runs alone)
-            tokens = len(real) * max(map(item_length, real))
+        cost = kinds().cost(config)
+        if budget is not None and cost is not None and len(real) > 1:  # (one over it: alone)
+            tokens = len(real) * max(map(cost, real))
             if tokens > budget:
                 yield f"model call {number} on {real}: {tokens} tokens, over {budget}"
         if model_call.contexts is None:

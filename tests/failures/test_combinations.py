@@ -61,7 +61,7 @@ from typing import Any
 
 import looptime
 import pytest
-from _combination_kinds import generation_configs, ray_configs, tensor_configs
+from _combination_kinds import generation_configs, ray_configs, tensor_configs, tokens
 from _combinations import (
     EXAMPLES,
     Call,
@@ -400,6 +400,40 @@ FOUND: dict[str, tuple[str, Config, Program]] = {
             },
         ),
         Program([Call(0, 0.0, "inference", ("y",), None, "", "b", 0, None, 0.0)]),
+    ),
+    # the oracle's own bugs (found by 1,000 examples of each): it measured a
+    # TensorProxy's batch by the plain models' `length=` ("oom": 2) rather than its
+    # items' shapes ("oom" travels as 1 row), so [x, oom] was "4 tokens, over 2" ...
+    "a-tensor-batch-measured-by-its-shapes": (
+        "issue 38 item 3 (the oracle; found by the walk on a TensorProxy with threads)",
+        Config(
+            "tensor",
+            {"batch_size": 2, "max_delay_ms": 0.0, "max_batch_tokens": 2},
+            False,
+            False,
+            0.0,
+            kind_options={
+                "library": "numpy",
+                "padding_side": "right",
+                "pad_to_multiple_of": None,
+                "length_aware": False,
+                "forward": "async",
+            },
+        ),
+        Program([call(0, "x"), call(1, "oom")]),
+    ),
+    # ... and a GenerationProxy's step by members x the largest, though its budget is
+    # the sum of its sequences' tokens: [x, y] (1 + 2) was "4 tokens, over 3"
+    "a-generation-step-measured-by-its-sum": (
+        "issue 38 item 3 (the oracle; found by the walk on a GenerationProxy)",
+        Config(
+            "generation",
+            {"batch_size": 2, "max_batch_tokens": 3, "length": tokens},
+            False,
+            False,
+            0.0,
+        ),
+        Program([call(0, "x", form="stream"), call(1, "y", form="stream")]),
     ),
 }
 """Failures found by the walk on the code of 2026-11-26, each minimal: regression
