@@ -271,7 +271,11 @@ class Serving:
         loop = asyncio.get_running_loop()
 
         def left() -> float | None:
-            return None if deadline is None else max(0.0, deadline - loop.time())
+            """What is left of the drain's deadline: never more than `drain_timeout` (the
+            float sum and difference on the loop's clock may come out a hair above it)."""
+            if deadline is None or self.drain_timeout is None:
+                return None
+            return min(self.drain_timeout, max(0.0, deadline - loop.time()))
 
         loading, self._loading = self._loading, None
         if loading is not None and not loading.done():

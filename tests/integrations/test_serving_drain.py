@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -344,7 +345,12 @@ async def test_sigterm_to_run_app_answers_the_calls_in_flight_and_exits(
     )
     assert code == 0, lines
     assert len(lines) == (0 if drain == "none" else 1), lines
-    assert all(f"the drain deadline (timeout={drain[0]} s) passed" in line for line in lines)
+    # the proxy's drain gets what was left of the service's deadline when its turn came
+    # (a few ms less than drain_timeout on a loaded machine: "timeout=0.997 s")
+    for line in lines:
+        told = re.search(r"the drain deadline \(timeout=([0-9.e-]+) s\) passed", line)
+        assert told is not None, line
+        assert 0.5 * float(drain) <= float(told.group(1)) <= float(drain), line
     assert report["state"] == "CLOSED"
     assert report["threads"] == []
     assert report["requests"] == requests
