@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import importlib.util
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
@@ -293,6 +294,11 @@ def tensor_options(options: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
+LIBRARIES = ["numpy"] + ["torch"] * (importlib.util.find_spec("torch") is not None)
+"""What a `TensorProxy`'s items travel as: torch only where it is installed (the core
+suites run without it)."""
+
+
 @st.composite
 def tensor_configs(draw: st.DrawFn, *, threads: bool = False) -> Config:
     """A plain model's configuration (every option of `configs()`), as a `TensorProxy`
@@ -301,7 +307,7 @@ def tensor_configs(draw: st.DrawFn, *, threads: bool = False) -> Config:
     runs on a worker thread, which the virtual clock does not wait for)."""
     base = draw(configs(threads=threads).filter(lambda config: config.model == "plain"))
     kind = {
-        "library": draw(st.sampled_from(["numpy", "torch"])),
+        "library": draw(st.sampled_from(LIBRARIES)),
         "padding_side": draw(st.sampled_from(["right", "left"])),
         "pad_to_multiple_of": draw(st.sampled_from([None, 4])),
         "length_aware": draw(st.booleans()),
