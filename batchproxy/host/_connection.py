@@ -34,6 +34,7 @@ from ._deadline import Deadline
 from ._wire import (
     message_bytes,
     open_sealed,
+    owned,
     read_message,
     seal,
     sealed_message,
@@ -103,7 +104,7 @@ class Connection:
         try:
             for index, item in enumerate(items):
                 try:
-                    parts.append(seal(item))
+                    parts.append(owned(seal(item)))
                 except Exception as exc:
                     if not return_exceptions:
                         raise _unsendable(self.path, exc) from exc

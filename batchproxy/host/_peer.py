@@ -24,6 +24,7 @@ from ._deadline import MARGIN
 from ._wire import (
     message_bytes,
     open_sealed,
+    owned,
     pack_error,
     seal,
     sealed_message,
@@ -298,11 +299,11 @@ def _sealed_outcome(outcome: Any) -> tuple[str, list[Any]]:
     packed)` for an exception or a result that cannot travel."""
     if not isinstance(outcome, BaseException):
         try:
-            return "result", seal(outcome)
+            return "result", owned(seal(outcome))
         except Exception as exc:
             error = TypeError(f"the model host could not send the call's result: {exc!r}")
-            return "error", seal(pack_error(error))
-    return "error", seal(pack_error(outcome))
+            return "error", owned(seal(pack_error(error)))
+    return "error", owned(seal(pack_error(outcome)))
 
 
 def _target(proxy: Any, call: dict[str, Any]) -> Any:

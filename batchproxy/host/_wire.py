@@ -48,6 +48,7 @@ __all__ = [
     "Packed",
     "message_bytes",
     "open_sealed",
+    "owned",
     "pack_error",
     "read_message",
     "seal",
@@ -98,6 +99,13 @@ def seal(value: Any) -> list[Any]:
         _shm.unlink(segment_names(parts))
         raise
     return parts
+
+
+def owned(parts: list[Any]) -> list[Any]:
+    """Sealed `parts` with each `PickleBuffer` copied to `bytes`: for parts kept across
+    awaits inside a list's message (a `PickleBuffer` that ends up in a reference cycle
+    crashed CPython 3.12.1's collector: see `message_bytes`)."""
+    return [bytes(part) if isinstance(part, pickle.PickleBuffer) else part for part in parts]
 
 
 def segment_names(parts: list[Any]) -> list[str]:
