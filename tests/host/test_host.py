@@ -370,8 +370,8 @@ async def test_freeze_gc_freezes_what_the_factory_loaded_before_serving(
         assert frozen > 0  # the objects alive once loaded: the proxy, its modules
     elif sys.version_info < (3, 12):
         assert frozen == 0
-    # (else: a 3.12 host process without the flag reported 375 frozen objects in CI's
-    # core suite, frozen before the factory ran, by nothing of this package: not 0)
+    # (else: a 3.12 host process without the flag reported 375 frozen objects in the
+    # 3.12 core suite; where they come from is not known yet: issue 38's note)
 
 
 def test_a_host_killed_under_load_fails_every_call_and_none_hangs(socket_path: str) -> None:
