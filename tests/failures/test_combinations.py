@@ -309,6 +309,15 @@ def plain(delay: float = 0.0, *, keys: bool = False, **options: Any) -> Config:
     return Config("plain", {"max_delay_ms": 0.0, **options}, keys, False, delay)
 
 
+PLAIN_TENSOR = {
+    "library": "numpy",
+    "padding_side": "right",
+    "pad_to_multiple_of": None,
+    "length_aware": False,
+    "forward": "async",
+}
+"""A `TensorProxy`'s own options in the walk's findings: NumPy rows, right-padded."""
+
 FOUND: dict[str, tuple[str, Config, Program]] = {
     # dedup keys a call with a batch key by (key, item), one without by its item:
     # inference("y", key="k") and inference(("k", "y")) share a slot
@@ -391,13 +400,7 @@ FOUND: dict[str, tuple[str, Config, Program]] = {
             False,
             False,
             0.0,
-            kind_options={
-                "library": "numpy",
-                "padding_side": "right",
-                "pad_to_multiple_of": None,
-                "length_aware": False,
-                "forward": "async",
-            },
+            kind_options=PLAIN_TENSOR,
         ),
         Program([Call(0, 0.0, "inference", ("y",), None, "", "b", 0, None, 0.0)]),
     ),
@@ -412,13 +415,7 @@ FOUND: dict[str, tuple[str, Config, Program]] = {
             False,
             False,
             0.0,
-            kind_options={
-                "library": "numpy",
-                "padding_side": "right",
-                "pad_to_multiple_of": None,
-                "length_aware": False,
-                "forward": "async",
-            },
+            kind_options=PLAIN_TENSOR,
         ),
         Program([call(0, "x"), call(1, "oom")]),
     ),
