@@ -114,6 +114,15 @@ class BatchedArgs(Batched[T, U], Generic[P, T, U]):
         results: list[U] = await self.proxy.inference_many(items, key=key, **self._per_call)
         return results
 
+    def inference_many_sync(  # type: ignore[override]
+        self, items: Iterable[T], /, *args: P.args, **kwargs: P.kwargs
+    ) -> list[U]:
+        """`Proxy.inference_many_sync`: every item with the same arguments, from a plain
+        thread."""
+        key = self._arguments.key(args, kwargs)
+        results: list[U] = self.proxy.inference_many_sync(items, key=key, **self._per_call)
+        return results
+
     async def many(  # type: ignore[override]
         self, items: Iterable[T], /, *args: P.args, **kwargs: P.kwargs
     ) -> list[U]:

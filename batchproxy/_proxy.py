@@ -43,6 +43,7 @@ from ._intake import Intake
 from ._lifecycle import Lifecycle, State
 from ._listeners import Listener, Listeners
 from ._loops.binding import Binder
+from ._loops.sync_scope import SyncScope
 from ._options import ConfigurableOptions, Options, ProxyOptions, options_for
 from ._reachable import check_queue_bound
 from ._runs.batches import ModelOutput, RunKind, Runner, current_batch
@@ -62,7 +63,7 @@ _UNINITIALIZED = Lifecycle("(uninitialized)", State.UNINITIALIZED)
 _NO_BINDER: Any = types.SimpleNamespace(current=None)  # so a first call reaches _require_init
 
 
-class Proxy(ABC, CallForms[In, Out]):
+class Proxy(ABC, CallForms[In, Out], SyncScope):
     """Batch concurrent `await proxy.inference(item)` calls into `_inference(items)` calls.
 
     Subclass it and implement `_inference`. `batch_size` is the most items in one
@@ -277,6 +278,8 @@ class Proxy(ABC, CallForms[In, Out]):
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+    # `with proxy:` from plain code (no event loop in the thread): `SyncScope`'s
 
     @property
     def closed(self) -> bool:

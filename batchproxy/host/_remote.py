@@ -26,7 +26,7 @@ import math
 import os
 import time
 import weakref
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -35,6 +35,7 @@ from typing_extensions import Unpack
 from .. import _validate
 from .._errors import DeadlineExceeded, DrainDeadline, HostUnavailable, ProxyClosed
 from .._loops.background_loop import BackgroundLoop
+from .._loops.sync_scope import SyncScope
 from .._option_values import CallOptions, check_call
 from .._stats import Health
 from ._arguments import RemoteArguments, RemoteWithArguments
@@ -51,7 +52,7 @@ _HAND_OVER = 1.0
 connection (and how often it checks that the loop still runs)."""
 
 
-class RemoteProxy:
+class RemoteProxy(SyncScope):
     """Calls to the proxy a `ModelHost` serves on `path`, from this process.
 
     The proxy's call methods, with its call options (`timeout`, `priority`,
@@ -82,7 +83,9 @@ class RemoteProxy:
     its last worker left), then asks its health every `health_every` seconds
     (`health`, `healthy`, so `/readyz` includes the host); `aclose(timeout=...)`
     lets the calls in flight finish, then closes (later calls raise `ProxyClosed`).
-    `async with remote:` is `start()`, then `aclose()`, as for a proxy. `name`: the
+    `async with remote:` is `start()`, then `aclose()`, as for a proxy (and `with
+    remote:` from plain code, on the process's `with` loop, where its plain-thread
+    calls then go). `name`: the
     service's name for it (default: the socket file's stem). `connect_timeout`:
     seconds to wait for the socket.
     """
@@ -197,34 +200,48 @@ class RemoteProxy:
                 yield chunk
 
     def submit(self, item: Any, **call: Unpack[CallOptions]) -> concurrent.futures.Future[Any]:
-        """From a plain thread: `inference` on the process-wide `BackgroundLoop`; a
-        `concurrent.futures.Future` of its result (cancel it to cancel the call)."""
+        """From a plain thread: `inference` on the process-wide `BackgroundLoop` (the
+        `with` loop inside `with remote:`); a `concurrent.futures.Future` of its result
+        (cancel it to cancel the call)."""
         options = _options("submit()", call)  # here: a bad option raises in the caller
-        return BackgroundLoop.default().submit(self._call(item, options))
+        return self._submit(self._call(item, options))
 
     def inference_sync(self, item: Any, **call: Unpack[CallOptions]) -> Any:
-        """From a plain thread: block for `inference`'s result (on the process-wide
-        `BackgroundLoop`, which holds its deadline as `inference` does). An
-        interrupted wait (`KeyboardInterrupt`) cancels the call. Refused in a thread
-        that runs an event loop, which it would block (`await remote.inference(...)`
-        there)."""
+        """From a plain thread: block for `inference`'s result (through `submit`'s loop,
+        which holds its deadline as `inference` does). An interrupted wait
+        (`KeyboardInterrupt`) cancels the call. Refused in a thread that runs an event
+        loop, which it would block (`await remote.inference(...)` there)."""
         options = _options("inference_sync()", call)
+        self._refuse_blocking("inference_sync", "inference")
+        return _blocked_on(self._submit(self._call(item, options)))
+
+    def inference_many_sync(
+        self, items: Iterable[Any], *, return_exceptions: bool = False, **call: Unpack[CallOptions]
+    ) -> list[Any]:
+        """From a plain thread: block for `inference_many`'s results, as `inference_sync`."""
+        self._refuse_blocking("inference_many_sync", "inference_many")
+        many = self.inference_many(items, return_exceptions=return_exceptions, **call)
+        return _blocked_on(self._submit(many))  # (its checks raise in this thread)
+
+    def _submit(self, call: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run a call from a plain thread: on the `with` loop while entered, else on the
+        default `BackgroundLoop`; closed, refused without starting a loop."""
+        if self._closed:
+            call.close()
+            refused: concurrent.futures.Future[T] = concurrent.futures.Future()
+            refused.set_exception(ProxyClosed(self.name))
+            return refused
+        return (self._with_loop or BackgroundLoop.default()).submit(call)
+
+    def _refuse_blocking(self, method: str, instead: str) -> None:
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            pass  # no loop in this thread: the usual case
-        else:
-            raise RuntimeError(
-                f"{self!r}.inference_sync() was called in a thread running an event loop, "
-                f"which it would block: await remote.inference(...) there"
-            )
-        future = BackgroundLoop.default().submit(self._call(item, options))
-        try:
-            concurrent.futures.wait([future])  # (`_call` ends by its deadline)
-        except BaseException:  # interrupted: the call is withdrawn, not left queued
-            future.cancel()
-            raise
-        return future.result()
+            return  # no loop in this thread: the usual case
+        raise RuntimeError(
+            f"{self!r}.{method}() was called in a thread running an event loop, "
+            f"which it would block: await remote.{instead}(...) there"
+        )
 
     def with_args(self, *args: Any, **kwargs: Any) -> RemoteWithArguments:
         """The call methods with these per-batch arguments for the host proxy's
@@ -445,6 +462,16 @@ class RemoteProxy:
         self._connections[loop] = connection
         connection.ask_health()  # (`health` follows a reconnection, watched or not)
         return connection
+
+
+def _blocked_on(future: concurrent.futures.Future[T]) -> T:
+    """Block for `future` (a call bounded by its deadline); cancel it if interrupted."""
+    try:
+        concurrent.futures.wait([future])
+    except BaseException:  # interrupted: the call is withdrawn, not left queued
+        future.cancel()
+        raise
+    return future.result()
 
 
 def _seen(connecting: asyncio.Task[Connection]) -> None:
