@@ -77,6 +77,11 @@ class Proxy(ABC, CallForms[In, Out], SyncScope):
       directly, without a subclass.
     - `name`: how stats, errors and logs name this proxy (default: class name).
 
+    `async with proxy:` starts it and drains it (`aclose()`) on exit; from plain code
+    (no event loop in the thread), `with proxy:` does the same on the process's `with`
+    loop, and threads call it inside with `inference_sync`, `submit` and
+    `inference_many_sync`.
+
     Hooks a subclass may override: `_inference` (the model) and `_cost` (an item's
     cost, by `length` by default). The other underscore names are the library's
     own (its `GenerationProxy`, `TensorProxy` and `@batch` use them): do not
