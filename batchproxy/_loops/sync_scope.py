@@ -55,13 +55,16 @@ class _Leases:
         self.lock = threading.Lock()
         self._loop: BackgroundLoop | None = None
         self._holders = 0
-        atexit.register(self._at_exit)
+        self._registered = False  # `_at_exit` with atexit
 
     def take(self) -> BackgroundLoop:
         """The loop, started if need be, with one more holder."""
         with self.lock:
             if self._loop is None:
                 self._loop = BackgroundLoop(_NAME)
+                if not self._registered:  # (late, so it runs early: before the handler
+                    atexit.register(self._at_exit)  # that stops worker processes, say)
+                    self._registered = True
             self._holders += 1
             loop = self._loop
         try:
@@ -107,7 +110,8 @@ class SyncScope:
         """Start it on the process's `with` loop (refused in a thread running an event
         loop: `async with` there)."""
         scoped = cast(_Scoped, self)
-        refuse_running_loop(scoped.name)
+        # (a subclass whose __init__ forgot super().__init__() has no name: start() says so)
+        refuse_running_loop(getattr(scoped, "name", type(self).__name__))
         loop = _LEASES.take()
         try:
             loop.run(scoped.start())

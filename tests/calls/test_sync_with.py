@@ -488,3 +488,71 @@ def test_an_interrupted_drain_stops_at_once(no_thread_left: None) -> None:
         gate.set()
         interrupter.join(10)
     assert proxy.closed
+
+
+# -- misuse, and inference_many_sync's own checks ------------------------------------------
+
+
+def test_a_proxy_that_forgot_super_init_says_so_and_leaves_no_thread(
+    no_thread_left: None,
+) -> None:
+    class Forgot(batchproxy.Proxy[int, int]):
+        def __init__(self) -> None:
+            pass
+
+        @override
+        async def _inference(self, items: list[int]) -> list[int]:
+            return items
+
+    with pytest.raises(RuntimeError, match=r"must call super\(\).__init__\(\)"), Forgot():
+        raise AssertionError("entered")
+
+
+def test_a_batched_method_is_entered_on_an_instance(no_thread_left: None) -> None:
+    class Model:
+        @batchproxy.batch(batch_size=4)
+        async def double(self, items: list[int]) -> list[int]:
+            return [2 * item for item in items]
+
+    with pytest.raises(TypeError, match="use it on an instance"), Model.double:
+        raise AssertionError("entered")
+    model = Model()
+    with model.double:
+        assert model.double.inference_sync(2) == 4
+    assert model.double.closed
+
+
+def test_inference_many_sync_checks_its_arguments_and_returns_exceptions(
+    no_thread_left: None,
+) -> None:
+    def respond(items: list[Any]) -> list[Any]:
+        return [ValueError(item) if item == "bad" else ("out", item) for item in items]
+
+    class Units(batchproxy.Proxy[str, str]):
+        @override
+        async def _inference(self, items: list[str], /, *, unit: str = "") -> list[str]:
+            return [item + unit for item in items]
+
+    proxy = ThreadRecorder(respond, batch_size=8)
+    units = Units(batch_size=8)
+    gate = threading.Event()
+    slow = ThreadRecorder(gate=gate, batch_size=1)
+    with proxy, units, slow:
+        with pytest.raises(TypeError, match="iterable of items"):
+            proxy.inference_many_sync("ab")
+        with pytest.raises(TypeError, match=r"inference_many_sync\(\).*did you mean `timeout`"):
+            proxy.inference_many_sync([1], timeot=1)  # type: ignore[call-overload]
+        with pytest.raises(ValueError, match="bad"):
+            proxy.inference_many_sync(["a", "bad"])
+        results = proxy.inference_many_sync(["a", "bad", "c"], return_exceptions=True)
+        assert results[0] == ("out", "a")
+        assert isinstance(results[1], ValueError)
+        assert results[2] == ("out", "c")
+        assert units.with_args(unit="m").inference_many_sync(["1", "2"]) == ["1m", "2m"]
+        busy = slow.submit(0)
+        assert slow.entered.wait(10)
+        with pytest.raises(DeadlineExceeded):  # queued behind `busy` past its deadline
+            slow.inference_many_sync([1, 2], timeout=0.05)
+        gate.set()
+    assert busy.result(0) == ("out", 0)
+    assert slow.stats.timed_out == 2
