@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from subprocess import PIPE
 from typing import Any
 
 import pytest
@@ -368,13 +369,10 @@ async def test_freeze_gc_freezes_what_the_factory_loaded_before_serving(
         assert host.stop() == 0
     # what the interpreter itself reports before any import: 0, except CPython 3.12,
     # whose startup leaves objects in the permanent generation (375 on 3.12.1)
-    bare = subprocess.run(
-        [sys.executable, "-I", "-c", "import gc; print(gc.get_freeze_count())"],
-        check=True,
-        capture_output=True,
-        text=True,
+    bare = await asyncio.create_subprocess_exec(
+        sys.executable, "-I", "-c", "import gc; print(gc.get_freeze_count())", stdout=PIPE
     )
-    baseline = int(bare.stdout)
+    baseline = int((await bare.communicate())[0])
     if freeze:
         assert frozen > baseline  # the objects alive once loaded: the proxy, its modules
     else:
