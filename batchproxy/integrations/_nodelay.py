@@ -7,7 +7,8 @@ says 0, and so does every connection it accepts: `uvicorn --workers N` (and
 #3149). On such a connection Nagle's algorithm holds a response's body until the
 client acknowledges its headers, and a keep-alive client delays that ACK: about 40 ms
 per request on Linux, whatever the app does. uvloop sets the option on every
-connection itself, and gunicorn on its listeners.
+connection itself, and gunicorn on its listeners; but `uvicorn --fd N` takes the
+socket handed down for a Unix one, and then neither loop sets it.
 
 An accepted connection inherits its listener's TCP_NODELAY (Linux and the BSDs), so
 setting it on the listener mends every connection, whichever worker accepts it and

@@ -143,8 +143,9 @@ class Serving:
     `tcp_nodelay` (default True): at `start()`, set TCP_NODELAY on this process's TCP
     listeners that lack it, so that the connections they accept have it, as asyncio
     gives its own: `uvicorn --workers N` binds its shared listener so that asyncio's
-    loop leaves it off, and each keep-alive response then waits about 40 ms for the
-    client's delayed ACK (uvicorn issue #3149). Connections are left as they are.
+    loop leaves it off (and `--fd N` so that uvloop does too), and each keep-alive
+    response then waits about 40 ms for the client's delayed ACK (uvicorn issue
+    #3149). Connections are left as they are.
     False leaves every socket alone (docs/serving.md).
     """
 

@@ -1,14 +1,18 @@
-"""`uvicorn --workers N` in front of a `Serving`, as docs/serving.md shows it: the
-connections the workers answer have TCP_NODELAY, so a keep-alive client's responses do
-not each wait for its delayed ACK.
+"""uvicorn in front of a `Serving`, as docs/serving.md shows it, with a listener uvicorn
+did not make for asyncio: the connections it answers have TCP_NODELAY, so a keep-alive
+client's responses do not each wait for its delayed ACK (about 40 ms).
 
-uvicorn binds the listener it shares with its workers as `socket.socket(AF_INET)`,
-whose `proto` is 0; asyncio's loop sets TCP_NODELAY on an accepted connection only when
-its socket says `IPPROTO_TCP`, so without help every response of a keep-alive
-connection waited about 40 ms (uvicorn issue #3149). uvloop sets the option itself, so
-the servers here run on asyncio's loop (`--loop asyncio`, what plain `pip install
-uvicorn` runs on). The server is a process group of its own, on 127.0.0.1 and a port
-the kernel picks, stopped on the way out, even when the test fails.
+- `--workers N`: uvicorn binds the listener it shares with its workers as
+  `socket.socket(AF_INET)`, whose `proto` is 0, and asyncio's loop sets TCP_NODELAY on
+  an accepted connection only when its socket says `IPPROTO_TCP` (uvicorn issue
+  #3149). uvloop sets the option itself, so these servers run on asyncio's loop
+  (`--loop asyncio`, what plain `pip install uvicorn` runs on).
+- `--fd N` (a socket handed down, as systemd's socket activation does): uvicorn takes
+  it for a Unix socket (`socket.fromfd(fd, AF_UNIX, ...)`), so neither asyncio's loop
+  nor uvloop sets the option; these run on uvicorn's default loop (uvloop here).
+
+Each server is a process group of its own, on 127.0.0.1 and a port the kernel picks,
+stopped on the way out, even when the test fails.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import json
 import os
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -38,25 +43,36 @@ ROOT = TESTS.parent
 STARTUP = 120.0  # seconds: two workers importing FastAPI on a loaded machine
 
 
-class Workers:
-    """`uvicorn _nodelay_server:app --workers N`, started here, in a session of its own."""
+class Uvicorn:
+    """`uvicorn _nodelay_server:app` with `shape`'s options, started here, in a session of
+    its own: "workers" (two, on asyncio's loop, on a port it binds) or "fd" (one
+    process, on a TCP listener bound here and handed down)."""
 
-    def __init__(self, workers: int, log: IO[str]) -> None:
+    def __init__(self, shape: str, log: IO[str]) -> None:
         self.log = log
         paths = [str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "_nodelay_server:app",
-             "--workers", str(workers), "--loop", "asyncio",
-             "--host", "127.0.0.1", "--port", "0", "--no-access-log", "--log-level", "info"],
-            cwd=TESTS, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=log, start_new_session=True,
-        )  # fmt: skip
-        try:
-            self.port = self._port()
-        except BaseException:
-            self.stop()
-            raise
+        with contextlib.ExitStack() as closing:
+            if shape == "workers":
+                options = ["--workers", "2", "--loop", "asyncio", "--host", "127.0.0.1",
+                           "--port", "0"]  # fmt: skip
+                handed: tuple[int, ...] = ()
+            else:
+                tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+                listener = closing.enter_context(tcp)  # (this process's copy: closed here)
+                listener.bind(("127.0.0.1", 0))
+                options, handed = ["--fd", str(listener.fileno())], (listener.fileno(),)
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "uvicorn", "_nodelay_server:app", *options,
+                 "--no-access-log", "--log-level", "info"],
+                cwd=TESTS, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=log, start_new_session=True, pass_fds=handed,
+            )  # fmt: skip
+            try:
+                self.port = self._port() if shape == "workers" else listener.getsockname()[1]
+            except BaseException:
+                self.stop()
+                raise
 
     def _output(self) -> str:
         return Path(self.log.name).read_text()
@@ -110,10 +126,10 @@ class Workers:
         self.process.wait()
 
 
-@pytest.fixture
-def workers() -> Iterator[Workers]:
+@pytest.fixture(params=["workers", "fd"])
+def server(request: pytest.FixtureRequest) -> Iterator[Uvicorn]:
     with tempfile.NamedTemporaryFile("w+", prefix="bp-nodelay-", suffix=".log") as log:
-        server = Workers(2, log)  # (stops what it started if it fails to bind)
+        server = Uvicorn(request.param, log)  # (stops what it started if it fails to bind)
         try:
             server.wait_ready()
             yield server
@@ -121,22 +137,21 @@ def workers() -> Iterator[Workers]:
             server.stop()
 
 
-def test_uvicorn_workers_answer_keep_alive_connections_without_delayed_acks(
-    workers: Workers,
-) -> None:
+def test_uvicorn_answers_keep_alive_connections_without_delayed_acks(server: Uvicorn) -> None:
     for _ in range(8):  # fresh connections: either worker may accept each
-        connection = workers.connect()
+        connection = server.connect()
         try:
-            report = workers.get(connection, "/nodelay")
+            report = server.get(connection, "/nodelay")  # first: a client acknowledges
+            # a connection's first answers at once, so those would not show the delay
             assert report["nodelay"] == 1, f"worker {report['pid']}: TCP_NODELAY off"
             latencies = []
             for n in range(20):  # keep-alive: the same connection
                 began = time.perf_counter()
-                assert workers.get(connection, f"/echo/{n}") == {"n": n}
+                assert server.get(connection, f"/echo/{n}") == {"n": n}
                 latencies.append(time.perf_counter() - began)
         finally:
             connection.close()
-        # with Nagle on, every one of them waited for the client's delayed ACK (40 ms
-        # at least on Linux; 44 measured); without, most take well under a
+        # with Nagle on, each of these waited for the client's delayed ACK (40 ms at
+        # least on Linux; 44-48 measured); without, most take well under a
         # millisecond, so even a loaded machine answers one of 20 under 20 ms
         assert min(latencies) < 0.020, f"median {statistics.median(latencies) * 1e3:.1f} ms"
