@@ -51,6 +51,10 @@ _HAND_OVER = 1.0
 """Seconds `aclose()` waits, past its own timeout, for another loop to close its
 connection (and how often it checks that the loop still runs)."""
 
+RELAUNCH_PAUSE_MAX = 60.0
+"""The longest pause, in seconds, before the health watch starts again a host whose
+last start failed to load (the pause doubles from `health_every` up to this)."""
+
 
 class RemoteProxy(SyncScope):
     """Calls to the proxy a `ModelHost` serves on `path`, from this process.
@@ -370,14 +374,27 @@ class RemoteProxy(SyncScope):
     async def _watching(self) -> None:
         """Ask the host's health every `health_every` seconds; a host that cannot be
         reached, or does not answer, is unhealthy (and started again, with `host=`,
-        unless one holds the host lock)."""
+        unless one holds the host lock). A host started here that fails to load is
+        started again only after a pause that doubles from `health_every` up to
+        `RELAUNCH_PAUSE_MAX` (each start loads the model to fail again), the health
+        saying why; an answer ends the pauses."""
+        loop = asyncio.get_running_loop()
+        failure: str | None = None  # why the last host started here failed to load
+        pause = self.health_every  # before the next start, once one failed to load
+        start_at = 0.0
         while True:
             await asyncio.sleep(self.health_every)
             try:
                 self._heard(await self._ask())
+                failure, pause, start_at = None, self.health_every, 0.0
             except HostUnavailable as exc:
-                self._lost(exc.detail)
-                self._start_host()
+                failed = self._load_failure()
+                if failed is not None:
+                    failure, start_at = failed, loop.time() + pause
+                    pause = min(2 * pause, RELAUNCH_PAUSE_MAX)
+                self._lost(exc.detail if failure is None else f"failed to load: {failure}")
+                if loop.time() >= start_at:
+                    self._start_host()
 
     async def _ask(self) -> Health:
         """The host's health, asked now; `HostUnavailable` if it cannot be reached, or
@@ -399,14 +416,22 @@ class RemoteProxy(SyncScope):
         since = self._health.since if not self._health.healthy else None
         self._health = Health(False, f"model host at {self.path}: {why}", since or time.time())
 
+    def _load_failure(self) -> str | None:
+        """Why the host candidate this worker started last failed to load, once it has
+        exited saying so (forgetting it: the next question starts another), else None."""
+        candidate = self._candidate
+        if candidate is None or candidate.running or candidate.failure is None:
+            return None
+        self._candidate = None
+        return candidate.failure
+
     def _refuse_failed_load(self) -> None:
         """Raise `RuntimeError` if the host candidate this worker started last exited
         because its load failed (`_launch`): starting another would fail the same way."""
-        candidate = self._candidate
-        if candidate is not None and not candidate.running and candidate.failure is not None:
-            self._candidate = None
+        failure = self._load_failure()
+        if failure is not None:
             raise RuntimeError(
-                f"the model host {self.host!r} for {self.path} failed to load: {candidate.failure}"
+                f"the model host {self.host!r} for {self.path} failed to load: {failure}"
             )
 
     def _start_host(self) -> None:
