@@ -26,7 +26,7 @@ import math
 import os
 import time
 import weakref
-from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Iterable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -34,7 +34,6 @@ from typing_extensions import Unpack
 
 from .. import _validate
 from .._errors import DeadlineExceeded, DrainDeadline, HostUnavailable, ProxyClosed
-from .._loops.background_loop import BackgroundLoop
 from .._loops.sync_scope import SyncScope
 from .._option_values import CallOptions, check_call
 from .._stats import Health
@@ -42,6 +41,7 @@ from ._arguments import RemoteArguments, RemoteWithArguments
 from ._connection import Connection, NotSent
 from ._deadline import Deadline
 from ._launch import Candidate, lock_is_free
+from ._threads import blocked_on, refuse_blocking, submitted
 
 __all__ = ["RemoteProxy"]
 
@@ -208,7 +208,7 @@ class RemoteProxy(SyncScope):
         `with` loop inside `with remote:`); a `concurrent.futures.Future` of its result
         (cancel it to cancel the call)."""
         options = _options("submit()", call)  # here: a bad option raises in the caller
-        return self._submit(self._call(item, options))
+        return submitted(self, self._call(item, options))
 
     def inference_sync(self, item: Any, **call: Unpack[CallOptions]) -> Any:
         """From a plain thread: block for `inference`'s result (through `submit`'s loop,
@@ -216,36 +216,16 @@ class RemoteProxy(SyncScope):
         (`KeyboardInterrupt`) cancels the call. Refused in a thread that runs an event
         loop, which it would block (`await remote.inference(...)` there)."""
         options = _options("inference_sync()", call)
-        self._refuse_blocking("inference_sync", "inference")
-        return _blocked_on(self._submit(self._call(item, options)))
+        refuse_blocking(self, "inference_sync", "inference")
+        return blocked_on(submitted(self, self._call(item, options)))
 
     def inference_many_sync(
         self, items: Iterable[Any], *, return_exceptions: bool = False, **call: Unpack[CallOptions]
     ) -> list[Any]:
         """From a plain thread: block for `inference_many`'s results, as `inference_sync`."""
-        self._refuse_blocking("inference_many_sync", "inference_many")
+        refuse_blocking(self, "inference_many_sync", "inference_many")
         many = self.inference_many(items, return_exceptions=return_exceptions, **call)
-        return _blocked_on(self._submit(many))  # (its checks raise in this thread)
-
-    def _submit(self, call: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Run a call from a plain thread: on the `with` loop while entered, else on the
-        default `BackgroundLoop`; closed, refused without starting a loop."""
-        if self._closed:
-            call.close()
-            refused: concurrent.futures.Future[T] = concurrent.futures.Future()
-            refused.set_exception(ProxyClosed(self.name))
-            return refused
-        return (self._with_loop or BackgroundLoop.default()).submit(call)
-
-    def _refuse_blocking(self, method: str, instead: str) -> None:
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return  # no loop in this thread: the usual case
-        raise RuntimeError(
-            f"{self!r}.{method}() was called in a thread running an event loop, "
-            f"which it would block: await remote.{instead}(...) there"
-        )
+        return blocked_on(submitted(self, many))  # (its checks raise in this thread)
 
     def with_args(self, *args: Any, **kwargs: Any) -> RemoteWithArguments:
         """The call methods with these per-batch arguments for the host proxy's
@@ -487,16 +467,6 @@ class RemoteProxy(SyncScope):
         self._connections[loop] = connection
         connection.ask_health()  # (`health` follows a reconnection, watched or not)
         return connection
-
-
-def _blocked_on(future: concurrent.futures.Future[T]) -> T:
-    """Block for `future` (a call bounded by its deadline); cancel it if interrupted."""
-    try:
-        concurrent.futures.wait([future])
-    except BaseException:  # interrupted: the call is withdrawn, not left queued
-        future.cancel()
-        raise
-    return future.result()
 
 
 def _seen(connecting: asyncio.Task[Connection]) -> None:
