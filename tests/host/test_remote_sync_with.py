@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import pytest
-from _host_models import Tagged
+from _host_models import Tagged, Units
 from _support import wait_until
 
 import batchproxy
@@ -151,3 +151,14 @@ async def test_no_host_fails_the_entry_and_leaves_no_thread(socket_path: str) ->
     with pytest.raises(batchproxy.HostUnavailable):
         await in_a_thread(plain_code)
     assert "batchproxy-with" not in thread_names()
+
+
+async def test_with_args_inference_many_sync_inside(socket_path: str) -> None:
+    async with ModelHost(Units(), socket_path):
+
+        def plain_code() -> list[Any]:
+            with RemoteProxy(socket_path) as remote:
+                results: list[Any] = remote.with_args(unit="kg").inference_many_sync(["1", "2"])
+                return results
+
+        assert await in_a_thread(plain_code) == ["1kg", "2kg"]
