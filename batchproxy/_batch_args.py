@@ -14,7 +14,15 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import inspect
-from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Iterable, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Generator,
+    Iterable,
+    Sequence,
+)
 from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, overload
 
 from typing_extensions import Unpack
@@ -81,6 +89,14 @@ class BatchedArgs(Batched[T, U], Generic[P, T, U]):
         """`Proxy.stream`, for a generator `f`: `f.stream(item, *args, **kwargs)`."""
         item, key = self._item_and_key(item, args, kwargs)
         return self.proxy.stream(item, key=key, **self._per_call)
+
+    def stream_sync(  # type: ignore[override]
+        self, item: T, /, *args: P.args, **kwargs: P.kwargs
+    ) -> Generator[U, None, None]:
+        """`Proxy.stream_sync`, for a generator `f`: `f.stream_sync(item, *args,
+        **kwargs)` in a plain thread."""
+        item, key = self._item_and_key(item, args, kwargs)
+        return self.proxy.stream_sync(item, key=key, **self._per_call)
 
     def inference_sync(  # type: ignore[override]
         self, item: T, /, *args: P.args, **kwargs: P.kwargs

@@ -9,7 +9,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-from collections.abc import Callable, Coroutine, Hashable, Iterable, Mapping
+from collections.abc import (
+    AsyncGenerator,
+    Callable,
+    Coroutine,
+    Generator,
+    Hashable,
+    Iterable,
+    Mapping,
+)
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, overload
 
 from typing_extensions import Unpack
@@ -18,6 +26,7 @@ from . import _validate
 from ._arguments import Arguments, ArgumentsKey
 from ._errors import DeadlineExceeded
 from ._loops.bridge import LoopBridge
+from ._loops.sync_stream import chunks_from_thread
 from ._option_values import CallOptions, UnkeyedCallOptions, check_call
 
 if TYPE_CHECKING:
@@ -55,6 +64,15 @@ class CallForms(Generic[In, Out]):
             tenant: Hashable | None = None,
             key: Hashable | None = None,
         ) -> Coroutine[Any, Any, Out]: ...
+        def stream(
+            self,
+            item: In,
+            *,
+            timeout: float | None = None,
+            priority: int = 0,
+            tenant: Hashable | None = None,
+            key: Hashable | None = None,
+        ) -> AsyncGenerator[Out, None]: ...
 
     @overload
     async def inference_many(
@@ -205,6 +223,22 @@ class CallForms(Generic[In, Out]):
             *self._from_thread("inference_many_sync", make), seconds
         )
         return results
+
+    def stream_sync(self, item: In, **call: Unpack[CallOptions]) -> Generator[Out, None, None]:
+        """Blocking `stream`, for plain threads: `for chunk in proxy.stream_sync(item)`,
+        best inside `contextlib.closing(...)`. Each chunk is read on the proxy's loop
+        (as `inference_sync` routes a call); leaving early and closing the iterator,
+        or an interrupted wait, withdraws the call. `timeout` bounds the whole
+        stream. On a proxy that does not stream, its one result. Checked here."""
+        self._require_init()
+        check_call("stream_sync()", call)
+        seconds = self._sync_seconds(call)
+        self._intake.refuse_own_model(self._binder.current, "stream_sync")
+
+        def run(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+            return self._wait(*self._from_thread("stream_sync", make), seconds)
+
+        return chunks_from_thread(lambda: self.stream(item, **call), run)
 
     def _sync_seconds(self, call: CallOptions) -> float | None:
         """The bound on a blocking call: its `timeout`, else the proxy's (checked)."""

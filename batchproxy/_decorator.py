@@ -15,6 +15,7 @@ from collections.abc import (
     Awaitable,
     Callable,
     Coroutine,
+    Generator,
     Iterable,
     Sequence,
 )
@@ -154,6 +155,10 @@ class Batched(SyncScope, Generic[T, U]):
     def stream(self, item: T, **call: Unpack[CallOptions]) -> AsyncGenerator[U, None]:
         """`Proxy.stream`: `async for chunk in f.stream(item)`, for a generator `f`."""
         return self.proxy.stream(item, **call)
+
+    def stream_sync(self, item: T, **call: Unpack[CallOptions]) -> Generator[U, None, None]:
+        """`Proxy.stream_sync`: `for chunk in f.stream_sync(item)` in a plain thread."""
+        return self.proxy.stream_sync(item, **call)
 
     def submit(self, item: T, **call: Unpack[CallOptions]) -> concurrent.futures.Future[U]:
         """`Proxy.submit`: from any thread, a `concurrent.futures.Future` of `f(item)`'s

@@ -26,7 +26,7 @@ import math
 import os
 import time
 import weakref
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -35,12 +35,13 @@ from typing_extensions import Unpack
 from .. import _validate
 from .._errors import DeadlineExceeded, DrainDeadline, HostUnavailable, ProxyClosed
 from .._loops.sync_scope import SyncScope
+from .._loops.sync_stream import chunks_from_thread
 from .._option_values import CallOptions, check_call
 from .._stats import Health
 from ._arguments import RemoteArguments, RemoteWithArguments
 from ._connection import Connection, NotSent
 from ._deadline import Deadline
-from ._launch import Candidate, lock_is_free
+from ._launch import RELAUNCH_PAUSE_MAX, Candidate, lock_is_free
 from ._threads import blocked_on, refuse_blocking, submitted
 
 __all__ = ["RemoteProxy"]
@@ -50,10 +51,6 @@ T = TypeVar("T")
 _HAND_OVER = 1.0
 """Seconds `aclose()` waits, past its own timeout, for another loop to close its
 connection (and how often it checks that the loop still runs)."""
-
-RELAUNCH_PAUSE_MAX = 60.0
-"""The longest pause, in seconds, before the health watch starts again a host whose
-last start failed to load (the pause doubles from `health_every` up to this)."""
 
 
 class RemoteProxy(SyncScope):
@@ -202,6 +199,14 @@ class RemoteProxy(SyncScope):
             yield first
             async for chunk in chunks:
                 yield chunk
+
+    def stream_sync(self, item: Any, **call: Unpack[CallOptions]) -> Generator[Any, None, None]:
+        """From a plain thread: `stream`'s chunks, as `Proxy.stream_sync` (each read
+        through `submit`'s loop). Refused in a thread that runs an event loop."""
+        _options("stream_sync()", call)  # here: a bad option raises in the caller
+        refuse_blocking(self, "stream_sync", "stream")
+        chunks = functools.partial(self.stream, item, **call)
+        return chunks_from_thread(chunks, lambda make: blocked_on(submitted(self, make())))
 
     def submit(self, item: Any, **call: Unpack[CallOptions]) -> concurrent.futures.Future[Any]:
         """From a plain thread: `inference` on the process-wide `BackgroundLoop` (the

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import sys
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import pytest
-from _host_models import Tagged, Units
+from _host_models import Counting, Tagged, Units
 from _support import wait_until
 
 import batchproxy
@@ -162,3 +163,29 @@ async def test_with_args_inference_many_sync_inside(socket_path: str) -> None:
                 return results
 
         assert await in_a_thread(plain_code) == ["1kg", "2kg"]
+
+
+async def test_stream_sync_reads_a_hosts_stream_from_a_plain_thread(socket_path: str) -> None:
+    proxy = Counting()
+    async with ModelHost(proxy, socket_path):
+
+        def plain_code() -> dict[str, Any]:
+            seen: dict[str, Any] = {}
+            with RemoteProxy(socket_path) as remote:
+                seen["whole"] = list(remote.stream_sync(3))
+                with contextlib.closing(remote.stream_sync(10**6)) as chunks:
+                    seen["first"] = next(chunks)
+                try:
+                    remote.stream_sync(1, timeuot=1)  # type: ignore[call-arg]
+                except TypeError as exc:
+                    seen["checked"] = str(exc)
+            return seen
+
+        seen = await in_a_thread(plain_code)
+        await wait_until(lambda: proxy.stats.cancelled == 1)  # closed early: withdrawn
+    assert seen["whole"] == [(3, 0), (3, 1), (3, 2)]
+    assert seen["first"] == (10**6, 0)
+    assert "timeuot" in seen["checked"]
+    remote = RemoteProxy(socket_path)
+    with pytest.raises(RuntimeError, match=r"remote.stream\(...\) there"):  # runs a loop
+        remote.stream_sync(1)
