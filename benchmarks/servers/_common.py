@@ -27,6 +27,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from _gpu_sim import NAME as GPU_SIM
 from _gpu_sim import GpuSim
 
 HERE = Path(__file__).resolve().parent
@@ -44,7 +45,7 @@ WINDOW_MS = 5.0  # how long a stack may wait to fill a batch, where it has such 
 REQUEST_TIMEOUT_S = 120.0  # a stack's own per-request deadline, where it has one
 LOG_VARIABLE = "BENCH_SERVER_LOG"  # where the server writes its stderr (the driver sets it)
 MODEL_VARIABLE = "BENCH_MODEL"  # which model every stack serves (the driver sets it)
-MODELS = ("minilm", "gpu-sim")
+MODELS = ("minilm", GPU_SIM)
 
 
 def log_to_file() -> None:
@@ -74,7 +75,7 @@ def load() -> tuple[Any, Any]:
     """The tokenizer and the model (`examples/minilm.py`, or `_gpu_sim.GpuSim` behind the
     same tokenizer), torch on THREADS threads."""
     set_threads()
-    if model_name() == "gpu-sim":
+    if model_name() == GPU_SIM:
         from minilm import load_tokenizer
 
         return load_tokenizer(), GpuSim()

@@ -26,10 +26,11 @@ from typing import Any
 
 import numpy as np
 
-# The GPU that gpu-sim stands for: bert-base in float32 on the H200, as measured there on
-# 2026-11-26 (docs/benchmarks.md, "On a GPU"): about 232 items/s one at a time (launch-
-# bound: 4 ms a batch of one) and about 3,200 items/s in batches of 64 (1 + 0.3 * 64 =
-# 20.2 ms). GPU issue 41 re-fits these three to a card when a device is lent.
+# The GPU that gpu-sim stands for, in ONE place: these three reproduce bert-base in
+# float32 on the H200 measured on 2026-11-26 (about 232 items/s one at a time, launch-
+# bound: 4 ms a batch of one, 250/s here; about 3,200 items/s in batches of 64: 1 + 0.3 *
+# 64 = 20.2 ms, 3,168/s here). The Python launch of a lone bert-base batch measured 4.4-
+# 4.8 ms there (benchmarks/results/gpu-lone.json). GPU issue 41 re-fits them to a card.
 LAUNCH_S = 0.004  # the Python launch: CPU seconds of the calling thread, GIL held
 DEVICE_S = 0.001  # the device: done this long after the launch began...
 DEVICE_PER_ROW_S = 0.0003  # ...plus this per row of the batch
