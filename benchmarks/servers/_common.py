@@ -44,6 +44,11 @@ BATCH_SIZE = 64  # the largest batch, where a stack batches
 WINDOW_MS = 5.0  # how long a stack may wait to fill a batch, where it has such a window
 REQUEST_TIMEOUT_S = 120.0  # a stack's own per-request deadline, where it has one
 LOG_VARIABLE = "BENCH_SERVER_LOG"  # where the server writes its stderr (the driver sets it)
+# uvicorn's health check of its workers (`timeout_worker_healthcheck`, 5 s by default):
+# a spawned worker answers only once it has imported the server's module (torch and
+# transformers for the host's workers), which takes longer on a loaded machine; one that
+# does not answer in time is killed and started again, and the server never comes up
+WORKER_HEALTHCHECK_S = 120
 MODEL_VARIABLE = "BENCH_MODEL"  # which model every stack serves (the driver sets it)
 MODELS = ("minilm", GPU_SIM)
 

@@ -34,7 +34,7 @@ def serve_workers(workers: int) -> None:
     """`workers` uvicorn workers, bound and run as `host_server.py` runs its own (this
     process leads its group: the supervisor and the workers go with it)."""
     import uvicorn
-    from _common import announce_port, log_to_file
+    from _common import WORKER_HEALTHCHECK_S, announce_port, log_to_file
 
     log_to_file()
     port = announce_port()
@@ -48,6 +48,7 @@ def serve_workers(workers: int) -> None:
         access_log=False,
         timeout_keep_alive=300,
         backlog=4096,
+        timeout_worker_healthcheck=WORKER_HEALTHCHECK_S,
     )
 
 
