@@ -10,7 +10,7 @@ batches of BATCH_SIZE at most, a WINDOW_MS window where a stack has one):
   `TensorProxy` (length-aware, the adaptive window, `offload=True`), and
   `Serving(freeze_gc=True)` as docs/serving.md advises; each handler tokenizes its
   own text;
-- host (only when named: `--stacks host,...`): the same service split as
+- host (only when named, `--stacks host,...`, or with gpu-sim): the same service split as
   docs/serving.md's "Several web workers" shows, two uvicorn workers (HTTP, JSON,
   tokenizing) in front of one model host process (`host_server.py`);
 - regular: FastAPI, one forward pass per request on one model thread;
