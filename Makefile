@@ -6,7 +6,7 @@ BIN     = $(VENV)/bin
 # takes the CPU build on this machine and never resolves a newer torch with CUDA packages
 TORCH   = torch==2.13.0
 
-.PHONY: demo demo-publish test lint typecheck unit unit-uvloop package test-pythons docs docs-check bench bench-tensors bench-suite bench-servers bench-scheduling bench-scaleout bench-autoscale bench-dedup bench-soak bench-soak-deadlines bench-soak-host bench-generation bench-keys bench-fairness bench-sizes bench-scale bench-host bench-ab bench-gpu bench-gpu-quick clean
+.PHONY: demo demo-publish test lint typecheck unit unit-uvloop package test-pythons docs docs-check bench bench-tensors bench-suite bench-servers bench-servers-gpu-sim bench-scheduling bench-scaleout bench-autoscale bench-dedup bench-soak bench-soak-deadlines bench-soak-host bench-generation bench-keys bench-fairness bench-sizes bench-scale bench-host bench-ab bench-gpu bench-gpu-quick clean
 
 # the real model over HTTP, regular vs batched: the table, and demo.{json,png} in
 # benchmarks/results/runs/ (git-ignored: a run changes no tracked file)
@@ -88,6 +88,11 @@ bench-suite: $(VENV)/.installed-dev
 # benchmarks/results/ (`python benchmarks/servers/run.py --quick` by hand: a smoke run)
 bench-servers: $(VENV)/.installed-dev
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/servers/run.py
+
+# the same stacks in front of gpu-sim, a model shaped like bert-base on a GPU (MiniLM's
+# tokenizer, a GIL-bound launch, a device that takes no CPU): servers-gpu-sim.{json,png}
+bench-servers-gpu-sim: $(VENV)/.installed-dev
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/servers/run.py --model gpu-sim
 
 # scheduling policies on a virtual clock, and the scheduler's cost on a real one
 bench-scheduling: $(VENV)/.installed-dev
