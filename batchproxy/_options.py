@@ -129,7 +129,7 @@ class Options:
       after it. Off: strict priority, then earliest deadline first.
     - `bulk_threshold`: a call of more items than this (an `inference_many`) is a
       bulk call: within its priority, small calls' requests go before its own,
-      but for one batch place in `BULK_EVERY` (4) kept for bulk requests while
+      but for one batch place in `BULK_EVERY` (8) kept for bulk requests while
       small ones wait, so a query is not stuck behind a reindex and the reindex
       is never starved. None: every call is ranked alike (arrival order).
     - `shed_late` (opt-in): refuse a call with a deadline at once, with
@@ -208,7 +208,7 @@ class Options:
     oom_backoff: bool | OomPredicate = False
     window: Literal["adaptive", "fixed"] = "adaptive"
     aging_ms: float | None = None
-    bulk_threshold: int | None = 32
+    bulk_threshold: int | None = 64
     shed_late: bool = False
     isolate_errors: bool = False
     batch_timeout: Watchdog | None = None

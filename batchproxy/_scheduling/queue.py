@@ -62,7 +62,7 @@ __all__ = [
 T = TypeVar("T")
 
 _COMPACT_MIN_DEAD = 64
-BULK_EVERY = 4
+BULK_EVERY = 8
 """While small calls wait, a priority's bulk lane gets one of every `BULK_EVERY` places
 (chosen by `benchmarks/small_first.py`: see docs/benchmarks.md)."""
 _DEFAULT_ONLY = ((0, False),)  # the serving order when only the default level is in use
