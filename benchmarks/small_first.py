@@ -38,8 +38,8 @@ from dataclasses import asdict, dataclass
 
 from _report import arguments, environment, headline, write_report
 
-import batchproxy._scheduling.queue as queue_module
 from batchproxy import Percentiles, batch, simulation
+from batchproxy._scheduling import lanes
 
 BATCH = 64
 FIXED, PER_ITEM = 0.010, 0.0002
@@ -146,12 +146,12 @@ async def scenario(load: float, threshold: int | None, duration: float) -> Outco
 
 def with_every(every: int, load: float, threshold: int, duration: float) -> Outcome:
     """`scenario` with the bulk lane's share set to one place in `every`."""
-    kept = queue_module.BULK_EVERY
-    queue_module.BULK_EVERY = every
+    kept = lanes.BULK_EVERY
+    lanes.BULK_EVERY = every
     try:
         return simulation.run(scenario(load, threshold, duration))
     finally:
-        queue_module.BULK_EVERY = kept
+        lanes.BULK_EVERY = kept
 
 
 def ideal(off: float, load: float) -> float:

@@ -1,21 +1,15 @@
 """Pending requests: one level per priority, highest level first.
 
-Each priority has two lanes: small calls' requests, and below it bulk calls'
-(`Request.bulk`: a call of more items than `bulk_threshold`, `Scheduler.is_bulk`).
-While both lanes of a priority wait, the places that priority gets go to the
-small lane, but for one of every `BULK_EVERY` that goes to the bulk lane (an
-interleave whose count carries over from batch to batch). So a one-item query is
-not stuck behind another call's 10,000 items, and the bulk call keeps at least
-1/`BULK_EVERY` of the places its priority gets: a bulk request with m bulk
-requests ahead of it in its lane goes within (m + 1) x `BULK_EVERY` places of its
-priority, however many small calls arrive. Each lane is ordered as below.
+Each priority has two lanes, small calls' and below it bulk calls' (`lanes`:
+their interleave, and the bound it gives the bulk calls).
 
-Within a level (a lane), requests with a deadline go earliest deadline first, then those
+Within a lane, requests with a deadline go earliest deadline first, then those
 without one in arrival order (so with one timeout for every call, the order is
 FIFO). With `aging` (seconds), priorities are served in order of their oldest
-request's arrival time (of both lanes) minus `aging` per level of priority, and a
-lane whose oldest request has waited `aging` is served oldest first. So a request is never
-overtaken by one of Δp levels more that arrived more than Δp x `aging` after it,
+request's arrival time (in either lane) minus `aging` per level of priority, and
+a lane whose oldest request has waited `aging` is served oldest first. So a
+request is never overtaken by one of Δp levels more that arrived more than Δp x
+`aging` after it,
 nor, in its own level, by one that arrived more than `aging` after it: neither a
 busier level nor a stream of tighter deadlines holds it back for ever.
 
@@ -33,8 +27,8 @@ also count who is ahead.
 
 `Queue` is the interface the scheduler, intake and generation use, which
 composites of `RequestQueue`s (`FairQueue`: one per tenant; `KeyedQueue`: one
-per batch key; `_scheduling.placement` nests them) also have; `pick_similar` forms a
-length-aware batch from any of them.
+per batch key; `_scheduling.placement` nests them) also have; `pick_similar`
+(`similar`) forms a length-aware batch from any of them.
 """
 
 from __future__ import annotations
@@ -45,12 +39,13 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Generic, Protocol, TypeVar
 
+from .lanes import BULK_EVERY, Level, across, aged, interleaved, lane_order
 from .request import NO_DEADLINE as _NO_DEADLINE
 from .request import Request, lane
+from .similar import pick_similar
 from .sizes import Cut, cut_limit
 
 __all__ = [
-    "BULK_EVERY",
     "Composite",
     "Queue",
     "Request",
@@ -62,30 +57,7 @@ __all__ = [
 T = TypeVar("T")
 
 _COMPACT_MIN_DEAD = 64
-BULK_EVERY = 8
-"""While small calls wait, a priority's bulk lane gets one of every `BULK_EVERY` places
-(chosen by `benchmarks/small_first.py`: see docs/benchmarks.md)."""
 _DEFAULT_ONLY = ((0, False),)  # the serving order when only the default level is in use
-
-
-class _Level(Generic[T]):
-    """One lane of a priority level: every request in arrival order, the live ones with
-    a deadline also sorted by (deadline, arrival)."""
-
-    __slots__ = ("by_deadline", "fifo", "live", "passed")
-
-    def __init__(self) -> None:
-        self.fifo: deque[Request[T]] = deque()
-        self.by_deadline: list[tuple[float, int, Request[T]]] = []
-        self.live = 0
-        # a bulk lane: places its small lane took since it last had one (< BULK_EVERY)
-        self.passed = 0
-
-    def unlist(self, request: Request[T]) -> None:
-        """Remove a request from the deadline order (it has one, and is in it)."""
-        entries = self.by_deadline
-        index = bisect.bisect_left(entries, (request.deadline, request.seq))
-        del entries[index]
 
 
 class RequestQueue(Generic[T]):
@@ -97,7 +69,7 @@ class RequestQueue(Generic[T]):
     def __init__(self, aging: float | None = None) -> None:
         # the default level stays even when empty (it is the common one); others come
         # and go with their requests, so memory does not grow with priorities ever used
-        self._levels: dict[int, _Level[T]] = {0: _Level()}  # by `lane`
+        self._levels: dict[int, Level[T]] = {0: Level()}  # by `lane`
         self._order: list[int] = [0]  # negated lanes, ascending: highest priority first
         self._dead = 0
         self._seq = 0
@@ -109,7 +81,7 @@ class RequestQueue(Generic[T]):
         at = 2 * request.priority - request.bulk  # (`lane`, inline: every request)
         level = self._levels.get(at)
         if level is None:
-            level = self._levels[at] = _Level()
+            level = self._levels[at] = Level()
             bisect.insort(self._order, -at)
         self._seq += 1
         request.seq = self._seq
@@ -150,7 +122,7 @@ class RequestQueue(Generic[T]):
                 continue
             bulk = None if at & 1 else levels.get(at - 1)
             if bulk is not None and bulk.live:
-                self._interleave(at, (oldest_first, _aged(order, at - 1)), limit, batch)
+                self._interleave(at, (oldest_first, aged(order, at - 1)), limit, batch)
             else:
                 self._take_lane(at, level, limit, oldest_first, batch)
         if self._dead > _COMPACT_MIN_DEAD:  # (`_collect`, inline: once per batch)
@@ -158,7 +130,7 @@ class RequestQueue(Generic[T]):
         return batch
 
     def _take_lane(
-        self, at: int, level: _Level[T], limit: int, oldest_first: bool, batch: list[Request[T]]
+        self, at: int, level: Level[T], limit: int, oldest_first: bool, batch: list[Request[T]]
     ) -> None:
         """Fill `batch` up to `limit` from lane `at` (`level`) in its order; requests whose
         caller left on the way leave too, unsent."""
@@ -270,11 +242,8 @@ class RequestQueue(Generic[T]):
         mine = 0 if level is None else bisect.bisect_right(level.by_deadline, (deadline, math.inf))
         other = self._levels.get(sibling)
         if other is not None and other.live:
-            if own & 1:  # a bulk request: the small places before its turn
-                passed = 0 if level is None else level.passed
-                ahead += min(other.live, (mine + 1) * (BULK_EVERY - 1) - passed)
-            else:  # a small request: the bulk places the interleave gives before it
-                ahead += min(other.live, (mine + other.passed) // (BULK_EVERY - 1))
+            passed = (0 if level is None else level.passed) if own & 1 else other.passed
+            ahead += across(bool(own & 1), mine, other.live, passed)
         return ahead + mine
 
     def peek(self, now: float = 0.0) -> Request[T] | None:
@@ -299,7 +268,7 @@ class RequestQueue(Generic[T]):
         batch = [r for level in self._levels.values() for r in level.fifo if r.queued]
         for request in batch:
             request.queued = False
-        self._levels = {0: _Level()}
+        self._levels = {0: Level()}
         self._order = [0]
         self._dead = 0
         self.live = 0
@@ -345,28 +314,13 @@ class RequestQueue(Generic[T]):
         for at, oldest_first in order:
             if at in paired:
                 continue
-            requests = self._lane_order(levels[at], oldest_first)
+            requests = lane_order(levels[at], oldest_first)
             bulk = None if at & 1 else levels.get(at - 1)
             if bulk is not None and bulk.live:
                 paired.add(at - 1)
-                bulk_order = self._lane_order(bulk, _aged(order, at - 1))
-                requests = _interleaved(requests, bulk_order, bulk.passed)
+                bulk_order = lane_order(bulk, aged(order, at - 1))
+                requests = interleaved(requests, bulk_order, bulk.passed)
             yield from requests
-
-    @staticmethod
-    def _lane_order(level: _Level[T], oldest_first: bool) -> Iterator[Request[T]]:
-        """One lane's live requests whose caller still waits, in pop order."""
-        if not oldest_first:
-            for _, _, request in level.by_deadline:
-                if not request.future.done():
-                    yield request
-        for request in level.fifo:
-            if (
-                request.queued
-                and (oldest_first or request.deadline == _NO_DEADLINE)
-                and not request.future.done()
-            ):
-                yield request
 
     def _take_out(self, request: Request[T]) -> None:
         """A queued request leaves out of arrival order: a dead entry in its deque."""
@@ -516,88 +470,3 @@ def full_reason(queue: Queue[T], limit: int, budget: int | None) -> str | None:
     if queue.live >= limit:
         return "full"
     return "token budget" if budget is not None and queue.live_cost >= budget else None
-
-
-def pick_similar(
-    queue: Queue[T],
-    limit: int,
-    budget: int | None,
-    window: int,
-    now: float,
-    group: bool,
-    max_passes: int,
-) -> list[Request[T]]:
-    """`pop_similar` for any queue: up to `limit` requests of similar cost, so a padded
-    batch wastes little.
-
-    Looks at the first `window` live requests in pop order. The first of them
-    always goes, alone if its cost alone exceeds `budget`. Next come requests
-    passed over `max_passes` times, oldest first; then the ones closest in cost
-    to the first (higher priority first, small calls before bulk ones), or, with
-    `group=False`, the rest in pop order. With a `budget`, the padded size
-    (members x largest cost) stays within it. Whoever is among the `limit` first
-    in pop order (the batch a plain pop would send) and left out is passed over
-    once more, so nobody waits more than `max_passes` batches longer than in that
-    order.
-    """
-    candidates: list[Request[T]] = []
-    for request in queue.in_pop_order(now):
-        candidates.append(request)
-        if len(candidates) >= window:
-            break
-    if not candidates:
-        return []
-    anchor = candidates[0]
-    batch = [anchor]
-    largest = anchor.cost
-
-    def admit(request: Request[T]) -> None:
-        nonlocal largest
-        if len(batch) < limit and (
-            budget is None or max(largest, request.cost) * (len(batch) + 1) <= budget
-        ):
-            batch.append(request)
-            largest = max(largest, request.cost)
-
-    rest = candidates[1:]
-    for request in rest:
-        if request.passed_over >= max_passes:
-            admit(request)
-    if group:
-        rest = sorted(rest, key=lambda r: (-lane(r), abs(r.cost - anchor.cost)))
-    for request in rest:
-        if request not in batch:
-            admit(request)
-    queue.take(batch)
-    for request in candidates[:limit]:
-        if request.queued:
-            request.passed_over += 1
-    return batch
-
-
-def _aged(order: list[tuple[int, bool]] | tuple[tuple[int, bool], ...], at: int) -> bool:
-    """Whether lane `at` goes oldest first in a serving `order` (False: not in it)."""
-    for lane_, oldest_first in order:
-        if lane_ == at:
-            return oldest_first
-    return False
-
-
-def _interleaved(
-    small: Iterator[Request[T]], bulk: Iterator[Request[T]], passed: int
-) -> Iterator[Request[T]]:
-    """A priority's two lanes merged as pops take them (`RequestQueue._interleave`):
-    `BULK_EVERY - 1` small ones, then a bulk one, starting `passed` into the count."""
-    while True:
-        for _ in range(BULK_EVERY - 1 - passed):
-            request = next(small, None)
-            if request is None:
-                yield from bulk
-                return
-            yield request
-        request = next(bulk, None)
-        if request is None:
-            yield from small
-            return
-        yield request
-        passed = 0

@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import batchproxy
-from batchproxy._scheduling.queue import BULK_EVERY, Request, RequestQueue
+from batchproxy._scheduling.lanes import BULK_EVERY
+from batchproxy._scheduling.queue import Request, RequestQueue
 
 RUN = BULK_EVERY - 1  # small places before each bulk one, while both lanes wait
 
