@@ -293,6 +293,34 @@ async def test_a_steady_flood_of_small_calls_does_not_starve_the_bulk_call() -> 
 
 
 @pytest.mark.looptime
+@pytest.mark.parametrize("aging_ms", [None, 20.0])
+async def test_with_aging_a_flood_of_higher_priority_does_not_starve_the_bulk_call(
+    aging_ms: float | None,
+) -> None:
+    """A flood of priority-1 single calls fills every batch: without aging the bulk call
+    of priority 0 waits as long as the flood lasts (explicit priority); with it, its
+    priority ranks first once it has waited one level's `aging_ms`, and then its bulk
+    lane takes every place its priority gets (no small call of priority 0 waits)."""
+    loop = asyncio.get_running_loop()
+    async with Recorder(batch_size=8, delay=0.01, bulk_threshold=1, aging_ms=aging_ms) as proxy:
+        reindex = asyncio.create_task(proxy.inference_many([f"b{i}" for i in range(16)]))
+        await asyncio.sleep(0)
+        started = loop.time()
+        flood = []
+        while not reindex.done() and loop.time() - started < 1:
+            flood += [asyncio.create_task(proxy.inference(i, priority=1)) for i in range(8)]
+            await asyncio.sleep(0.01)
+        took = loop.time() - started
+        if aging_ms is None:
+            assert not reindex.done()
+            reindex.cancel()
+        else:  # the 20 ms of aging, the flood queued by then, its 2 batches: well within
+            assert reindex.done()
+            assert took <= 0.1
+        await asyncio.gather(*flood, reindex, return_exceptions=True)
+
+
+@pytest.mark.looptime
 async def test_explicit_priority_still_wins_over_small_calls() -> None:
     async with Recorder(batch_size=4, delay=0.01, bulk_threshold=8) as proxy:
         batches = await _bulk_then_query(proxy, 40, bulk={"priority": 1}, query={"priority": 0})
