@@ -167,26 +167,27 @@ class RequestQueue(Generic[T]):
             self._drop_level(-at)
 
     def _interleave(
-        self, at: int, aged: tuple[bool, bool], limit: int, batch: list[Request[T]]
+        self, at: int, oldest_first: tuple[bool, bool], limit: int, batch: list[Request[T]]
     ) -> None:
         """Fill `batch` up to `limit` from priority `at // 2`'s small lane (`at`) and bulk
         lane (`at - 1`), both waiting: `BULK_EVERY - 1` small places, then a bulk one,
-        the count carried over between batches; one lane alone takes the rest."""
+        the count carried over between batches; one lane alone takes the rest.
+        `oldest_first`: each lane's (small, bulk), as `_serving_order` says."""
         small, bulk = self._levels[at], self._levels[at - 1]
         while len(batch) < limit:
             if not small.live:
-                self._take_lane(at - 1, bulk, limit, aged[1], batch)
+                self._take_lane(at - 1, bulk, limit, oldest_first[1], batch)
                 return
             if not bulk.live:
-                self._take_lane(at, small, limit, aged[0], batch)
+                self._take_lane(at, small, limit, oldest_first[0], batch)
                 return
             run = BULK_EVERY - 1 - bulk.passed
             before = len(batch)
             if run > 0:
-                self._take_lane(at, small, min(limit, before + run), aged[0], batch)
+                self._take_lane(at, small, min(limit, before + run), oldest_first[0], batch)
                 bulk.passed += len(batch) - before
             else:
-                self._take_lane(at - 1, bulk, before + 1, aged[1], batch)
+                self._take_lane(at - 1, bulk, before + 1, oldest_first[1], batch)
 
     def pop_similar(
         self,
