@@ -372,6 +372,8 @@ def configs(
         "max_queue_size_per_tenant": draw(st.none() | st.integers(1, 4)),
         "tenant_weights": draw(st.none() | st.just({"a": 3.0, "b": 0.5})),
         "aging_ms": draw(st.none() | st.sampled_from([1.0, 10.0])),
+        # small calls ahead of bulk ones: an inference_many of 2 or 3 items is bulk at 1
+        "bulk_threshold": draw(st.sampled_from([None, 1, 2, 64])),
         # (a model in another process, or behind a host, runs in no caller's context)
         "caller_context": model != "process" and not remote and draw(st.booleans()),
     }
@@ -496,6 +498,7 @@ def programs(draw: st.DrawFn, config: Config, horizon: float, *, threads: bool =
                     "max_queue_size": st.none() | st.integers(1, 6),
                     "batch_size": st.integers(1, 8),
                     "aging_ms": st.none() | st.just(5.0),
+                    "bulk_threshold": st.none() | st.just(1),
                     "tenant_weights": st.none() | st.just({"b": 2.0}),
                     "max_queue_size_per_tenant": st.none() | st.integers(1, 3),
                     **option_changes(config),
