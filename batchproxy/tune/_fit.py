@@ -1,0 +1,129 @@
+"""The cost curve: model seconds per batch, fitted to what `_measure` found.
+
+Without lengths the curve goes through the measured medians (made non-decreasing,
+joined by straight lines), so a GPU's flat start and its steps are kept as they
+were measured; beyond the largest size it goes on along the fitted line's slope.
+With lengths it is the fitted line `fixed + per_item x size + per_token x size x
+longest` (a batch is padded to its longest item). The line is a least-squares fit
+with no negative coefficient, on the medians.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ._errors import TuneError
+from ._measure import Measurement
+
+__all__ = ["CostCurve", "fit"]
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Model seconds for a batch of `size` items (the longest `length` long)."""
+
+    fixed: float
+    per_item: float
+    per_token: float
+    """0.0 without lengths."""
+    by_length: bool
+    sizes: tuple[int, ...] = ()
+    """The measured sizes (without lengths): the curve goes through their medians."""
+    seconds: tuple[float, ...] = ()
+
+    def __call__(self, size: int, length: int | None = None) -> float:
+        if self.by_length or not self.sizes:
+            tokens = size * (length or 0)
+            return max(1e-9, self.fixed + self.per_item * size + self.per_token * tokens)
+        sizes, seconds = self.sizes, self.seconds
+        if size <= sizes[0]:
+            return seconds[0]
+        if size >= sizes[-1]:
+            return seconds[-1] + self.per_item * (size - sizes[-1])
+        right = bisect.bisect_left(sizes, size)
+        left = right - 1
+        share = (size - sizes[left]) / (sizes[right] - sizes[left])
+        return seconds[left] + share * (seconds[right] - seconds[left])
+
+    def describe(self) -> str:
+        """The line in words: `2.10 ms + 0.350 ms/item (+ 1.2 µs/token)`."""
+        text = f"{self.fixed * 1e3:.2f} ms + {self.per_item * 1e3:.3f} ms/item"
+        if self.by_length:
+            text += f" + {self.per_token * 1e6:.2f} µs/token"
+        return text
+
+
+def fit(measurement: Measurement) -> CostCurve:
+    """The cost curve of the measured points."""
+    points = measurement.points
+    if not points:
+        raise TuneError(f"{measurement.name}: no batch was measured")
+    by_length = measurement.lengths is not None
+    rows = [
+        (1.0, float(p.size), float(p.units)) if by_length else (1.0, float(p.size)) for p in points
+    ]
+    coefficients = _nonnegative_least_squares(rows, [p.median for p in points])
+    fixed, per_item = coefficients[0], coefficients[1]
+    per_token = coefficients[2] if by_length else 0.0
+    if by_length:
+        return CostCurve(fixed, per_item, per_token, True)
+    medians: dict[int, list[float]] = {}
+    for point in points:
+        medians.setdefault(point.size, []).extend(point.seconds)
+    sizes = sorted(medians)
+    seconds = list(itertools.accumulate((_median(medians[s]) for s in sizes), max))
+    return CostCurve(fixed, per_item, 0.0, False, tuple(sizes), tuple(seconds))
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def _nonnegative_least_squares(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
+    """Least squares with every coefficient >= 0: the best of the fits on each subset of
+    the columns whose coefficients all come out >= 0 (a few columns: exact)."""
+    width = len(rows[0])
+    best: tuple[float, list[float]] | None = None
+    for count in range(width, 0, -1):
+        for columns in itertools.combinations(range(width), count):
+            solved = _least_squares([[row[c] for c in columns] for row in rows], ys)
+            if solved is None or min(solved) < 0:
+                continue
+            full = [0.0] * width
+            for column, value in zip(columns, solved, strict=True):
+                full[column] = value
+            residual = sum(
+                (y - sum(a * x for a, x in zip(full, row, strict=True))) ** 2
+                for row, y in zip(rows, ys, strict=True)
+            )
+            if best is None or residual < best[0] - 1e-15:
+                best = (residual, full)
+    return best[1] if best is not None else [0.0] * width
+
+
+def _least_squares(rows: list[list[float]], ys: Sequence[float]) -> list[float] | None:
+    """The normal equations solved by Gaussian elimination; None if singular."""
+    width = len(rows[0])
+    matrix = [
+        [sum(r[i] * r[j] for r in rows) for j in range(width)]
+        + [sum(r[i] * y for r, y in zip(rows, ys, strict=True))]
+        for i in range(width)
+    ]
+    for column in range(width):
+        pivot = max(range(column, width), key=lambda r: abs(matrix[r][column]))
+        scale = max(1.0, *(abs(v) for v in matrix[pivot][:width]))
+        if abs(matrix[pivot][column]) <= 1e-12 * scale:
+            return None
+        matrix[column], matrix[pivot] = matrix[pivot], matrix[column]
+        for row in range(width):
+            if row != column:
+                factor = matrix[row][column] / matrix[column][column]
+                matrix[row] = [
+                    a - factor * b for a, b in zip(matrix[row], matrix[column], strict=True)
+                ]
+    return [matrix[i][width] / matrix[i][i] for i in range(width)]
