@@ -20,7 +20,7 @@ The library prints nothing: the command line (`__main__`) prints the summary and
 the progress bars (on stderr). The functions are importable for scripts and tests.
 
 May import: `_decorator`, `_factory`, `_listeners`, `_option_values`, `_options`, `_proxy`,
-`_scheduling`, `simulation`.
+`_scheduling`, `_stats`, `simulation`.
 """
 
 from ._analysis import Analysis, analyse

@@ -1,8 +1,9 @@
 """The cost curve: model seconds per batch, fitted to what `_measure` found.
 
-Without lengths the curve goes through the measured medians (made non-decreasing,
-joined by straight lines), so a GPU's flat start and its steps are kept as they
-were measured; beyond the largest size it goes on along the fitted line's slope.
+Without lengths the curve goes through the measured medians (made non-decreasing by
+pooling adjacent violators, joined by straight lines), so a GPU's flat start and its
+steps are kept as they were measured; beyond the largest size it goes on along the
+fitted line's slope.
 With lengths it is the fitted line `fixed + per_item x size + per_token x size x
 longest` (a batch is padded to its longest item). The line is a least-squares fit
 with no negative coefficient, on the medians.
@@ -74,8 +75,21 @@ def fit(measurement: Measurement) -> CostCurve:
     for point in points:
         medians.setdefault(point.size, []).extend(point.seconds)
     sizes = sorted(medians)
-    seconds = list(itertools.accumulate((_median(medians[s]) for s in sizes), max))
+    seconds = _non_decreasing([_median(medians[s]) for s in sizes])
     return CostCurve(fixed, per_item, 0.0, False, tuple(sizes), tuple(seconds))
+
+
+def _non_decreasing(values: list[float]) -> list[float]:
+    """The closest non-decreasing sequence (least squares: pool adjacent violators), so
+    one slow batch of a small size is averaged with its neighbours, not carried up."""
+    blocks: list[tuple[float, int]] = []  # (mean, count)
+    for value in values:
+        mean, count = value, 1
+        while blocks and blocks[-1][0] > mean:
+            previous, weight = blocks.pop()
+            mean, count = (previous * weight + mean * count) / (weight + count), weight + count
+        blocks.append((mean, count))
+    return [mean for mean, count in blocks for _ in range(count)]
 
 
 def _median(values: list[float]) -> float:
