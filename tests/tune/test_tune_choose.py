@@ -36,8 +36,10 @@ def test_for_the_most_throughput_the_largest_batch_and_what_it_serves() -> None:
     )
     # one caller on an idle proxy: its call goes at once, a batch of one
     alone = next(o for o in rec.closed if o.load.value == 1)
-    assert alone.p50 == pytest.approx(cost(1)) and alone.p99 == pytest.approx(cost(1))
-    assert rec.knee is not None and rec.knee.load.value <= rec.choice.capacity
+    assert alone.p50 == pytest.approx(cost(1))
+    assert alone.p99 == pytest.approx(cost(1))
+    assert rec.knee is not None
+    assert rec.knee.load.value <= rec.choice.capacity
     extras = {e.what: e for e in rec.extras}
     assert 1.6 <= extras["another replica"].capacity / rec.choice.capacity <= 2.3
     assert extras["another replica"].lanes == 2
@@ -56,7 +58,8 @@ def test_a_p99_target_caps_the_batch_at_what_fits_in_it() -> None:
     assert best.capacity <= 20 / cost(20) * 1.1  # 2 x cost(n) <= 60 ms: n <= 20
     assert best.capacity > 0
     met = [o for o in best.outcomes if o.load.value <= best.capacity]
-    assert met and all(o.p99 <= target for o in met)
+    assert met
+    assert all(o.p99 <= target for o in met)
     loose = analyse(measured(), slots=(1,), **FAST).recommendation  # type: ignore[arg-type]
     assert best.capacity < loose.choice.capacity
 
@@ -76,7 +79,10 @@ def test_a_gpu_shaped_cost_recommends_the_flat_part_for_a_tight_target() -> None
         return 0.005 + 0.0005 * max(0, size - 32)
 
     rec = analyse(
-        measured(shape=flat_then_linear), target=0.012, slots=(1,), **FAST  # type: ignore[arg-type]
+        measured(shape=flat_then_linear),
+        target=0.012,
+        slots=(1,),
+        **FAST,  # type: ignore[arg-type]
     ).recommendation
     assert rec.choice.setting.batch_size == 32
     assert rec.choice.capacity > 16 / 0.005  # more than batches of 16 back to back could

@@ -27,19 +27,26 @@ def _measure_virtually(made: Any, sample: list[Any], **kw: Any) -> Measurement:
 def test_the_measured_curve_is_the_models_cost() -> None:
     calls: list[tuple[int, int]] = []
     measured = _measure_virtually(
-        sleeping(), list(range(10)), sizes=[1, 2, 4, 8, 16], repeats=3, warmup=1,
+        sleeping(),
+        list(range(10)),
+        sizes=[1, 2, 4, 8, 16],
+        repeats=3,
+        warmup=1,
         progress=lambda done, total: calls.append((done, total)),
     )
     assert [p.size for p in measured.points] == [1, 2, 4, 8, 16]
     for point in measured.points:
         assert len(point.seconds) == 3  # the warm-up left out
         assert point.median == pytest.approx(cost(point.size))
-    assert calls[-1] == (20, 20) and len(calls) == 20
+    assert calls[-1] == (20, 20)
+    assert len(calls) == 20
     curve = fit(measured)
-    assert curve.fixed == pytest.approx(FIXED) and curve.per_item == pytest.approx(PER_ITEM)
+    assert curve.fixed == pytest.approx(FIXED)
+    assert curve.per_item == pytest.approx(PER_ITEM)
     for size in (1, 3, 8, 12, 16, 40):
         assert curve(size) == pytest.approx(cost(size))
-    assert measured.lanes == 1 and measured.lengths is None
+    assert measured.lanes == 1
+    assert measured.lengths is None
 
 
 def test_the_proxy_is_left_as_it_was_built() -> None:
@@ -75,9 +82,11 @@ def test_with_lengths_the_cost_is_fitted_per_item_and_per_token() -> None:
 
     sample = ["x" * (1 + i % 40) for i in range(200)]
     measured = _measure_virtually(model, sample, sizes=[1, 4, 16], repeats=2, warmup=1)
-    assert measured.lengths is not None and len(measured.lengths) == 200
+    assert measured.lengths is not None
+    assert len(measured.lengths) == 200
     lengths = sorted({p.length or 0 for p in measured.points})
-    assert lengths[0] < 8 and lengths[-1] > 32  # short, median and long items
+    assert lengths[0] < 8
+    assert lengths[-1] > 32
     assert {p.size for p in measured.points} == {1, 4, 16}
     curve = fit(measured)
     assert curve.by_length
