@@ -29,7 +29,7 @@ from .._stats import nearest_rank
 from ._fit import CostCurve
 from ._measure import Measurement
 
-__all__ = ["Load", "Outcome", "Setting", "Simulator", "settings_for", "sweep"]
+__all__ = ["Load", "Outcome", "Setting", "Simulator", "outcome_of", "settings_for", "sweep"]
 
 SUSTAINED = 0.97
 """An open-loop load is sustained when answers keep up with this share of the calls."""
@@ -137,18 +137,10 @@ class Simulator:
             else [rng.choice(lengths) for _ in range(self.requests)]
         )
         calls = simulation.run(self._drive(setting, load, items))
-        answered = [(start, end) for start, end in calls if end is not None]
-        latencies = sorted(end - start for start, end in answered)
-        span = max(end for _, end in answered) - min(start for start, _ in calls)
-        return Outcome(
-            setting,
-            load,
-            len(answered) / span if span > 0 else 0.0,
-            nearest_rank(latencies, 0.5) if latencies else 0.0,
-            nearest_rank(latencies, 0.99) if latencies else 0.0,
-            self.lanes,
-            load.kind == "closed" or (load.value <= self.capacity(setting) and _kept_up(calls)),
-        )
+        outcome = outcome_of(setting, load, calls, self.lanes)
+        if load.kind == "open" and load.value > self.capacity(setting):
+            outcome = replace(outcome, kept_up=False)  # beyond full batches back to back
+        return outcome
 
     async def _drive(
         self, setting: Setting, load: Load, items: list[int]
@@ -204,7 +196,27 @@ class Simulator:
         return model
 
 
-def _kept_up(calls: list[tuple[float, float | None]]) -> bool:
+def outcome_of(
+    setting: Setting, load: Load, calls: Sequence[tuple[float, float | None]], lanes: int = 1
+) -> Outcome:
+    """What `calls` (each call's start and end, None for a failure) show: throughput from
+    the first start to the last end, p50 and p99 of the answered, and (open loop) whether
+    the answers kept up with the calls. For simulated and real runs alike."""
+    answered = [(start, end) for start, end in calls if end is not None]
+    latencies = sorted(end - start for start, end in answered)
+    span = max((end for _, end in answered), default=0.0) - min(start for start, _ in calls)
+    return Outcome(
+        setting,
+        load,
+        len(answered) / span if span > 0 else 0.0,
+        nearest_rank(latencies, 0.5) if latencies else 0.0,
+        nearest_rank(latencies, 0.99) if latencies else 0.0,
+        lanes,
+        load.kind == "closed" or (len(answered) == len(calls) and _kept_up(calls)),
+    )
+
+
+def _kept_up(calls: Sequence[tuple[float, float | None]]) -> bool:
     """Past the first tenth of the arrivals and up to the last, as many calls ended as
     began: in a steady state both counts are the same, shifted by the latency; in
     overload the answers come at the model's pace, behind. Within `SUSTAINED`, or three

@@ -1,0 +1,205 @@
+"""The tuner checked against the real thing: `python benchmarks/tune.py` (`make bench-tune`).
+
+For each model (`--model`, default MiniLM on this machine; the GPU-shaped model of
+`benchmarks/servers` once it is registered in `_tune_models.MODELS`):
+
+1. `batchproxy.tune` measures the model through its proxy (its worker thread, its
+   lengths) and recommends, from the simulation, the setting that serves the most
+   open-loop traffic with p99 within the target (`--p99`; default: three times the
+   measured time of a batch of the middle size);
+2. an exhaustive sweep of real runs: every setting of the tuner's grid, on the real
+   clock, under the same open-loop loads (Poisson arrivals, the same rates), each run
+   `calls` calls of sample items drawn at random; a setting stops at the first load
+   it cannot keep up with (or whose p99 passes 4x the target), as in the simulation;
+3. the comparison: the recommended setting's real capacity (the highest rate served
+   within the target, as the tuner computes it) over the best real setting's (target:
+   >= 0.90), and the predicted p99 over the measured one at each load both keep up with
+   (target: within 20 %).
+
+torch runs on one thread (`torch.set_num_threads(1)`): on a shared 2-core machine two
+threads fight the other processes for the cores and the times swing by x3. The
+numbers are printed with the targets, not asserted; `--quick` runs a small grid
+(two batch sizes, one slot) with few calls a run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _report import arguments, environment, headline, write_report
+from _tune_models import MODELS, ModelUnderTest
+
+from batchproxy import simulation
+from batchproxy.tune import Analysis, Load, Outcome, Setting, analyse, fit, measure
+from batchproxy.tune._choose import capacity
+from batchproxy.tune._sweep import outcome_of
+
+CAPACITY_TARGET = 0.90
+P99_TARGET = 0.20
+
+
+def _extra(parser: Any) -> None:
+    parser.add_argument("--model", action="append", choices=sorted(MODELS), default=None)
+    parser.add_argument("--p99", type=float, default=None, help="the target, in ms")
+    parser.add_argument("--calls", type=int, default=None, help="calls per real run")
+
+
+async def _measure(model: ModelUnderTest, sizes: Sequence[int], repeats: int) -> Any:
+    proxy = model.build()
+    sample = model.sample()
+    async with proxy:
+        return await measure(proxy, sample, sizes=sizes, repeats=repeats, warmup=1), sample
+
+
+async def _real_setting(
+    model: ModelUnderTest,
+    setting: Setting,
+    rates: Sequence[float],
+    sample: list[Any],
+    calls: int,
+    target: float,
+) -> list[Outcome]:
+    """One setting on the real clock under each rate, lightest first (stopping as the
+    simulation's sweep stops)."""
+    outcomes = []
+    rng = random.Random(1)
+    async with model.build(**setting.keywords()) as proxy:
+        await proxy.inference_many(sample[: setting.batch_size])  # the first-shape warm-up
+        for rate in rates:
+            items = [rng.choice(sample) for _ in range(calls)]
+            done = await _open_run(proxy, items, rate)
+            outcome = outcome_of(setting, Load("open", rate), done)
+            outcomes.append(outcome)
+            print(
+                f"  real {setting.label()} at {rate:.1f}/s: {outcome.throughput:.1f}/s, "
+                f"p50 {outcome.p50 * 1e3:.0f} ms, p99 {outcome.p99 * 1e3:.0f} ms"
+                + ("" if outcome.sustained else " (falls behind)"),
+                flush=True,
+            )
+            if not outcome.sustained or outcome.p99 > 4 * target:
+                break
+    return outcomes
+
+
+async def _open_run(proxy: Any, items: list[Any], rate: float) -> list[tuple[float, float | None]]:
+    """Poisson arrivals at `rate` on the real clock, one call per item: each call's start
+    and end (None: it failed)."""
+    loop = asyncio.get_running_loop()
+    done: list[tuple[float, float | None]] = []
+
+    async def call(index: int) -> None:
+        started = loop.time()
+        try:
+            await proxy.inference(items[index])
+        except Exception:
+            done.append((started, None))
+        else:
+            done.append((started, loop.time()))
+
+    await simulation.open_loop(call, simulation.poisson(rate, len(items) / rate, seed=0))
+    return done
+
+
+def check(model: ModelUnderTest, quick: bool, p99_ms: float | None, calls: int) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(1)
+    sizes = (4, 16) if quick else (4, 8, 16, 32)
+    started = time.perf_counter()
+    measurement, sample = asyncio.run(_measure(model, (1, *sizes), 2 if quick else 3))
+    middle = sizes[len(sizes) // 2]
+    lengths = sorted(measurement.lengths or [0])
+    curve = fit(measurement)
+    target = p99_ms / 1e3 if p99_ms else 3 * curve(middle, lengths[len(lengths) // 2])
+    analysis: Analysis = analyse(
+        measurement,
+        target=target,
+        sizes=sizes,
+        slots=(1,) if quick else (1, 2),
+        delays_ms=(5.0,),
+        rates=6 if quick else 10,
+        requests=2000,
+    )
+    rates = sorted({o.load.value for o in analysis.outcomes})
+    print(f"{model.name}: {curve.describe()}; p99 target {target * 1e3:.0f} ms", flush=True)
+    print(f"  recommended: {analysis.recommendation.choice.setting.label()}", flush=True)
+    real: dict[Setting, list[Outcome]] = {}
+    for setting in analysis.settings:
+        real[setting] = asyncio.run(_real_setting(model, setting, rates, sample, calls, target))
+    real_capacity = {s: capacity(o, target) for s, o in real.items()}
+    chosen = analysis.recommendation.choice.setting
+    best = max(real_capacity, key=lambda s: real_capacity[s])
+    share = real_capacity[chosen] / real_capacity[best] if real_capacity[best] > 0 else 0.0
+    predicted = {o.load.value: o for o in analysis.recommendation.choice.outcomes}
+    errors = [
+        (o.load.value, predicted[o.load.value].p99, o.p99)
+        for o in real[chosen]
+        if o.sustained and o.load.value in predicted and predicted[o.load.value].sustained
+    ]
+    ratios = [pred / meas - 1 for _, pred, meas in errors if meas > 0]
+    return {
+        "model": model.name,
+        "target_p99_ms": target * 1e3,
+        "cost_curve": curve.describe(),
+        "rates": rates,
+        "recommended": chosen.label(),
+        "recommended_predicted_capacity": analysis.recommendation.choice.capacity,
+        "real_capacity": {s.label(): c for s, c in real_capacity.items()},
+        "best_real": best.label(),
+        "capacity_share": share,
+        "p99_errors": [
+            {"rate": r, "predicted_ms": p * 1e3, "measured_ms": m * 1e3} for r, p, m in errors
+        ],
+        "p99_error_median": statistics.median(ratios) if ratios else None,
+        "p99_error_worst": max(ratios, key=abs) if ratios else None,
+        "real_runs": [asdict(o) | {"setting": o.setting.label()} for v in real.values() for o in v],
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    run = arguments("tune", __doc__, argv, extra=_extra)
+    env = environment(load_average=os.getloadavg())
+    print(headline("tune", env, quick=run.quick))
+    calls = run.args.calls or (120 if run.quick else 600)
+    results = [
+        check(MODELS[name], run.quick, run.args.p99, calls) for name in run.args.model or ["minilm"]
+    ]
+    print(
+        "\n| model | recommended | best real | real capacity, recommended / best | "
+        "p99 predicted / measured - 1 (median, worst) |"
+    )
+    print("|---|---|---|---|---|")
+    for r in results:
+        median, worst = r["p99_error_median"], r["p99_error_worst"]
+        errors = "n/a" if median is None else f"{median:+.0%}, {worst:+.0%}"
+        print(
+            f"| {r['model']} | {r['recommended']} | {r['best_real']} | "
+            f"{r['capacity_share']:.2f} | {errors} |"
+        )
+    write_report(
+        run.output,
+        env,
+        quick=run.quick,
+        config={"calls_per_run": calls, "models": [r["model"] for r in results]},
+        targets={
+            "capacity_share": f">= {CAPACITY_TARGET}",
+            "p99_error": f"within +-{P99_TARGET:.0%}",
+        },
+        results={"models": results},
+    )
+
+
+if __name__ == "__main__":
+    main()
