@@ -9,7 +9,8 @@ For each model (`--model`, default MiniLM on this machine; the GPU-shaped model 
    measured time of a batch of the middle size);
 2. an exhaustive sweep of real runs: every setting of the tuner's grid, on the real
    clock, under the same open-loop loads (Poisson arrivals, the same rates), each run
-   `calls` calls of sample items drawn at random; a setting stops at the first load
+   `--calls` calls of sample items drawn at random, or fewer to last at most
+   `--seconds` (but at least 30); a setting stops at the first load
    it cannot keep up with (or whose p99 passes 4x the target), as in the simulation;
 3. the comparison: the recommended setting's real capacity (the highest rate served
    within the target, as the tuner computes it) over the best real setting's (target:
@@ -45,6 +46,7 @@ from batchproxy.tune import Analysis, Load, Outcome, Setting, analyse, fit, meas
 from batchproxy.tune._choose import capacity
 from batchproxy.tune._sweep import outcome_of
 
+MIN_CALLS = 30
 CAPACITY_TARGET = 0.90
 P99_TARGET = 0.20
 
@@ -52,7 +54,10 @@ P99_TARGET = 0.20
 def _extra(parser: Any) -> None:
     parser.add_argument("--model", action="append", choices=sorted(MODELS), default=None)
     parser.add_argument("--p99", type=float, default=None, help="the target, in ms")
-    parser.add_argument("--calls", type=int, default=None, help="calls per real run")
+    parser.add_argument("--calls", type=int, default=None, help="calls per real run, at most")
+    parser.add_argument(
+        "--seconds", type=float, default=None, help="a real run's length, at most (>= 30 calls)"
+    )
 
 
 async def _measure(model: ModelUnderTest, sizes: Sequence[int], repeats: int) -> Any:
@@ -69,6 +74,7 @@ async def _real_setting(
     sample: list[Any],
     calls: int,
     target: float,
+    seconds: float,
 ) -> list[Outcome]:
     """One setting on the real clock under each rate, lightest first (stopping as the
     simulation's sweep stops)."""
@@ -77,7 +83,8 @@ async def _real_setting(
     async with model.build(**setting.keywords()) as proxy:
         await proxy.inference_many(sample[: setting.batch_size])  # the first-shape warm-up
         for rate in rates:
-            items = [rng.choice(sample) for _ in range(calls)]
+            count = max(MIN_CALLS, min(calls, round(rate * seconds)))
+            items = [rng.choice(sample) for _ in range(count)]
             done = await _open_run(proxy, items, rate)
             outcome = outcome_of(setting, Load("open", rate), done)
             outcomes.append(outcome)
@@ -111,7 +118,9 @@ async def _open_run(proxy: Any, items: list[Any], rate: float) -> list[tuple[flo
     return done
 
 
-def check(model: ModelUnderTest, quick: bool, p99_ms: float | None, calls: int) -> dict[str, Any]:
+def check(
+    model: ModelUnderTest, quick: bool, p99_ms: float | None, calls: int, seconds: float
+) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
@@ -136,7 +145,9 @@ def check(model: ModelUnderTest, quick: bool, p99_ms: float | None, calls: int) 
     print(f"  recommended: {analysis.recommendation.choice.setting.label()}", flush=True)
     real: dict[Setting, list[Outcome]] = {}
     for setting in analysis.settings:
-        real[setting] = asyncio.run(_real_setting(model, setting, rates, sample, calls, target))
+        real[setting] = asyncio.run(
+            _real_setting(model, setting, rates, sample, calls, target, seconds)
+        )
     real_capacity = {s: capacity(o, target) for s, o in real.items()}
     chosen = analysis.recommendation.choice.setting
     best = max(real_capacity, key=lambda s: real_capacity[s])
@@ -173,8 +184,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     env = environment(load_average=os.getloadavg())
     print(headline("tune", env, quick=run.quick))
     calls = run.args.calls or (120 if run.quick else 600)
+    seconds = run.args.seconds or (20.0 if run.quick else 120.0)
     results = [
-        check(MODELS[name], run.quick, run.args.p99, calls) for name in run.args.model or ["minilm"]
+        check(MODELS[name], run.quick, run.args.p99, calls, seconds)
+        for name in run.args.model or ["minilm"]
     ]
     print(
         "\n| model | recommended | best real | real capacity, recommended / best | "
@@ -192,7 +205,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         run.output,
         env,
         quick=run.quick,
-        config={"calls_per_run": calls, "models": [r["model"] for r in results]},
+        config={
+            "calls_per_run": calls,
+            "seconds_per_run": seconds,
+            "models": [r["model"] for r in results],
+        },
         targets={
             "capacity_share": f">= {CAPACITY_TARGET}",
             "p99_error": f"within +-{P99_TARGET:.0%}",
