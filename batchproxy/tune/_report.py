@@ -4,6 +4,7 @@ matplotlib is installed, `cost.png` and `latency.png` (imported only to draw the
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ def recommended_options(analysis: Analysis) -> dict[str, Any]:
 def options_code(analysis: Analysis) -> str:
     """The recommended options as Python to paste."""
     words = recommended_options(analysis)
-    body = "".join(f"    {name}={value!r},\n" for name, value in words.items())
+    body = "".join(f"    {name}={_literal(value)},\n" for name, value in words.items())
     fixed = [n for n in ("batch_sizes", "max_batch_tokens") if n in words]
     note = (
         f"# ({' and '.join(fixed)}: constructor only; leave them out of configure())\n"
@@ -53,6 +54,11 @@ def options_code(analysis: Analysis) -> str:
         f"# running proxy: proxy.configure(**TUNED)\n{note}"
         f"TUNED = dict(\n{body})\n"
     )
+
+
+def _literal(value: object) -> str:
+    """Python source for `value`, strings in double quotes (as ruff and black write them)."""
+    return json.dumps(value) if isinstance(value, str) else repr(value)
 
 
 def summary(analysis: Analysis) -> str:

@@ -144,3 +144,11 @@ def test_the_median_is_of_the_kept_batches() -> None:
     (point,) = measured.points
     assert point.median == statistics.median(point.seconds)
     assert point.units == 2
+
+
+def test_importing_the_tuner_loads_nothing_heavy() -> None:
+    """NumPy and matplotlib load only to draw the plots, in the report's last step."""
+    from _support import modules_after
+
+    loaded = modules_after("import batchproxy.tune")
+    assert not loaded & {"numpy", "matplotlib", "torch"}
