@@ -10,7 +10,8 @@ For each model (`--model`, default MiniLM on this machine; the GPU-shaped model 
 2. an exhaustive sweep of real runs: every setting of the tuner's grid, on the real
    clock, under the same open-loop loads (Poisson arrivals, the same rates), each run
    `--calls` calls of sample items drawn at random, or fewer to last at most
-   `--seconds` (but at least 30); past the tuner's heaviest rate the rates go on up by
+   `--seconds` (but at least 30), the settings interleaved at each rate (the same
+   calls for each, the order alternating); past the tuner's heaviest rate the rates go on up by
    30 % a step (to 3x it), since the real model may serve more than predicted; a setting
    stops at the first load it cannot keep up with, or whose p99 passes 2x the target;
 3. the comparison: the recommended setting's real capacity (the highest rate served
@@ -27,6 +28,7 @@ numbers are printed with the targets, not asserted; `--quick` runs a small grid
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import statistics
@@ -68,36 +70,46 @@ async def _measure(model: ModelUnderTest, sizes: Sequence[int], repeats: int) ->
         return await measure(proxy, sample, sizes=sizes, repeats=repeats, warmup=1), sample
 
 
-async def _real_setting(
+async def _real_sweep(
     model: ModelUnderTest,
-    setting: Setting,
+    settings: Sequence[Setting],
     rates: Sequence[float],
     sample: list[Any],
     calls: int,
     target: float,
     seconds: float,
-) -> list[Outcome]:
-    """One setting on the real clock under each rate, lightest first (stopping as the
-    simulation's sweep stops)."""
-    outcomes = []
-    rng = random.Random(1)
-    async with model.build(**setting.keywords()) as proxy:
-        await proxy.inference_many(sample[: setting.batch_size])  # the first-shape warm-up
-        for rate in _beyond(rates):
+) -> dict[Setting, list[Outcome]]:
+    """Every setting on the real clock under each rate, lightest first, interleaved: at
+    each rate every setting still going runs once (the order alternating), so a spell of
+    load on the machine falls on all of them; a setting stops as described above."""
+    results: dict[Setting, list[Outcome]] = {setting: [] for setting in settings}
+    async with contextlib.AsyncExitStack() as stack:
+        proxies = {}
+        for setting in settings:
+            proxy = await stack.enter_async_context(model.build(**setting.keywords()))
+            await proxy.inference_many(sample[: setting.batch_size])  # the first-shape warm-up
+            proxies[setting] = proxy
+        going = list(settings)
+        for step, rate in enumerate(_beyond(rates)):
             count = max(MIN_CALLS, min(calls, round(rate * seconds)))
-            items = [rng.choice(sample) for _ in range(count)]
-            done = await _open_run(proxy, items, rate)
-            outcome = outcome_of(setting, Load("open", rate), done)
-            outcomes.append(outcome)
-            print(
-                f"  real {setting.label()} at {rate:.1f}/s: {outcome.throughput:.1f}/s, "
-                f"p50 {outcome.p50 * 1e3:.0f} ms, p99 {outcome.p99 * 1e3:.0f} ms"
-                + ("" if outcome.sustained else " (falls behind)"),
-                flush=True,
-            )
-            if not outcome.sustained or outcome.p99 > 2 * target:
+            rng = random.Random(step)
+            items = [rng.choice(sample) for _ in range(count)]  # the same for every setting
+            for setting in going if step % 2 == 0 else going[::-1]:
+                done = await _open_run(proxies[setting], items, rate)
+                outcome = outcome_of(setting, Load("open", rate), done)
+                results[setting].append(outcome)
+                print(
+                    f"  real {setting.label()} at {rate:.1f}/s: {outcome.throughput:.1f}/s, "
+                    f"p50 {outcome.p50 * 1e3:.0f} ms, p99 {outcome.p99 * 1e3:.0f} ms"
+                    + ("" if outcome.sustained else " (falls behind)"),
+                    flush=True,
+                )
+            going = [
+                s for s in going if results[s][-1].sustained and results[s][-1].p99 <= 2 * target
+            ]
+            if not going:
                 break
-    return outcomes
+    return results
 
 
 def _beyond(rates: Sequence[float]) -> list[float]:
@@ -153,11 +165,7 @@ def check(
     rates = sorted({o.load.value for o in analysis.outcomes})
     print(f"{model.name}: {curve.describe()}; p99 target {target * 1e3:.0f} ms", flush=True)
     print(f"  recommended: {analysis.recommendation.choice.setting.label()}", flush=True)
-    real: dict[Setting, list[Outcome]] = {}
-    for setting in analysis.settings:
-        real[setting] = asyncio.run(
-            _real_setting(model, setting, rates, sample, calls, target, seconds)
-        )
+    real = asyncio.run(_real_sweep(model, analysis.settings, rates, sample, calls, target, seconds))
     real_capacity = {s: capacity(o, target) for s, o in real.items()}
     chosen = analysis.recommendation.choice.setting
     best = max(real_capacity, key=lambda s: real_capacity[s])
