@@ -4,9 +4,11 @@ Without lengths the curve goes through the measured medians (made non-decreasing
 pooling adjacent violators, joined by straight lines), so a GPU's flat start and its
 steps are kept as they were measured; beyond the largest size it goes on along the
 fitted line's slope.
-With lengths it is the fitted line `fixed + per_item x size + per_token x size x
-longest` (a batch is padded to its longest item). The line is a least-squares fit
-with no negative coefficient, on the medians.
+With lengths it goes through the measured medians too: at each measured size, straight
+between the lengths measured, then straight between the sizes; beyond them, along the
+fitted line `fixed + per_item x size + per_token x size x longest` (a batch is padded
+to its longest item). The line is a least-squares fit with no negative coefficient,
+on the medians.
 """
 
 from __future__ import annotations
@@ -34,8 +36,12 @@ class CostCurve:
     sizes: tuple[int, ...] = ()
     """The measured sizes (without lengths): the curve goes through their medians."""
     seconds: tuple[float, ...] = ()
+    grid: tuple[tuple[int, tuple[tuple[int, float], ...]], ...] = ()
+    """With lengths: per measured size, its `(longest, median seconds)`, by length."""
 
     def __call__(self, size: int, length: int | None = None) -> float:
+        if self.grid:
+            return max(1e-9, self._on_grid(size, length or 0))
         if self.by_length or not self.sizes:
             tokens = size * (length or 0)
             return max(1e-9, self.fixed + self.per_item * size + self.per_token * tokens)
@@ -48,6 +54,29 @@ class CostCurve:
         left = right - 1
         share = (size - sizes[left]) / (sizes[right] - sizes[left])
         return seconds[left] + share * (seconds[right] - seconds[left])
+
+    def _on_grid(self, size: int, length: int) -> float:
+        grid = self.grid
+        if size <= grid[0][0]:
+            return self._at(0, length)
+        if size >= grid[-1][0]:
+            beyond = size - grid[-1][0]
+            return self._at(-1, length) + beyond * (self.per_item + self.per_token * length)
+        right = next(k for k, (measured, _) in enumerate(grid) if measured >= size)
+        (low, _), (high, _) = grid[right - 1], grid[right]
+        share = (size - low) / (high - low)
+        return self._at(right - 1, length) * (1 - share) + self._at(right, length) * share
+
+    def _at(self, index: int, length: int) -> float:
+        """Seconds at the `index`th measured size for items `length` long."""
+        size, row = self.grid[index]
+        if length <= row[0][0]:
+            return row[0][1] - (row[0][0] - length) * self.per_token * size
+        if length >= row[-1][0]:
+            return row[-1][1] + (length - row[-1][0]) * self.per_token * size
+        right = next(k for k, (measured, _) in enumerate(row) if measured >= length)
+        (low, below), (high, above) = row[right - 1], row[right]
+        return below + (above - below) * (length - low) / (high - low)
 
     def describe(self) -> str:
         """The line in words: `2.10 ms + 0.350 ms/item (+ 1.2 µs/token)`."""
@@ -70,7 +99,15 @@ def fit(measurement: Measurement) -> CostCurve:
     fixed, per_item = coefficients[0], coefficients[1]
     per_token = coefficients[2] if by_length else 0.0
     if by_length:
-        return CostCurve(fixed, per_item, per_token, True)
+        by_size: dict[int, dict[int, list[float]]] = {}
+        for point in points:
+            row = by_size.setdefault(point.size, {})
+            row.setdefault(point.length or 0, []).extend(point.seconds)
+        grid = tuple(
+            (size, tuple((length, _median(s)) for length, s in sorted(by_size[size].items())))
+            for size in sorted(by_size)
+        )
+        return CostCurve(fixed, per_item, per_token, True, grid=grid)
     medians: dict[int, list[float]] = {}
     for point in points:
         medians.setdefault(point.size, []).extend(point.seconds)

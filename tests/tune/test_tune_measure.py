@@ -152,3 +152,24 @@ def test_importing_the_tuner_loads_nothing_heavy() -> None:
 
     loaded = modules_after("import batchproxy.tune")
     assert not loaded & {"numpy", "matplotlib", "torch"}
+
+
+def test_with_lengths_the_curve_goes_through_what_was_measured() -> None:
+    """A cost that is not a line (per token cheaper in bigger batches, as on a CPU): the
+    curve is the measured medians at the measured shapes, and between them in between."""
+
+    def shaped(size: int, longest: int) -> float:
+        return 0.002 + 0.0004 * size**0.5 * longest
+
+    @batchproxy.batch(batch_size=16, length=len)
+    async def model(items: list[str]) -> list[str]:
+        await asyncio.sleep(shaped(len(items), max(len(item) for item in items)))
+        return items
+
+    sample = ["x" * (1 + i % 40) for i in range(200)]
+    measured = _measure_virtually(model, sample, sizes=[1, 4, 16], repeats=1, warmup=0)
+    curve = fit(measured)
+    for point in measured.points:
+        assert point.length is not None
+        assert curve(point.size, point.length) == pytest.approx(shaped(point.size, point.length))
+    assert shaped(4, 20) < curve(8, 20) < shaped(16, 20)
