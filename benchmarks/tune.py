@@ -219,6 +219,18 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"| {r['model']} | {r['recommended']} | {r['best_real']} | "
             f"{r['capacity_share']:.2f} | {errors} |"
         )
+    for r in results:
+        print(f"\n{r['model']}, the recommendation's p99 at each load both keep up with:")
+        print(
+            "| load (calls/s) | predicted p99 (ms) | measured p99 (ms) | predicted / measured - 1 |"
+        )
+        print("|---|---|---|---|")
+        for e in r["p99_errors"]:
+            error = e["predicted_ms"] / e["measured_ms"] - 1 if e["measured_ms"] > 0 else 0.0
+            print(
+                f"| {e['rate']:.1f} | {e['predicted_ms']:.0f} | {e['measured_ms']:.0f} | "
+                f"{error:+.0%} |"
+            )
     write_report(
         run.output,
         env,
