@@ -17,7 +17,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 QUICK = [
     "--repeats",
-    "2",
+    "3",
     "--warmup",
     "1",
     "--sizes",
