@@ -146,7 +146,8 @@ def markdown(analysis: Analysis, plots: list[str]) -> str:
     ]
     for extra in rec.extras:
         out.append(
-            f"| {extra.what} ({extra.setting.label()}, {extra.lanes} lanes) | "
+            f"| {extra.what} ({extra.setting.label()}, {extra.lanes} "
+            f"lane{'s' if extra.lanes > 1 else ''}) | "
             f"{extra.capacity:.0f} | {_gain(choice, extra.capacity)} |"
         )
     out += ["", "## Latency against load (the recommendation)", "", "Open loop:", ""]
