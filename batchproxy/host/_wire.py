@@ -1,8 +1,9 @@
 """The messages between a `RemoteProxy` and its `ModelHost`, on a Unix domain socket.
 
-A message is a tuple, encoded as the worker pipes' frames (`_executors.ipc`: a
-header, the pickle (protocol 5), each large buffer out of band, never copied into
-the pickle); on the socket it is the frame count, then each frame's length and bytes.
+A message is a tuple, pickled as the worker pipes' messages are (`_executors.ipc`:
+protocol 5, each large buffer out of band, never copied into the pickle); on the
+socket it is the frame count, each frame's length, then the frames' bytes (the
+pickle, then each buffer), read in three reads whatever the count.
 
 - client to host: `("call", id, item, options)`, `("stream", id, item, options)`,
   `("many", id, [item, ...], options, return_exceptions)` (`inference_many`, each
@@ -41,7 +42,7 @@ import struct
 import types
 from typing import Any
 
-from .._executors.ipc import decode, encode
+from .._executors.ipc import pickled
 from . import _shm
 
 __all__ = [
@@ -69,14 +70,14 @@ def message_bytes(message: tuple[Any, ...]) -> bytes:
     memoryview of a `PickleBuffer` that outlives this call can end up in a reference
     cycle (an exception's traceback, a frame), and CPython 3.12.1's collector then
     released the buffer under the view (a segfault, seen in this package's tests)."""
-    frames = encode(message)
-    out = bytearray(_COUNT.pack(len(frames)))
-    for frame in frames:
-        with memoryview(frame) as view:
-            out += _SIZE.pack(view.nbytes)
-            out += view
-    del frames
-    return bytes(out)
+    frames = pickled(message)
+    sizes = [frame.nbytes for frame in frames]
+    try:
+        return b"".join([struct.pack(f"<I{len(sizes)}Q", len(sizes), *sizes), *frames])
+    finally:
+        for frame in frames:
+            frame.release()
+        del frames
 
 
 def seal(value: Any) -> list[Any]:
@@ -85,10 +86,10 @@ def seal(value: Any) -> list[Any]:
     `PickleBuffer`, or a buffer of `_shm.THRESHOLD` bytes or more copied into a
     shared-memory segment, as its `_shm.Segment`. The caller owns those segments
     (`segment_names`): it writes them on a connection or unlinks them."""
-    frames = encode(value)
-    parts: list[Any] = [pickle.PickleBuffer(frames[1])]
+    frames = pickled(value)
+    parts: list[Any] = [pickle.PickleBuffer(frames[0])]
     try:
-        for view in frames[2:]:
+        for view in frames[1:]:
             segment = _shm.put(view) if view.nbytes >= _shm.THRESHOLD else None
             if segment is None:
                 parts.append(pickle.PickleBuffer(view))
@@ -132,19 +133,23 @@ def open_sealed(parts: list[Any]) -> Any:
     for part in parts:
         if isinstance(part, _shm.SegmentLost):
             raise part
-    return decode([b"", *parts])
+    return pickle.loads(parts[0], buffers=parts[1:])
 
 
 async def read_message(reader: asyncio.StreamReader) -> Any:
     """The next message (raises `asyncio.IncompleteReadError` at the end of the stream).
     Its segments are mapped and unlinked here, whatever becomes of its call."""
     (count,) = _COUNT.unpack(await reader.readexactly(_COUNT.size))
+    sizes = struct.unpack(f"<{count}Q", await reader.readexactly(_SIZE.size * count))
+    data = await reader.readexactly(sum(sizes))
     frames: list[Any] = []
-    for _ in range(count):
-        (size,) = _SIZE.unpack(await reader.readexactly(_SIZE.size))
-        # writable, so that NumPy arrays made from out-of-band buffers are too
-        frames.append(bytearray(await reader.readexactly(size)) if size else bytearray())
-    return decode(frames)
+    start = 0
+    with memoryview(data) as view:
+        for size in sizes:
+            # writable, so that NumPy arrays made from out-of-band buffers are too
+            frames.append(bytearray(view[start : start + size]))
+            start += size
+    return pickle.loads(frames[0], buffers=frames[1:])
 
 
 Packed = tuple[str, str, str, bytes | None, bytes | None]

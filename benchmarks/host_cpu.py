@@ -1,0 +1,475 @@
+"""`make bench-host-cpu`: the server CPU one HTTP request costs in each layout, on a model
+that uses none (issue 39).
+
+On a GPU the model's compute leaves the CPU, and what is left per request (HTTP, JSON,
+the proxy, the model host's transport) sets the pace. This measures it as CPU seconds,
+which a loaded machine does not skew as it skews wall time: the sum of `utime + stime`
+(`/proc/PID/stat`) of every server process over a closed loop, divided by the requests
+it answered. The model stands for a device: per batch of n items it sleeps 1 + 0.3·n ms
+(the GIL released, no CPU) and answers each item with the same 384-float vector. Each
+web handler "tokenizes" cheaply (a word's length per word, as two int64 arrays: the
+shape of what a real tokenizer sends) and answers the vector as JSON.
+
+The layouts, each a set of server processes on 127.0.0.1:
+- `one`: one uvicorn process, FastAPI with `Serving` and `install`, the proxy in it
+  (`offload=True`, as the README's service);
+- `host`: docs/serving.md's "Several web workers": one model host (`python -m
+  batchproxy.host host_cpu:model --freeze-gc`) and WORKERS web workers, each with a
+  `RemoteProxy`;
+- `floor`: the same FastAPI server answering the constant vector, no proxy (1 worker),
+  and `floor2`: the same with WORKERS workers.
+
+The web workers share one port (`SO_REUSEPORT`, each process its own listener made with
+`IPPROTO_TCP`, so asyncio sets `TCP_NODELAY`). The load: `_gpu_http.Clients`, one
+aiohttp client process, closed loops at each of LEVELS clients for SECONDS; every
+layout is measured at a level before the next level, the order of the layouts
+reversed every other round; each row is the median over ROUNDS rounds. Reported per
+layout and level: server CPU ms per request (each process's share too), requests/s,
+p50 and p99, and each layout's throughput over `one`'s (side by side in the same run).
+
+`--profile DIR`: every server process runs under cProfile (the event loop's thread),
+written to DIR/<layout>-<role>-<pid>.prof when it stops; then one round, LEVELS[-1] only.
+
+Writes `benchmarks/results/host-cpu.json` (`--quick`: `host-cpu-quick.json`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(HERE), str(ROOT), str(ROOT / "examples")]
+
+import numpy as np  # noqa: E402
+from pydantic import BaseModel  # noqa: E402
+
+import batchproxy  # noqa: E402
+
+LEVELS = (32, 150)
+QUICK_LEVELS = (32,)
+ROUNDS = 2
+QUICK_ROUNDS = 1
+SECONDS = 8.0
+QUICK_SECONDS = 2.0
+WARMUP_SECONDS = 1.0
+WORKERS = 2
+LAYOUTS = ("one", "host", "floor", "floor2")
+DIMENSION = 384
+BATCH_SIZE = 64
+WINDOW_MS = 5.0
+LAUNCH_S, PER_ITEM_S = 0.001, 0.0003  # the device's time per batch: 1 + 0.3·n ms
+STARTUP_TIMEOUT = 120.0
+VECTOR = np.full(DIMENSION, 1.0 / np.sqrt(DIMENSION), dtype=np.float32)
+CONSTANT = VECTOR.tolist()
+PROFILE_VARIABLE = "HOST_CPU_PROFILE"
+SOCKET_VARIABLE = "HOST_CPU_SOCKET"
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def log(message: str) -> None:
+    print(f"[host-cpu {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# --------------------------------------------------------------------- the model, the app
+
+
+class Device(batchproxy.Proxy[Any, Any]):
+    """A model whose compute is elsewhere: 1 + 0.3·n ms per batch, the GIL released."""
+
+    def __init__(self) -> None:
+        super().__init__(BATCH_SIZE, max_delay_ms=WINDOW_MS, offload=True, timeout=120.0)
+
+    def _inference(self, items: list[Any]) -> list[Any]:
+        time.sleep(LAUNCH_S + PER_ITEM_S * len(items))
+        return [VECTOR] * len(items)
+
+
+def model() -> Device:
+    """The model host's factory (`python -m batchproxy.host host_cpu:model`)."""
+    return Device()
+
+
+class EmbedIn(BaseModel):
+    text: str
+
+
+class EmbedOut(BaseModel):
+    embedding: list[float]
+
+
+def tokenize(text: str) -> dict[str, Any]:
+    ids = np.array([len(word) for word in text.split()], dtype=np.int64)
+    return {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+
+
+def create_app(layout: str) -> Any:
+    from fastapi import Depends, FastAPI
+
+    from batchproxy.host import RemoteProxy
+    from batchproxy.integrations.fastapi import Serving, install
+
+    if layout.startswith("floor"):
+        app = FastAPI()
+
+        @app.post("/embed")
+        async def constant(body: EmbedIn) -> EmbedOut:
+            return EmbedOut(embedding=CONSTANT)
+
+        return app
+    proxy: Any = Device() if layout == "one" else RemoteProxy(os.environ[SOCKET_VARIABLE])
+    serving = Serving(proxy, freeze_gc=True)
+    app = FastAPI(lifespan=serving.lifespan)
+    install(app, serving)
+    kind = type(proxy)
+
+    @app.post("/embed")
+    async def embed(body: EmbedIn, served: Any = Depends(serving.provider(kind))) -> EmbedOut:  # noqa: B008
+        vector = await served.inference(tokenize(body.text))
+        return EmbedOut(embedding=vector.tolist())
+
+    return app
+
+
+def serve_web(layout: str, port: int) -> None:
+    """A web process: its own listener on `port` (`SO_REUSEPORT`, `IPPROTO_TCP`), until
+    SIGTERM or stdin's end (under cProfile with `$HOST_CPU_PROFILE`)."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("127.0.0.1", port))
+    config = uvicorn.Config(create_app(layout), log_level="warning", access_log=False,
+                            timeout_keep_alive=300, backlog=4096)  # fmt: skip
+    server = uvicorn.Server(config)
+
+    def stop_when_the_parent_goes() -> None:
+        sys.stdin.read()
+        server.should_exit = True
+
+    threading.Thread(target=stop_when_the_parent_goes, daemon=True).start()
+    profiled(f"{layout}-web", lambda: server.run(sockets=[sock]))  # (uvloop, if installed)
+
+
+def serve_host(path: str) -> None:
+    from batchproxy.host.__main__ import main
+
+    profiled("host-host", lambda: main(["host_cpu:model", "--socket", path, "--freeze-gc"]))
+
+
+def profiled(name: str, run: Any) -> None:
+    folder = os.environ.get(PROFILE_VARIABLE)
+    if not folder:
+        run()
+        return
+    import cProfile
+
+    profile = cProfile.Profile(time.thread_time)  # CPU, not wall: the machine is loaded
+    profile.enable()
+    try:
+        run()
+    finally:
+        profile.disable()
+        profile.dump_stats(os.path.join(folder, f"{name}-{os.getpid()}.prof"))
+
+
+# ---------------------------------------------------------------- the transport alone
+
+
+def caller_main(target: str, callers: int, seconds: float) -> None:
+    """A client process with no HTTP: `callers` closed loops of `inference` on a
+    `RemoteProxy` to the host at `target` (or on a `Device` in this process, for
+    `local`); prints its calls and its CPU seconds (the in-process model's included)."""
+
+    async def run() -> tuple[int, float]:
+        proxy: Any = Device() if target == "local" else RemoteProxy(target)
+        items = [tokenize(text) for text in make_sentences(200, seed=0)]
+        calls = 0
+        async with proxy:
+            for _ in range(3):  # (warm-up)
+                await proxy.inference(items[0])
+            stop_at = time.monotonic() + seconds
+            began = time.process_time()
+
+            async def caller(number: int) -> None:
+                nonlocal calls
+                while time.monotonic() < stop_at:
+                    await proxy.inference(items[(number + calls) % len(items)])
+                    calls += 1
+
+            await asyncio.gather(*(caller(n) for n in range(callers)))
+            return calls, time.process_time() - began
+
+    from batchproxy.host import RemoteProxy
+    from sample_text import make_sentences
+
+    calls, cpu = asyncio.run(run())
+    print(json.dumps({"calls": calls, "cpu_s": cpu}), flush=True)
+
+
+def transport(callers: int, seconds: float, rounds: int, env: dict[str, str]) -> dict[str, Any]:
+    """CPU per call with no HTTP: in one process, and a caller process with the host."""
+    folder = tempfile.mkdtemp(prefix="bp-host-cpu-", dir="/tmp")
+    path = os.path.join(folder, "transport.sock")
+    host = subprocess.Popen([sys.executable, __file__, "--host", path], env=env,
+                            stdin=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    runs: dict[str, list[dict[str, float]]] = {"in_process": [], "host": []}
+    try:
+        assert host.stderr is not None
+        if "serving" not in host.stderr.readline().decode():
+            raise RuntimeError("the transport's host did not start")
+        for index in range(rounds):
+            order = ["local", path] if index % 2 == 0 else [path, "local"]
+            for target in order:
+                before = _cpu_seconds(host.pid)
+                out = subprocess.run(
+                    [sys.executable, __file__, "--caller", target, str(callers), str(seconds)],
+                    env=env, check=True, capture_output=True, text=True,
+                ).stdout  # fmt: skip
+                host_cpu = _cpu_seconds(host.pid) - before if target != "local" else 0.0
+                done = json.loads(out)
+                row = {"calls_s": done["calls"] / seconds,
+                       "caller_us_per_call": 1e6 * done["cpu_s"] / done["calls"],
+                       "host_us_per_call": 1e6 * host_cpu / done["calls"]}  # fmt: skip
+                row["us_per_call"] = row["caller_us_per_call"] + row["host_us_per_call"]
+                name = "in_process" if target == "local" else "host"
+                runs[name].append(row)
+                log(f"transport {name:10} {callers} callers: {row['us_per_call']:.0f} us CPU/call "
+                    f"(caller {row['caller_us_per_call']:.0f}, host {row['host_us_per_call']:.0f}), "
+                    f"{row['calls_s']:.0f} calls/s")  # fmt: skip
+    finally:
+        host.send_signal(signal.SIGTERM)
+        host.wait(timeout=60)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        os.rmdir(folder)
+    return {
+        name: {key: statistics.median(run[key] for run in values) for key in values[0]}
+        for name, values in runs.items()
+    }
+
+
+# ------------------------------------------------------------------------------ layouts
+
+
+class Layout:
+    """A layout's server processes, started and stopped here."""
+
+    def __init__(self, name: str, folder: str, env: dict[str, str]) -> None:
+        self.name = name
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**env, SOCKET_VARIABLE: os.path.join(folder, f"{name}.sock")}
+        try:
+            if name == "host":
+                self._start(["--host", env[SOCKET_VARIABLE]], env, wait_for="serving")
+            for _ in range(1 if name in ("one", "floor") else WORKERS):
+                self._start(["--web", name, str(self.port)], env)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, args: list[str], env: dict[str, str], wait_for: str | None = None) -> None:
+        process = subprocess.Popen(
+            [sys.executable, __file__, *args],
+            env=env,
+            stdin=subprocess.PIPE,
+            stderr=subprocess.PIPE if wait_for else None,
+        )
+        self.processes.append(process)
+        if wait_for:
+            assert process.stderr is not None
+            line = process.stderr.readline().decode()
+            if wait_for not in line:
+                raise RuntimeError(f"{self.name}: {args[0]} did not start: {line!r}")
+
+    def wait_ready(self) -> None:
+        import httpx
+
+        give_up = time.monotonic() + STARTUP_TIMEOUT
+        ready = 0
+        while ready < 20:  # (each worker answers: the port's listeners are all up)
+            if time.monotonic() > give_up:
+                raise RuntimeError(f"{self.name} did not answer in {STARTUP_TIMEOUT} s")
+            try:
+                answer = httpx.post(f"{self.url}/embed", json={"text": "ready?"}, timeout=10)
+                ready = ready + 1 if answer.status_code == 200 else 0
+            except httpx.TransportError:
+                time.sleep(0.2)
+
+    def cpu(self) -> list[float]:
+        """CPU seconds of each server process so far."""
+        return [_cpu_seconds(process.pid) for process in self.processes]
+
+    def stop(self) -> None:
+        """The web processes first (their stdin closed: uvicorn exits as on SIGTERM, but
+        without re-raising it, so a profile is written), then the host (SIGTERM)."""
+        for process in self.processes:
+            if process.stdin is not None:
+                process.stdin.close()
+        for process in reversed(self.processes):  # (the host, started first, last)
+            if process is self.processes[0] and self.name == "host":
+                process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime (fields 14, 15)
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+def measure(layout: Layout, clients: Any, level: int, seconds: float, texts: list[str]) -> dict[str, Any]:
+    clients.open(layout.url)
+    clients.loop("/embed", level, WARMUP_SECONDS, 1, texts)
+    before = layout.cpu()
+    began = time.monotonic()
+    outcome = clients.loop("/embed", level, seconds, 1, texts)
+    wall = time.monotonic() - began
+    after = layout.cpu()
+    if outcome["errors"]:
+        raise RuntimeError(f"{layout.name} at {level}: {outcome['error']}")
+    latencies = sorted(outcome["latencies"])
+    served = len(latencies) + level  # (each client's last request ends past the window)
+    per_process = [1000 * (b - a) / served for a, b in zip(before, after, strict=True)]
+    return {
+        "cpu_ms_per_request": sum(per_process),
+        "cpu_ms_per_request_by_process": per_process,
+        "cpu_share_of_wall": sum(b - a for a, b in zip(before, after, strict=True)) / wall,
+        "requests_s": len(latencies) / seconds,
+        "p50_ms": 1000 * latencies[len(latencies) // 2],
+        "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+    }
+
+
+def run_rounds(names: list[str], levels: tuple[int, ...], rounds: int, seconds: float) -> dict[str, Any]:
+    from _gpu_http import Clients
+    from sample_text import make_sentences
+
+    texts = make_sentences(2000, seed=0, min_words=5, max_words=60)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT)])}
+    folder = tempfile.mkdtemp(prefix="bp-host-cpu-", dir="/tmp")
+    clients = Clients(1, None)
+    layouts: list[Layout] = []
+    rows: dict[str, dict[int, list[dict[str, Any]]]] = {n: {lv: [] for lv in levels} for n in names}
+    try:
+        for name in names:
+            layouts.append(Layout(name, folder, env))
+        for layout in layouts:
+            layout.wait_ready()
+        log(f"load average {os.getloadavg()}")
+        for index in range(rounds):
+            order = layouts if index % 2 == 0 else layouts[::-1]
+            for level in levels:
+                for layout in order:
+                    row = measure(layout, clients, level, seconds, texts)
+                    rows[layout.name][level].append(row)
+                    log(f"round {index + 1} {layout.name:6} {level:3} clients: "
+                        f"{row['cpu_ms_per_request']:.2f} ms CPU/request "
+                        f"({', '.join(f'{x:.2f}' for x in row['cpu_ms_per_request_by_process'])}), "
+                        f"{row['requests_s']:.0f} req/s, p99 {row['p99_ms']:.0f} ms")  # fmt: skip
+    finally:
+        for process in clients.processes:
+            process.kill()
+            process.wait()
+        for layout in layouts:
+            layout.stop()
+        for leftover in Path(folder).iterdir():
+            leftover.unlink()
+        os.rmdir(folder)
+    return _medians(rows)
+
+
+def _medians(rows: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[str, Any]:
+    table: dict[str, Any] = {}
+    for name, by_level in rows.items():
+        table[name] = {}
+        for level, runs in by_level.items():
+            median = {
+                key: statistics.median(run[key] for run in runs)
+                for key in ("cpu_ms_per_request", "requests_s", "p50_ms", "p99_ms")
+            }
+            median["rounds"] = runs
+            table[name][str(level)] = median
+    if "one" in table:
+        for name in table:
+            for level, row in table[name].items():
+                reference = table["one"][level]["requests_s"]
+                row["throughput_over_one"] = row["requests_s"] / reference
+    return table
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--web"]:
+        serve_web(sys.argv[2], int(sys.argv[3]))
+        return
+    if sys.argv[1:2] == ["--caller"]:
+        caller_main(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
+        return
+    if sys.argv[1:2] == ["--host"]:
+        serve_host(sys.argv[2])
+        return
+    from _report import arguments, environment, no_targets, write_report
+
+    def extra(parser: Any) -> None:
+        parser.add_argument("--layouts", default=",".join(LAYOUTS))
+        parser.add_argument("--profile", type=Path, default=None, metavar="DIR")
+        parser.add_argument("--transport", action="store_true", help="the transport alone")
+
+    run = arguments("host-cpu", (__doc__ or "").splitlines()[0], None, extra=extra)
+    names = run.args.layouts.split(",")
+    levels = QUICK_LEVELS if run.quick else LEVELS
+    rounds = QUICK_ROUNDS if run.quick else ROUNDS
+    seconds = QUICK_SECONDS if run.quick else SECONDS
+    if run.args.profile is not None:
+        run.args.profile.mkdir(parents=True, exist_ok=True)
+        os.environ[PROFILE_VARIABLE] = str(run.args.profile.resolve())
+        levels, rounds = levels[-1:], 1
+    load = os.getloadavg()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT), str(ROOT / "examples")])}
+    if run.args.transport:
+        results = {"transport": {str(level): transport(level, seconds, rounds, env) for level in levels}}
+    else:
+        results = {"layouts": run_rounds(names, levels, rounds, seconds)}
+    write_report(
+        run.output,
+        environment(load_average=[load, os.getloadavg()]),
+        quick=run.quick,
+        config={"levels": levels, "rounds": rounds, "seconds": seconds, "workers": WORKERS,
+                "batch_size": BATCH_SIZE, "window_ms": WINDOW_MS,
+                "device_ms": f"{1000 * LAUNCH_S} + {1000 * PER_ITEM_S}·n"},  # fmt: skip
+        targets=no_targets("issue 39: a measurement (server CPU per request), not a pass mark"),
+        results=results,
+    )
+
+
+if __name__ == "__main__":
+    main()
