@@ -1,8 +1,9 @@
 """One `RemoteProxy` connection: the socket to the host on one event loop.
 
-Each call has an id, and a queue of its own for the host's answers with that id (a
-unary call's one answer; a list's results; a stream's chunks, then its end or error).
-The reader task is the only code that delivers those answers; when the connection
+Each call has an id, and a waiter of its own for the host's answers with that id (a
+future for a unary call's one answer or a list's results; a queue for a stream's
+chunks, then its end or error). The reader task is the only code that delivers those
+answers, all those that arrived together in one go; when the connection
 ends it delivers `HostUnavailable` to every call still waiting (and tells its owner,
 `on_lost`). A call with a deadline (`_deadline`) waits for nothing past it: not for
 room to write its message, nor for an answer (its queue gets the deadline when it
@@ -32,10 +33,10 @@ from .._stats import Health
 from . import _shm
 from ._deadline import Deadline
 from ._wire import (
+    MessageReader,
     message_bytes,
     open_sealed,
     owned,
-    read_message,
     seal,
     sealed_message,
     segment_names,
@@ -45,9 +46,24 @@ from ._wire import (
 __all__ = ["Connection", "NotSent"]
 
 _Answer = tuple[str, Any] | BaseException | Deadline
-"""What a call's queue gets: an answer `(kind, sealed)` from the host, the error that
+"""What a call's waiter gets: an answer `(kind, sealed)` from the host, the error that
 ends it here (the `HostUnavailable` of a lost connection, a drain's `DrainDeadline`:
 `cut`), or the call's `Deadline` once it passed."""
+
+_Waiter = asyncio.Future[list[_Answer]] | asyncio.Queue[_Answer]
+"""A call's: a future for its one final answer, a queue for a stream's. The future's
+result is a list the answer is taken out of: the loop's callback that wakes the call
+holds the future until the call's task next yields, and an answer left in it would
+keep its arrays' shared memory mapped until then."""
+
+
+def _put(waiter: _Waiter, answer: _Answer) -> None:
+    """Hand `answer` to a call's waiter (a future already done keeps its first)."""
+    if isinstance(waiter, asyncio.Future):
+        if not waiter.done():
+            waiter.set_result([answer])
+    else:
+        waiter.put_nowait(answer)
 
 
 class NotSent(HostUnavailable):
@@ -72,7 +88,7 @@ class Connection:
         self.loop = loop
         self.writer = writer
         self.open = True
-        self.waiting: dict[int, asyncio.Queue[_Answer]] = {}
+        self.waiting: dict[int, _Waiter] = {}
         self.segments = _shm.Ledger()  # of the items written, until the host reads them
         self._on_lost = on_lost
         self._on_health = on_health
@@ -134,8 +150,9 @@ class Connection:
     async def stream(
         self, item: Any, options: dict[str, Any], deadline: Deadline | None
     ) -> AsyncGenerator[Any, None]:
-        ident, answers = await self._send(self._sealed("stream", item, options), deadline)
-        timer = None if deadline is None else deadline.arm(self.loop, answers)
+        answers: asyncio.Queue[_Answer] = asyncio.Queue()
+        ident = await self._send(self._sealed("stream", item, options), deadline, answers)
+        timer = None if deadline is None else deadline.arm(self.loop, _put, answers)
         try:
             while True:
                 kind, sealed = _received(await answers.get())
@@ -173,26 +190,29 @@ class Connection:
     async def _final_answer(
         self, message: Callable[[int], tuple[bytes, list[str]]], deadline: Deadline | None
     ) -> _Answer:
-        """Send `message(id)`; what its queue gets first (by `deadline`, if any)."""
-        ident, answers = await self._send(message, deadline)
-        timer = None if deadline is None else deadline.arm(self.loop, answers)
+        """Send `message(id)`; what its waiter gets first (by `deadline`, if any)."""
+        answer: asyncio.Future[list[_Answer]] = self.loop.create_future()
+        ident = await self._send(message, deadline, answer)
+        timer = None if deadline is None else deadline.arm(self.loop, _put, answer)
         try:
-            return await answers.get()
+            return (await answer).pop()
         finally:
             if timer is not None:
                 timer.cancel()
             self._leave(ident)
 
     async def _send(
-        self, message: Callable[[int], tuple[bytes, list[str]]], deadline: Deadline | None
-    ) -> tuple[int, asyncio.Queue[_Answer]]:
+        self,
+        message: Callable[[int], tuple[bytes, list[str]]],
+        deadline: Deadline | None,
+        answers: _Waiter,
+    ) -> int:
         """Send `message(id)` (its bytes, and the shared-memory segments they carry),
         then, if the socket's buffer is full, wait for room, by `deadline` at most;
-        the id and its answer queue (registered before the message is written, so no
-        answer can arrive unseen)."""
+        the id (its `answers` registered before the message is written, so no answer
+        can arrive unseen)."""
         ident = next(self._ids)
         data, names = message(ident)
-        answers: asyncio.Queue[_Answer] = asyncio.Queue()
         self.waiting[ident] = answers
         self._idle.clear()
         try:
@@ -220,7 +240,7 @@ class Connection:
             raise
         finally:
             _shm.unlink(names)  # never written (cancelled, or lost): nobody else knows them
-        return ident, answers
+        return ident
 
     async def _drain(self) -> None:
         """Until the socket has room again (for every call waiting for it)."""
@@ -284,11 +304,15 @@ class Connection:
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         why = "the host closed the connection"
+        inbox = MessageReader(reader)
         try:
             while True:
-                # (handed on, not kept in this frame while the next one is awaited: its
+                # (each handed on, not kept in this frame while the next are awaited: its
                 # buffers may map shared memory, freed only with the last reference)
-                self._deliver(*await read_message(reader))
+                answers = await inbox.next()
+                answers.reverse()
+                while answers:
+                    self._deliver(*answers.pop())
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             if not isinstance(exc, asyncio.IncompleteReadError):
                 why = f"the connection to the host broke ({exc!r})"
@@ -308,7 +332,7 @@ class Connection:
             return  # else a call withdrawn meanwhile
         if kind != "chunk":  # the call's last answer: the host is done with it
             self._forget(ident)
-        answers.put_nowait((kind, sealed))
+        _put(answers, (kind, sealed))
 
     def cut(self, error: Callable[[], BaseException]) -> None:
         """End every call still waiting with `error()` now (a drain's deadline); the
@@ -316,7 +340,7 @@ class Connection:
         waiting, self.waiting = self.waiting, {}
         self._idle.set()
         for answers in waiting.values():
-            answers.put_nowait(error())
+            _put(answers, error())
 
     def _heard(self, kind: str, sealed: Any) -> None:
         """The answer to `ask_health`, for the owner."""
@@ -333,7 +357,7 @@ class Connection:
         self._health_asks.clear()
         self._idle.set()
         for answers in waiting.values():
-            answers.put_nowait(HostUnavailable(self.path, why))
+            _put(answers, HostUnavailable(self.path, why))
         self.writer.close()
         self.segments.unlink_all()  # the items the host did not read: nobody will now
 

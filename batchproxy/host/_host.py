@@ -32,7 +32,7 @@ from typing import Any
 from .._errors import DrainDeadline, HostUnavailable
 from .._stats import Health
 from ._peer import CALLS, Peer
-from ._wire import read_message, sealed_message
+from ._wire import MessageReader, sealed_message
 
 __all__ = ["ModelHost"]
 
@@ -192,11 +192,15 @@ class ModelHost:
             return
         connection = Peer(self, writer)
         self._connections.add(connection)
+        inbox = MessageReader(reader)
         try:
             while True:
-                # (handed on, not kept in this frame while the next one is awaited: its
+                # (each handed on, not kept in this frame while the next are awaited: its
                 # buffers may map shared memory, freed only with the last reference)
-                await self._handle(connection, await read_message(reader))
+                messages = await inbox.next()
+                messages.reverse()
+                while messages:
+                    await self._handle(connection, messages.pop())
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client process closed the connection, or died
         finally:

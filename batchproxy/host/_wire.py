@@ -46,6 +46,8 @@ from .._executors.ipc import pickled
 from . import _shm
 
 __all__ = [
+    "MessageReader",
+    "Outbox",
     "Packed",
     "message_bytes",
     "open_sealed",
@@ -150,6 +152,104 @@ async def read_message(reader: asyncio.StreamReader) -> Any:
             frames.append(bytearray(view[start : start + size]))
             start += size
     return pickle.loads(frames[0], buffers=frames[1:])
+
+
+class MessageReader:
+    """The messages of one stream, read in bulk: `next()` returns every message that
+    has arrived whole (one read of the socket for many messages, the usual case when
+    calls or answers are in flight together), at least one."""
+
+    def __init__(self, reader: asyncio.StreamReader) -> None:
+        self.reader = reader
+        self.buffer = bytearray()
+
+    async def next(self) -> list[Any]:
+        """The messages read next, in order (raises `asyncio.IncompleteReadError` at the
+        end of the stream, as `read_message`). Their segments are mapped and unlinked
+        here, whatever becomes of their calls."""
+        while True:
+            messages = self._parse()
+            if messages:
+                return messages
+            want = self._missing()
+            if want > _BULK:  # a large message: the rest of it at once
+                data = await self.reader.readexactly(want)
+            else:
+                data = await self.reader.read(_BULK)
+                if not data:
+                    raise asyncio.IncompleteReadError(bytes(self.buffer), None)
+            self.buffer += data
+
+    def _missing(self) -> int:
+        """How many bytes the first message still lacks (at least 1)."""
+        buffer = self.buffer
+        if len(buffer) < _COUNT.size:
+            return _COUNT.size - len(buffer)
+        count: int = _COUNT.unpack_from(buffer)[0]
+        head = _COUNT.size + _SIZE.size * count
+        if len(buffer) < head:
+            return head - len(buffer)
+        total: int = head + sum(struct.unpack_from(f"<{count}Q", buffer, _COUNT.size))
+        return max(1, total - len(buffer))
+
+    def _parse(self) -> list[Any]:
+        buffer = self.buffer
+        messages: list[Any] = []
+        start = 0
+        with memoryview(buffer) as view:
+            while len(buffer) - start >= _COUNT.size:
+                (count,) = _COUNT.unpack_from(buffer, start)
+                head = start + _COUNT.size + _SIZE.size * count
+                if len(buffer) < head:
+                    break
+                sizes = struct.unpack_from(f"<{count}Q", buffer, start + _COUNT.size)
+                if len(buffer) < head + sum(sizes):
+                    break
+                frames: list[Any] = []
+                for size in sizes:
+                    # writable, so that NumPy arrays made from out-of-band buffers are too
+                    frames.append(bytearray(view[head : head + size]))
+                    head += size
+                start = head
+                messages.append(pickle.loads(frames[0], buffers=frames[1:]))
+        if start:
+            del buffer[:start]
+        return messages
+
+
+class Outbox:
+    """The messages for one stream, written together: `put` queues a message's bytes,
+    and one write of all those queued follows when the loop next runs its callbacks
+    (one system call, and one wakeup of the reader, for all the messages sent in one
+    iteration of the loop: a batch's answers, the calls of requests that arrived
+    together). `flush` writes them now (before waiting for room, or closing)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, writer: asyncio.StreamWriter) -> None:
+        self.loop = loop
+        self.writer = writer
+        self._pending: list[bytes] = []
+        self._bytes = 0
+
+    def put(self, data: bytes) -> None:
+        if not self._pending:
+            self.loop.call_soon(self.flush)
+        self._pending.append(data)
+        self._bytes += len(data)
+
+    def size(self) -> int:
+        """Bytes queued here and in the transport, not yet sent."""
+        return self._bytes + self.writer.transport.get_write_buffer_size()
+
+    def flush(self) -> None:
+        """Write what is queued (dropped if the transport is closing: the other end is
+        gone, or this one closes)."""
+        pending, self._pending, self._bytes = self._pending, [], 0
+        if pending and not self.writer.is_closing():
+            self.writer.write(pending[0] if len(pending) == 1 else b"".join(pending))
+
+
+_BULK = 1 << 16
+"""Bytes asked of the stream at a time (a message larger than that: all of its rest)."""
 
 
 Packed = tuple[str, str, str, bytes | None, bytes | None]
