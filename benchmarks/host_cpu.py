@@ -36,9 +36,9 @@ Writes `benchmarks/results/host-cpu.json` (`--quick`: `host-cpu-quick.json`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -52,7 +52,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path[:0] = [str(HERE), str(ROOT), str(ROOT / "examples")]
+PACKAGE_VARIABLE = "HOST_CPU_PACKAGE"  # a folder with another batchproxy (`--base`)
+sys.path[:0] = [os.environ.get(PACKAGE_VARIABLE, str(ROOT)), str(HERE), str(ROOT / "examples")]
 
 import numpy as np  # noqa: E402
 from pydantic import BaseModel  # noqa: E402
@@ -213,53 +214,82 @@ def caller_main(target: str, callers: int, seconds: float) -> None:
             await asyncio.gather(*(caller(n) for n in range(callers)))
             return calls, time.process_time() - began
 
-    from batchproxy.host import RemoteProxy
+    import uvloop  # (as a web worker under uvicorn runs)
     from sample_text import make_sentences
 
-    calls, cpu = asyncio.run(run())
+    from batchproxy.host import RemoteProxy
+
+    calls, cpu = uvloop.run(run())
     print(json.dumps({"calls": calls, "cpu_s": cpu}), flush=True)
 
 
-def transport(callers: int, seconds: float, rounds: int, env: dict[str, str]) -> dict[str, Any]:
-    """CPU per call with no HTTP: in one process, and a caller process with the host."""
+def transport(callers: int, seconds: float, rounds: int, base: str | None) -> dict[str, Any]:
+    """CPU per call with no HTTP: a caller process with the proxy in it, and one with a
+    `RemoteProxy` to a host process (and both again with the `base` package)."""
     folder = tempfile.mkdtemp(prefix="bp-host-cpu-", dir="/tmp")
-    path = os.path.join(folder, "transport.sock")
-    host = subprocess.Popen([sys.executable, __file__, "--host", path], env=env,
-                            stdin=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-    runs: dict[str, list[dict[str, float]]] = {"in_process": [], "host": []}
+    names = ["in_process", "host"] + (["in_process@base", "host@base"] if base else [])
+    hosts: dict[str, subprocess.Popen[bytes]] = {}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     try:
-        assert host.stderr is not None
-        if "serving" not in host.stderr.readline().decode():
-            raise RuntimeError("the transport's host did not start")
+        for name in names:
+            if name.startswith("host"):
+                path = os.path.join(folder, f"{name}.sock")
+                hosts[name] = _started([sys.executable, __file__, "--host", path], _env(name, base))
         for index in range(rounds):
-            order = ["local", path] if index % 2 == 0 else [path, "local"]
-            for target in order:
-                before = _cpu_seconds(host.pid)
+            for name in names if index % 2 == 0 else names[::-1]:
+                host = hosts.get(name)
+                target = "local" if host is None else os.path.join(folder, f"{name}.sock")
+                before = 0.0 if host is None else _cpu_seconds(host.pid)
                 out = subprocess.run(
                     [sys.executable, __file__, "--caller", target, str(callers), str(seconds)],
-                    env=env, check=True, capture_output=True, text=True,
+                    env=_env(name, base), check=True, capture_output=True, text=True,
                 ).stdout  # fmt: skip
-                host_cpu = _cpu_seconds(host.pid) - before if target != "local" else 0.0
+                host_cpu = 0.0 if host is None else _cpu_seconds(host.pid) - before
                 done = json.loads(out)
-                row = {"calls_s": done["calls"] / seconds,
-                       "caller_us_per_call": 1e6 * done["cpu_s"] / done["calls"],
-                       "host_us_per_call": 1e6 * host_cpu / done["calls"]}  # fmt: skip
+                row = {
+                    "calls_s": done["calls"] / seconds,
+                    "caller_us_per_call": 1e6 * done["cpu_s"] / done["calls"],
+                    "host_us_per_call": 1e6 * host_cpu / done["calls"],
+                }
                 row["us_per_call"] = row["caller_us_per_call"] + row["host_us_per_call"]
-                name = "in_process" if target == "local" else "host"
                 runs[name].append(row)
-                log(f"transport {name:10} {callers} callers: {row['us_per_call']:.0f} us CPU/call "
-                    f"(caller {row['caller_us_per_call']:.0f}, host {row['host_us_per_call']:.0f}), "
-                    f"{row['calls_s']:.0f} calls/s")  # fmt: skip
+                log(
+                    f"transport {name:15} {callers:3} callers: {row['us_per_call']:.0f} us CPU "
+                    f"per call (caller {row['caller_us_per_call']:.0f}, host "
+                    f"{row['host_us_per_call']:.0f}), {row['calls_s']:.0f} calls/s"
+                )
     finally:
-        host.send_signal(signal.SIGTERM)
-        host.wait(timeout=60)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        os.rmdir(folder)
+        for host in hosts.values():
+            host.send_signal(signal.SIGTERM)
+            host.wait(timeout=60)
+        shutil.rmtree(folder, ignore_errors=True)
     return {
         name: {key: statistics.median(run[key] for run in values) for key in values[0]}
         for name, values in runs.items()
     }
+
+
+def _env(name: str, base: str | None) -> dict[str, str]:
+    """The environment of a server or caller process of layout `name` (`...@base`: the
+    `base` package first on its path)."""
+    paths = [str(HERE), str(ROOT), str(ROOT / "examples")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    env.pop(PACKAGE_VARIABLE, None)
+    if name.endswith("@base") and base:
+        env[PACKAGE_VARIABLE] = base
+    return env
+
+
+def _started(command: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """A host process, once it serves (its stderr's first line says so)."""
+    process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stderr is not None
+    line = process.stderr.readline().decode()
+    if "serving" not in line:
+        process.kill()
+        process.wait()
+        raise RuntimeError(f"a host did not start: {line!r}")
+    return process
 
 
 # ------------------------------------------------------------------------------ layouts
@@ -268,17 +298,18 @@ def transport(callers: int, seconds: float, rounds: int, env: dict[str, str]) ->
 class Layout:
     """A layout's server processes, started and stopped here."""
 
-    def __init__(self, name: str, folder: str, env: dict[str, str]) -> None:
+    def __init__(self, name: str, folder: str, base: str | None) -> None:
         self.name = name
         self.processes: list[subprocess.Popen[bytes]] = []
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**env, SOCKET_VARIABLE: os.path.join(folder, f"{name}.sock")}
+        env = {**_env(name, base), SOCKET_VARIABLE: os.path.join(folder, f"{name}.sock")}
+        kind = name.partition("@")[0]
         try:
-            if name == "host":
+            if kind == "host":
                 self._start(["--host", env[SOCKET_VARIABLE]], env, wait_for="serving")
-            for _ in range(1 if name in ("one", "floor") else WORKERS):
-                self._start(["--web", name, str(self.port)], env)
+            for _ in range(1 if kind in ("one", "floor") else WORKERS):
+                self._start(["--web", kind, str(self.port)], env)
         except BaseException:
             self.stop()
             raise
@@ -347,7 +378,9 @@ def _cpu_seconds(pid: int) -> float:
 # ---------------------------------------------------------------------------- measuring
 
 
-def measure(layout: Layout, clients: Any, level: int, seconds: float, texts: list[str]) -> dict[str, Any]:
+def measure(
+    layout: Layout, clients: Any, level: int, seconds: float, texts: list[str]
+) -> dict[str, Any]:
     clients.open(layout.url)
     clients.loop("/embed", level, WARMUP_SECONDS, 1, texts)
     before = layout.cpu()
@@ -370,19 +403,20 @@ def measure(layout: Layout, clients: Any, level: int, seconds: float, texts: lis
     }
 
 
-def run_rounds(names: list[str], levels: tuple[int, ...], rounds: int, seconds: float) -> dict[str, Any]:
+def run_rounds(
+    names: list[str], levels: tuple[int, ...], rounds: int, seconds: float, base: str | None
+) -> dict[str, Any]:
     from _gpu_http import Clients
     from sample_text import make_sentences
 
     texts = make_sentences(2000, seed=0, min_words=5, max_words=60)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT)])}
     folder = tempfile.mkdtemp(prefix="bp-host-cpu-", dir="/tmp")
     clients = Clients(1, None)
     layouts: list[Layout] = []
-    rows: dict[str, dict[int, list[dict[str, Any]]]] = {n: {lv: [] for lv in levels} for n in names}
+    rows: dict[str, dict[int, list[dict[str, Any]]]] = {n: {v: [] for v in levels} for n in names}
     try:
         for name in names:
-            layouts.append(Layout(name, folder, env))
+            layouts.append(Layout(name, folder, base))
         for layout in layouts:
             layout.wait_ready()
         log(f"load average {os.getloadavg()}")
@@ -392,19 +426,19 @@ def run_rounds(names: list[str], levels: tuple[int, ...], rounds: int, seconds: 
                 for layout in order:
                     row = measure(layout, clients, level, seconds, texts)
                     rows[layout.name][level].append(row)
-                    log(f"round {index + 1} {layout.name:6} {level:3} clients: "
-                        f"{row['cpu_ms_per_request']:.2f} ms CPU/request "
-                        f"({', '.join(f'{x:.2f}' for x in row['cpu_ms_per_request_by_process'])}), "
-                        f"{row['requests_s']:.0f} req/s, p99 {row['p99_ms']:.0f} ms")  # fmt: skip
+                    by_process = ", ".join(f"{x:.2f}" for x in row["cpu_ms_per_request_by_process"])
+                    log(
+                        f"round {index + 1} {layout.name:11} {level:3} clients: "
+                        f"{row['cpu_ms_per_request']:.2f} ms CPU/request ({by_process}), "
+                        f"{row['requests_s']:.0f} req/s, p99 {row['p99_ms']:.0f} ms"
+                    )
     finally:
         for process in clients.processes:
             process.kill()
             process.wait()
         for layout in layouts:
             layout.stop()
-        for leftover in Path(folder).iterdir():
-            leftover.unlink()
-        os.rmdir(folder)
+        shutil.rmtree(folder, ignore_errors=True)
     return _medians(rows)
 
 
@@ -420,10 +454,9 @@ def _medians(rows: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[str, Any]
             median["rounds"] = runs
             table[name][str(level)] = median
     if "one" in table:
-        for name in table:
-            for level, row in table[name].items():
-                reference = table["one"][level]["requests_s"]
-                row["throughput_over_one"] = row["requests_s"] / reference
+        for by_level in table.values():
+            for level, row in by_level.items():
+                row["throughput_over_one"] = row["requests_s"] / table["one"][level]["requests_s"]
     return table
 
 
@@ -443,6 +476,14 @@ def main() -> None:
         parser.add_argument("--layouts", default=",".join(LAYOUTS))
         parser.add_argument("--profile", type=Path, default=None, metavar="DIR")
         parser.add_argument("--transport", action="store_true", help="the transport alone")
+        parser.add_argument(
+            "--base",
+            type=Path,
+            default=None,
+            metavar="DIR",
+            help="a folder holding another batchproxy package (git archive of a commit): "
+            "its layouts measured beside this checkout's, named NAME@base",
+        )
 
     run = arguments("host-cpu", (__doc__ or "").splitlines()[0], None, extra=extra)
     names = run.args.layouts.split(",")
@@ -454,18 +495,29 @@ def main() -> None:
         os.environ[PROFILE_VARIABLE] = str(run.args.profile.resolve())
         levels, rounds = levels[-1:], 1
     load = os.getloadavg()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT), str(ROOT / "examples")])}
+    base = None if run.args.base is None else str(run.args.base.resolve())
+    if base is not None:
+        names += [f"{name}@base" for name in names if name.startswith(("one", "host"))]
     if run.args.transport:
-        results = {"transport": {str(level): transport(level, seconds, rounds, env) for level in levels}}
+        results = {
+            "transport": {str(n): transport(n, seconds, rounds, base) for n in levels},
+        }
     else:
-        results = {"layouts": run_rounds(names, levels, rounds, seconds)}
+        results = {"layouts": run_rounds(names, levels, rounds, seconds, base)}
     write_report(
         run.output,
         environment(load_average=[load, os.getloadavg()]),
         quick=run.quick,
-        config={"levels": levels, "rounds": rounds, "seconds": seconds, "workers": WORKERS,
-                "batch_size": BATCH_SIZE, "window_ms": WINDOW_MS,
-                "device_ms": f"{1000 * LAUNCH_S} + {1000 * PER_ITEM_S}·n"},  # fmt: skip
+        config={
+            "levels": levels,
+            "rounds": rounds,
+            "seconds": seconds,
+            "workers": WORKERS,
+            "batch_size": BATCH_SIZE,
+            "window_ms": WINDOW_MS,
+            "device_ms": f"{1000 * LAUNCH_S} + {1000 * PER_ITEM_S}·n",
+            "base": base,
+        },
         targets=no_targets("issue 39: a measurement (server CPU per request), not a pass mark"),
         results=results,
     )

@@ -32,7 +32,7 @@ from typing import Any
 from .._errors import DrainDeadline, HostUnavailable
 from .._stats import Health
 from ._peer import CALLS, Peer
-from ._wire import MessageReader, sealed_message
+from ._wire import MessageReader, answer_message
 
 __all__ = ["ModelHost"]
 
@@ -218,7 +218,7 @@ class ModelHost:
         elif message[0] == "cancel":
             connection.cancel(message[1])
         elif message[0] == "health":  # a web worker's readiness, answered at once
-            await connection.send(*sealed_message("result", message[1], self.health()))
+            await connection.send(*answer_message("result", message[1], self.health()))
 
 
 def _same_user(writer: asyncio.StreamWriter) -> bool:

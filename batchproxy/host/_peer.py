@@ -23,12 +23,11 @@ from ._arguments import RemoteArguments
 from ._deadline import MARGIN
 from ._wire import (
     Outbox,
-    message_bytes,
+    answer_message,
     open_sealed,
     owned,
     pack_error,
     seal,
-    sealed_message,
     segment_names,
 )
 
@@ -121,7 +120,7 @@ class Peer:
             async with contextlib.aclosing(proxy.stream(item, **call)) as chunks:
                 async for chunk in chunks:
                     await self._answer(ident, "chunk", chunk)
-            await self.send(*sealed_message("end", ident, None))
+            await self.send(*answer_message("end", ident, None))
         except asyncio.CancelledError:
             return  # the caller cancelled (or left): nobody waits for an answer
         except Exception as exc:
@@ -206,20 +205,19 @@ class Peer:
                 kind, parts = _sealed_outcome(outcome)
                 names += segment_names(parts)
                 entries.append((kind, parts))
-            data = message_bytes(("results", ident, entries))
         except BaseException:
             _shm.unlink(names)
             raise
-        await self.send(data, names)
+        await self.send(("results", ident, entries), names)
 
     async def _answer(self, ident: int, kind: str, value: Any) -> None:
         """Send a result or chunk; one that cannot travel raises `TypeError` (which
         fails its own call only)."""
         try:
-            data, names = sealed_message(kind, ident, value)
+            message, names = answer_message(kind, ident, value)
         except Exception as exc:
             raise TypeError(f"the model host could not send the call's {kind}: {exc!r}") from exc
-        await self.send(data, names)
+        await self.send(message, names)
 
     async def cut(
         self, tasks: Collection[asyncio.Task[None]], error: Callable[[], BaseException]
@@ -233,16 +231,16 @@ class Peer:
             await self.send_error(ident, error())
 
     async def send_error(self, ident: int, error: BaseException) -> None:
-        await self.send(*sealed_message("error", ident, pack_error(error)))  # (it pickles)
+        await self.send(*answer_message("error", ident, pack_error(error)))  # (it pickles)
 
-    async def send(self, data: bytes, names: list[str]) -> None:
-        """Write one message (with the others sent in this iteration of the loop: the
-        outbox), waiting for room if the client reads slower than this host writes;
-        `names`, its segments, are the ledger's once queued."""
+    async def send(self, message: tuple[Any, ...], names: list[str]) -> None:
+        """Write one message (its values sealed: `answer_message`) with the others sent in this
+        iteration of the loop (the outbox), waiting for room if the client reads slower
+        than this host writes; `names`, its segments, are the ledger's once queued."""
         try:
             if self.writer.is_closing() or self._eof:
                 return
-            self.outbox.put(data)
+            self.outbox.put(message)
             self.segments.add(names)  # the client unlinks them as it reads them
             names = []
             if self.outbox.size() > self._room:

@@ -49,6 +49,7 @@ __all__ = [
     "MessageReader",
     "Outbox",
     "Packed",
+    "answer_message",
     "message_bytes",
     "open_sealed",
     "owned",
@@ -66,13 +67,16 @@ _SIZE = struct.Struct("<Q")
 
 def message_bytes(message: tuple[Any, ...]) -> bytes:
     """The bytes to write for `message`: raises what pickling raises, before anything
-    is written (so a message that cannot be sent leaves the socket in step).
+    is written (so a message that cannot be sent leaves the socket in step). Its values
+    are sealed already (`seal`): the message itself is pickled as it is.
 
     Returned as one `bytes`, with no view into the pickled buffers left behind: a
     memoryview of a `PickleBuffer` that outlives this call can end up in a reference
     cycle (an exception's traceback, a frame), and CPython 3.12.1's collector then
     released the buffer under the view (a segfault, seen in this package's tests)."""
-    frames = pickled(message)
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)
+    frames = [memoryview(data), *(buffer.raw() for buffer in buffers)]
     sizes = [frame.nbytes for frame in frames]
     try:
         return b"".join([struct.pack(f"<I{len(sizes)}Q", len(sizes), *sizes), *frames])
@@ -129,17 +133,29 @@ def sealed_message(kind: str, ident: int, value: Any, *rest: Any) -> tuple[bytes
         raise
 
 
+def answer_message(kind: str, ident: int, value: Any) -> tuple[tuple[Any, ...], list[str]]:
+    """`(kind, ident, owned(seal(value)))`, to queue in an `Outbox`, and the names of the
+    segments it carries, which the caller owns from here on (raises what pickling
+    raises, after unlinking any it made)."""
+    parts = owned(seal(value))
+    return (kind, ident, parts), segment_names(parts)
+
+
 def open_sealed(parts: list[Any]) -> Any:
     """What `seal` sealed (raises what unpickling raises, or `_shm.SegmentLost` for a
     segment that could not be mapped when the message was read)."""
     for part in parts:
         if isinstance(part, _shm.SegmentLost):
             raise part
-    return pickle.loads(parts[0], buffers=parts[1:])
+    # (a buffer that came in band, as `owned` sends it, is copied: writable, as the
+    # arrays made from buffers that came out of band are)
+    buffers = [bytearray(part) if isinstance(part, bytes) else part for part in parts[1:]]
+    return pickle.loads(parts[0], buffers=buffers)
 
 
 async def read_message(reader: asyncio.StreamReader) -> Any:
-    """The next message (raises `asyncio.IncompleteReadError` at the end of the stream).
+    """The next message as written (raises `asyncio.IncompleteReadError` at the end of
+    the stream; a `("batch", [message, ...])` is not taken apart: `MessageReader` does).
     Its segments are mapped and unlinked here, whatever becomes of its call."""
     (count,) = _COUNT.unpack(await reader.readexactly(_COUNT.size))
     sizes = struct.unpack(f"<{count}Q", await reader.readexactly(_SIZE.size * count))
@@ -211,41 +227,60 @@ class MessageReader:
                     frames.append(bytearray(view[head : head + size]))
                     head += size
                 start = head
-                messages.append(pickle.loads(frames[0], buffers=frames[1:]))
+                message = pickle.loads(frames[0], buffers=frames[1:])
+                if message[0] == "batch":  # (an `Outbox`'s: the messages in it, in order)
+                    messages.extend(message[1])
+                else:
+                    messages.append(message)
+                del message
         if start:
             del buffer[:start]
         return messages
 
 
 class Outbox:
-    """The messages for one stream, written together: `put` queues a message's bytes,
-    and one write of all those queued follows when the loop next runs its callbacks
-    (one system call, and one wakeup of the reader, for all the messages sent in one
-    iteration of the loop: a batch's answers, the calls of requests that arrived
-    together). `flush` writes them now (before waiting for room, or closing)."""
+    """The messages for one stream, written together: `put` queues a message (its values
+    sealed and owned: `answer_message`), and when the loop next runs its callbacks all
+    those queued go as one `("batch", [message, ...])` message in one write (one
+    pickling, one system call and one wakeup of the reader for a batch's answers).
+    `flush` writes them now (before waiting for room, or closing)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, writer: asyncio.StreamWriter) -> None:
         self.loop = loop
         self.writer = writer
-        self._pending: list[bytes] = []
+        self._pending: list[tuple[Any, ...]] = []
         self._bytes = 0
 
-    def put(self, data: bytes) -> None:
+    def put(self, message: tuple[Any, ...]) -> None:
         if not self._pending:
             self.loop.call_soon(self.flush)
-        self._pending.append(data)
-        self._bytes += len(data)
+        self._pending.append(message)
+        self._bytes += _ENVELOPE + sum(_size(value) for value in message)
 
     def size(self) -> int:
-        """Bytes queued here and in the transport, not yet sent."""
+        """Bytes queued here (about) and in the transport, not yet sent."""
         return self._bytes + self.writer.transport.get_write_buffer_size()
 
     def flush(self) -> None:
         """Write what is queued (dropped if the transport is closing: the other end is
-        gone, or this one closes)."""
+        gone, or this one closes). Nothing in it can fail to pickle: its values are
+        sealed already, the rest are the library's own plain values."""
         pending, self._pending, self._bytes = self._pending, [], 0
         if pending and not self.writer.is_closing():
-            self.writer.write(pending[0] if len(pending) == 1 else b"".join(pending))
+            message = pending[0] if len(pending) == 1 else ("batch", pending)
+            self.writer.write(message_bytes(message))
+
+
+_ENVELOPE = 64  # (bytes a message adds to the values it carries, about)
+
+
+def _size(value: Any) -> int:
+    """The bytes of a message's value (sealed parts, a list's entries), about."""
+    if isinstance(value, (bytes, bytearray)):
+        return len(value)
+    if isinstance(value, (list, tuple)):
+        return sum(_size(item) for item in value)
+    return 0
 
 
 _BULK = 1 << 16
