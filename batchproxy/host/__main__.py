@@ -82,7 +82,9 @@ async def serve(
         loop.add_signal_handler(signum, stop.set)
     async with ModelHost(proxy, path, drain_timeout=drain_timeout) as host:
         serving()
-        print(f"batchproxy.host: serving {proxy!r} on {path}", file=sys.stderr, flush=True)
+        loop_name = type(loop).__module__.partition(".")[0]  # ("asyncio", "uvloop")
+        print(f"batchproxy.host: serving {proxy!r} on {path} ({loop_name})", file=sys.stderr,
+              flush=True)  # fmt: skip
         if exit_when_idle is None:
             await stop.wait()
         else:
