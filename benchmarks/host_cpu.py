@@ -5,37 +5,37 @@ On a GPU the model's compute leaves the CPU, and what is left per request (HTTP,
 the proxy, the model host's transport) sets the pace. This measures it as CPU seconds,
 which a loaded machine does not skew as it skews wall time: the sum of `utime + stime`
 (`/proc/PID/stat`) of every server process over a closed loop, divided by the requests
-it answered. The model stands for a device: per batch of n items it sleeps 1 + 0.3·n ms
-(the GIL released, no CPU) and answers each item with the same 384-float vector. Each
-web handler "tokenizes" cheaply (a word's length per word, as two int64 arrays: the
-shape of what a real tokenizer sends) and answers the vector as JSON.
+it answered. The model and the servers: `_host_cpu_roles.py` (the model sleeps 1 +
+0.3·n ms per batch of n, the GIL released, and answers a fixed 384-float vector).
 
 The layouts, each a set of server processes on 127.0.0.1:
 - `one`: one uvicorn process, FastAPI with `Serving` and `install`, the proxy in it
   (`offload=True`, as the README's service);
 - `host`: docs/serving.md's "Several web workers": one model host (`python -m
-  batchproxy.host host_cpu:model --freeze-gc`) and WORKERS web workers, each with a
-  `RemoteProxy`;
+  batchproxy.host`, `--freeze-gc`) and WORKERS web workers, each with a `RemoteProxy`;
 - `floor`: the same FastAPI server answering the constant vector, no proxy (1 worker),
   and `floor2`: the same with WORKERS workers.
 
-The web workers share one port (`SO_REUSEPORT`, each process its own listener made with
-`IPPROTO_TCP`, so asyncio sets `TCP_NODELAY`). The load: `_gpu_http.Clients`, one
+The web workers share one port (`SO_REUSEPORT`). The load: `_gpu_http.Clients`, one
 aiohttp client process, closed loops at each of LEVELS clients for SECONDS; every
 layout is measured at a level before the next level, the order of the layouts
 reversed every other round; each row is the median over ROUNDS rounds. Reported per
 layout and level: server CPU ms per request (each process's share too), requests/s,
 p50 and p99, and each layout's throughput over `one`'s (side by side in the same run).
 
-`--profile DIR`: every server process runs under cProfile (the event loop's thread),
-written to DIR/<layout>-<role>-<pid>.prof when it stops; then one round, LEVELS[-1] only.
+`--transport`: no HTTP, the proxy's calls alone: CPU microseconds per call of a caller
+process with the proxy in it, and of a caller process plus its host. `--base REF`: the
+package as it was at git REF (`git archive`) measured too, beside this checkout's, as
+`NAME@base` (`one` and `host` layouts, or both transports). `--profile DIR`: every
+server process runs under cProfile (CPU time, the loop's thread), written to DIR when
+it stops; one round, the highest level only.
 
-Writes `benchmarks/results/host-cpu.json` (`--quick`: `host-cpu-quick.json`).
+Writes `benchmarks/results/host-cpu.json` (`--quick`: `host-cpu-quick.json`;
+`--transport`: `host-cpu-transport.json`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
@@ -45,21 +45,25 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-PACKAGE_VARIABLE = "HOST_CPU_PACKAGE"  # a folder with another batchproxy (`--base`)
-sys.path[:0] = [os.environ.get(PACKAGE_VARIABLE, str(ROOT)), str(HERE), str(ROOT / "examples")]
+sys.path[:0] = [str(HERE), str(ROOT / "examples")]
 
-import numpy as np  # noqa: E402
-from pydantic import BaseModel  # noqa: E402
+from _host_cpu_roles import (  # noqa: E402
+    BATCH_SIZE,
+    LAUNCH_S,
+    PACKAGE_VARIABLE,
+    PER_ITEM_S,
+    PROFILE_VARIABLE,
+    SOCKET_VARIABLE,
+    WINDOW_MS,
+)
 
-import batchproxy  # noqa: E402
-
+ROLES = str(HERE / "_host_cpu_roles.py")
 LEVELS = (32, 150)
 QUICK_LEVELS = (32,)
 ROUNDS = 2
@@ -69,158 +73,12 @@ QUICK_SECONDS = 2.0
 WARMUP_SECONDS = 1.0
 WORKERS = 2
 LAYOUTS = ("one", "host", "floor", "floor2")
-DIMENSION = 384
-BATCH_SIZE = 64
-WINDOW_MS = 5.0
-LAUNCH_S, PER_ITEM_S = 0.001, 0.0003  # the device's time per batch: 1 + 0.3·n ms
 STARTUP_TIMEOUT = 120.0
-VECTOR = np.full(DIMENSION, 1.0 / np.sqrt(DIMENSION), dtype=np.float32)
-CONSTANT = VECTOR.tolist()
-PROFILE_VARIABLE = "HOST_CPU_PROFILE"
-SOCKET_VARIABLE = "HOST_CPU_SOCKET"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def log(message: str) -> None:
     print(f"[host-cpu {time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-# --------------------------------------------------------------------- the model, the app
-
-
-class Device(batchproxy.Proxy[Any, Any]):
-    """A model whose compute is elsewhere: 1 + 0.3·n ms per batch, the GIL released."""
-
-    def __init__(self) -> None:
-        super().__init__(BATCH_SIZE, max_delay_ms=WINDOW_MS, offload=True, timeout=120.0)
-
-    def _inference(self, items: list[Any]) -> list[Any]:
-        time.sleep(LAUNCH_S + PER_ITEM_S * len(items))
-        return [VECTOR] * len(items)
-
-
-def model() -> Device:
-    """The model host's factory (`python -m batchproxy.host host_cpu:model`)."""
-    return Device()
-
-
-class EmbedIn(BaseModel):
-    text: str
-
-
-class EmbedOut(BaseModel):
-    embedding: list[float]
-
-
-def tokenize(text: str) -> dict[str, Any]:
-    ids = np.array([len(word) for word in text.split()], dtype=np.int64)
-    return {"input_ids": ids, "attention_mask": np.ones_like(ids)}
-
-
-def create_app(layout: str) -> Any:
-    from fastapi import Depends, FastAPI
-
-    from batchproxy.host import RemoteProxy
-    from batchproxy.integrations.fastapi import Serving, install
-
-    if layout.startswith("floor"):
-        app = FastAPI()
-
-        @app.post("/embed")
-        async def constant(body: EmbedIn) -> EmbedOut:
-            return EmbedOut(embedding=CONSTANT)
-
-        return app
-    proxy: Any = Device() if layout == "one" else RemoteProxy(os.environ[SOCKET_VARIABLE])
-    serving = Serving(proxy, freeze_gc=True)
-    app = FastAPI(lifespan=serving.lifespan)
-    install(app, serving)
-    kind = type(proxy)
-
-    @app.post("/embed")
-    async def embed(body: EmbedIn, served: Any = Depends(serving.provider(kind))) -> EmbedOut:  # noqa: B008
-        vector = await served.inference(tokenize(body.text))
-        return EmbedOut(embedding=vector.tolist())
-
-    return app
-
-
-def serve_web(layout: str, port: int) -> None:
-    """A web process: its own listener on `port` (`SO_REUSEPORT`, `IPPROTO_TCP`), until
-    SIGTERM or stdin's end (under cProfile with `$HOST_CPU_PROFILE`)."""
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind(("127.0.0.1", port))
-    config = uvicorn.Config(create_app(layout), log_level="warning", access_log=False,
-                            timeout_keep_alive=300, backlog=4096)  # fmt: skip
-    server = uvicorn.Server(config)
-
-    def stop_when_the_parent_goes() -> None:
-        sys.stdin.read()
-        server.should_exit = True
-
-    threading.Thread(target=stop_when_the_parent_goes, daemon=True).start()
-    profiled(f"{layout}-web", lambda: server.run(sockets=[sock]))  # (uvloop, if installed)
-
-
-def serve_host(path: str) -> None:
-    from batchproxy.host.__main__ import main
-
-    profiled("host-host", lambda: main(["host_cpu:model", "--socket", path, "--freeze-gc"]))
-
-
-def profiled(name: str, run: Any) -> None:
-    folder = os.environ.get(PROFILE_VARIABLE)
-    if not folder:
-        run()
-        return
-    import cProfile
-
-    profile = cProfile.Profile(time.thread_time)  # CPU, not wall: the machine is loaded
-    profile.enable()
-    try:
-        run()
-    finally:
-        profile.disable()
-        profile.dump_stats(os.path.join(folder, f"{name}-{os.getpid()}.prof"))
-
-
-# ---------------------------------------------------------------- the transport alone
-
-
-def caller_main(target: str, callers: int, seconds: float) -> None:
-    """A client process with no HTTP: `callers` closed loops of `inference` on a
-    `RemoteProxy` to the host at `target` (or on a `Device` in this process, for
-    `local`); prints its calls and its CPU seconds (the in-process model's included)."""
-
-    async def run() -> tuple[int, float]:
-        proxy: Any = Device() if target == "local" else RemoteProxy(target)
-        items = [tokenize(text) for text in make_sentences(200, seed=0)]
-        calls = 0
-        async with proxy:
-            for _ in range(3):  # (warm-up)
-                await proxy.inference(items[0])
-            stop_at = time.monotonic() + seconds
-            began = time.process_time()
-
-            async def caller(number: int) -> None:
-                nonlocal calls
-                while time.monotonic() < stop_at:
-                    await proxy.inference(items[(number + calls) % len(items)])
-                    calls += 1
-
-            await asyncio.gather(*(caller(n) for n in range(callers)))
-            return calls, time.process_time() - began
-
-    import uvloop  # (as a web worker under uvicorn runs)
-    from sample_text import make_sentences
-
-    from batchproxy.host import RemoteProxy
-
-    calls, cpu = uvloop.run(run())
-    print(json.dumps({"calls": calls, "cpu_s": cpu}), flush=True)
 
 
 def transport(callers: int, seconds: float, rounds: int, base: str | None) -> dict[str, Any]:
@@ -234,14 +92,14 @@ def transport(callers: int, seconds: float, rounds: int, base: str | None) -> di
         for name in names:
             if name.startswith("host"):
                 path = os.path.join(folder, f"{name}.sock")
-                hosts[name] = _started([sys.executable, __file__, "--host", path], _env(name, base))
+                hosts[name] = _started([sys.executable, ROLES, "--host", path], _env(name, base))
         for index in range(rounds):
             for name in names if index % 2 == 0 else names[::-1]:
                 host = hosts.get(name)
                 target = "local" if host is None else os.path.join(folder, f"{name}.sock")
                 before = 0.0 if host is None else _cpu_seconds(host.pid)
                 out = subprocess.run(
-                    [sys.executable, __file__, "--caller", target, str(callers), str(seconds)],
+                    [sys.executable, ROLES, "--caller", target, str(callers), str(seconds)],
                     env=_env(name, base), check=True, capture_output=True, text=True,
                 ).stdout  # fmt: skip
                 host_cpu = 0.0 if host is None else _cpu_seconds(host.pid) - before
@@ -316,7 +174,7 @@ class Layout:
 
     def _start(self, args: list[str], env: dict[str, str], wait_for: str | None = None) -> None:
         process = subprocess.Popen(
-            [sys.executable, __file__, *args],
+            [sys.executable, ROLES, *args],
             env=env,
             stdin=subprocess.PIPE,
             stderr=subprocess.PIPE if wait_for else None,
@@ -460,32 +318,31 @@ def _medians(rows: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[str, Any]
     return table
 
 
+def _archived(ref: str) -> str:
+    """A new folder holding the batchproxy package as it was at git `ref`."""
+    folder = tempfile.mkdtemp(prefix="bp-host-cpu-base-", dir="/tmp")
+    archive = subprocess.run(
+        ["git", "archive", ref, "batchproxy"], cwd=ROOT, check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
+    return folder
+
+
 def main() -> None:
-    if sys.argv[1:2] == ["--web"]:
-        serve_web(sys.argv[2], int(sys.argv[3]))
-        return
-    if sys.argv[1:2] == ["--caller"]:
-        caller_main(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
-        return
-    if sys.argv[1:2] == ["--host"]:
-        serve_host(sys.argv[2])
-        return
     from _report import arguments, environment, no_targets, write_report
 
     def extra(parser: Any) -> None:
         parser.add_argument("--layouts", default=",".join(LAYOUTS))
         parser.add_argument("--profile", type=Path, default=None, metavar="DIR")
-        parser.add_argument("--transport", action="store_true", help="the transport alone")
-        parser.add_argument(
-            "--base",
-            type=Path,
-            default=None,
-            metavar="DIR",
-            help="a folder holding another batchproxy package (git archive of a commit): "
-            "its layouts measured beside this checkout's, named NAME@base",
-        )
+        parser.add_argument("--base", default=None, metavar="REF", help="a git ref to compare")
 
-    run = arguments("host-cpu", (__doc__ or "").splitlines()[0], None, extra=extra)
+    run = arguments(
+        "host-cpu",
+        (__doc__ or "").splitlines()[0],
+        None,
+        mode=("transport", "no HTTP: the proxy's calls alone, in process and through a host"),
+        extra=extra,
+    )
     names = run.args.layouts.split(",")
     levels = QUICK_LEVELS if run.quick else LEVELS
     rounds = QUICK_ROUNDS if run.quick else ROUNDS
@@ -495,15 +352,17 @@ def main() -> None:
         os.environ[PROFILE_VARIABLE] = str(run.args.profile.resolve())
         levels, rounds = levels[-1:], 1
     load = os.getloadavg()
-    base = None if run.args.base is None else str(run.args.base.resolve())
-    if base is not None:
-        names += [f"{name}@base" for name in names if name.startswith(("one", "host"))]
-    if run.args.transport:
-        results = {
-            "transport": {str(n): transport(n, seconds, rounds, base) for n in levels},
-        }
-    else:
-        results = {"layouts": run_rounds(names, levels, rounds, seconds, base)}
+    base = None if run.args.base is None else _archived(run.args.base)
+    try:
+        if base is not None:
+            names += [f"{name}@base" for name in names if name.startswith(("one", "host"))]
+        if run.mode:
+            results = {"transport": {str(n): transport(n, seconds, rounds, base) for n in levels}}
+        else:
+            results = {"layouts": run_rounds(names, levels, rounds, seconds, base)}
+    finally:
+        if base is not None:
+            shutil.rmtree(base, ignore_errors=True)
     write_report(
         run.output,
         environment(load_average=[load, os.getloadavg()]),
@@ -516,7 +375,7 @@ def main() -> None:
             "batch_size": BATCH_SIZE,
             "window_ms": WINDOW_MS,
             "device_ms": f"{1000 * LAUNCH_S} + {1000 * PER_ITEM_S}·n",
-            "base": base,
+            "base": run.args.base,
         },
         targets=no_targets("issue 39: a measurement (server CPU per request), not a pass mark"),
         results=results,
