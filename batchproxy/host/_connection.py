@@ -13,10 +13,13 @@ items' shared-memory segments the host has not read when the connection ends are
 unlinked then (`_shm`). Each new connection asks the host's health at once, for its
 owner (`on_health`), without waiting for the answer.
 
+The messages queued in one iteration of the loop (calls, cancels, health questions)
+are written together when the loop next runs its callbacks, in order (`_queue`).
 The transport may know the connection lost before the reader task does (a write
-failed: the host is gone); from then on nothing is written to it. A call that finds
-it so before any of its message was written raises `NotSent` if the connection had
-carried calls (it was lost while idle), and its `RemoteProxy` sends it on a new one.
+failed: the host is gone); from then on nothing is written to it. A call whose
+message could not be written at all (the connection found lost when it was queued,
+or when the queue was written) raises `NotSent` if the connection had carried calls
+(it was lost while idle), and its `RemoteProxy` sends it on a new one.
 """
 
 from __future__ import annotations
@@ -98,7 +101,10 @@ class Connection:
         self._ids = itertools.count()
         self._lock = asyncio.Lock()  # one drain at a time (Python 3.10's streams allow no more)
         self._room = writer.transport.get_write_buffer_limits()[1]  # (then, writes pause)
-        self._carried = False  # a message was written whole (see `_unsent`)
+        self._carried = False  # a call's message was written (see `_unsent`)
+        self._pending: list[bytes] = []  # queued, written together (`_queue`)
+        self._pending_calls: list[int] = []  # the calls among them
+        self._queued = 0  # their bytes
         self._reader = loop.create_task(self._read(reader))
 
     async def call(self, item: Any, options: dict[str, Any], deadline: Deadline | None) -> Any:
@@ -177,8 +183,7 @@ class Connection:
         """Ask the host's `Health` without waiting: its answer goes to `on_health`."""
         ident = next(self._ids)
         self._health_asks.add(ident)
-        with contextlib.suppress(Exception):
-            self.writer.write(message_bytes(("health", ident)))
+        self._queue(message_bytes(("health", ident)))
 
     async def _one_answer(
         self, message: Callable[[int], tuple[bytes, list[str]]], deadline: Deadline | None
@@ -218,15 +223,12 @@ class Connection:
         try:
             if not self.writable():
                 raise self._unsent()
-            fresh = self.writer.transport.get_write_buffer_size() == 0
-            self.writer.write(data)  # (whole: the messages never interleave)
-            if fresh and self.writer.is_closing():  # its first byte already refused
-                raise self._unsent()
+            self._queue(data, ident)  # (whole: the messages never interleave)
             self.segments.add(names)  # the host unlinks them as it reads the call
             names = []
-            self._carried = True
-            if self.writer.transport.get_write_buffer_size() > self._room:
+            if self._queued + self.writer.transport.get_write_buffer_size() > self._room:
                 # the host reads slower than this process writes, or not at all
+                self._flush()
                 room = self._drain()
                 await (room if deadline is None else deadline.bound(room))
         except NotSent:
@@ -241,6 +243,39 @@ class Connection:
         finally:
             _shm.unlink(names)  # never written (cancelled, or lost): nobody else knows them
         return ident
+
+    def _queue(self, data: bytes, ident: int | None = None) -> None:
+        """Queue a message (of call `ident`, if a call's): the messages queued in one
+        iteration of the loop are written together, in order, when it next runs its
+        callbacks (`_flush`: one system call, and one wakeup of the host, for all the
+        calls of the requests that arrived together)."""
+        if not self._pending:
+            self.loop.call_soon(self._flush)
+        self._pending.append(data)
+        self._queued += len(data)
+        if ident is not None:
+            self._pending_calls.append(ident)
+
+    def _flush(self) -> None:
+        """Write the messages queued. A call whose message could not be written at all
+        (the connection was found lost: not writable, or its first byte refused) ends
+        with `_unsent()`, as if it had found so itself."""
+        pending, self._pending, self._queued = self._pending, [], 0
+        calls, self._pending_calls = self._pending_calls, []
+        if not pending:
+            return
+        if self.writable():
+            fresh = self.writer.transport.get_write_buffer_size() == 0
+            self.writer.write(pending[0] if len(pending) == 1 else b"".join(pending))
+            if not (fresh and self.writer.is_closing()):  # (else its first byte refused)
+                self._carried = self._carried or bool(calls)
+                return
+        unsent = self._unsent()
+        for ident in calls:
+            answers = self.waiting.get(ident)
+            if answers is not None:
+                self._forget(ident)  # (nothing of it reached the host: no cancel)
+                _put(answers, unsent)
 
     async def _drain(self) -> None:
         """Until the socket has room again (for every call waiting for it)."""
@@ -285,8 +320,7 @@ class Connection:
         """The caller is done with call `ident`: if the host may still be working on it
         (it is still listed: no final answer came), tell the host to drop it."""
         if self._forget(ident) and self.writable():
-            with contextlib.suppress(Exception):
-                self.writer.write(message_bytes(("cancel", ident)))
+            self._queue(message_bytes(("cancel", ident)))  # (after its call, queued or not)
 
     def writable(self) -> bool:
         """Whether a message may be written: the connection is not known lost, neither
