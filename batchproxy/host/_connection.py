@@ -390,8 +390,12 @@ class Connection:
         waiting, self.waiting = self.waiting, {}
         self._health_asks.clear()
         self._idle.set()
-        for answers in waiting.values():
-            _put(answers, HostUnavailable(self.path, why))
+        # a call still queued here was never written: `NotSent`, as if it had found the
+        # connection lost itself (sent on a new one, if this one had carried calls)
+        unsent = set(self._pending_calls)
+        self._pending, self._pending_calls, self._queued = [], [], 0
+        for ident, answers in waiting.items():
+            _put(answers, self._unsent() if ident in unsent else HostUnavailable(self.path, why))
         self.writer.close()
         self.segments.unlink_all()  # the items the host did not read: nobody will now
 

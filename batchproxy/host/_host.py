@@ -200,13 +200,27 @@ class ModelHost:
                 messages = await inbox.next()
                 messages.reverse()
                 while messages:
-                    await self._handle(connection, messages.pop())
+                    if self._handled(connection, messages[-1]):
+                        messages.pop()
+                    else:
+                        await self._handle(connection, messages.pop())
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client process closed the connection, or died
         finally:
             connection.peer_gone.set()  # it reads no more: its unread segments can go
             self._connections.discard(connection)
             await connection.close()
+
+    def _handled(self, connection: Peer, message: tuple[Any, ...]) -> bool:
+        """A call or a cancel from a client, taken at once (while the host serves);
+        False for a message that `_handle` takes."""
+        if message[0] in CALLS and not self._closing:
+            connection.start(*message)
+        elif message[0] == "cancel":
+            connection.cancel(message[1])
+        else:
+            return False
+        return True
 
     async def _handle(self, connection: Peer, message: tuple[Any, ...]) -> None:
         """One message from a client."""

@@ -255,7 +255,7 @@ class Outbox:
         if not self._pending:
             self.loop.call_soon(self.flush)
         self._pending.append(message)
-        self._bytes += _ENVELOPE + sum(_size(value) for value in message)
+        self._bytes += _ENVELOPE + _size(message[2:])
 
     def size(self) -> int:
         """Bytes queued here (about) and in the transport, not yet sent."""
@@ -276,10 +276,11 @@ _ENVELOPE = 64  # (bytes a message adds to the values it carries, about)
 
 def _size(value: Any) -> int:
     """The bytes of a message's value (sealed parts, a list's entries), about."""
-    if isinstance(value, (bytes, bytearray)):
+    kind = type(value)
+    if kind is bytes:
         return len(value)
-    if isinstance(value, (list, tuple)):
-        return sum(_size(item) for item in value)
+    if kind is list or kind is tuple:
+        return sum(map(_size, value))
     return 0
 
 
