@@ -19,9 +19,9 @@ closed once serving.
 `--loop`: the event loop to serve on: `auto` (the default) is uvloop where it is
 installed (as uvicorn's default: `uvicorn[standard]`), else asyncio's; `asyncio` or
 `uvloop` to choose (`asyncio`: the event loop policy's, asyncio's own unless the
-process set another). The host's loop carries every call of every web worker (reading
-the calls, a task each, writing the answers): on uvloop it spends about half the CPU
-per call (docs/benchmarks.md, "The model host's CPU per request").
+process set another). The host's loop carries every call of every web worker
+(reading the calls, a task each, writing the answers), and uvloop runs the loop's
+own part of that in C (docs/benchmarks.md, "CPU per request through the host").
 
 `--lock`: first take the host lock of `PATH` (`PATH.lock`), and exit at once (status
 0, nothing loaded) if another host holds it; `--exit-when-idle S`: exit (draining as
