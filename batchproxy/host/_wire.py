@@ -255,7 +255,7 @@ class Outbox:
         if not self._pending:
             self.loop.call_soon(self.flush)
         self._pending.append(message)
-        self._bytes += _ENVELOPE + _size(message[2:])
+        self._bytes += _ENVELOPE + _size(message)
 
     def size(self) -> int:
         """Bytes queued here (about) and in the transport, not yet sent."""
@@ -274,14 +274,18 @@ class Outbox:
 _ENVELOPE = 64  # (bytes a message adds to the values it carries, about)
 
 
-def _size(value: Any) -> int:
-    """The bytes of a message's value (sealed parts, a list's entries), about."""
-    kind = type(value)
-    if kind is bytes:
-        return len(value)
-    if kind is list or kind is tuple:
-        return sum(map(_size, value))
-    return 0
+def _size(message: tuple[Any, ...]) -> int:
+    """The bytes of a message's sealed values (its parts, or a list's entries' parts),
+    about: segments and the rest count for nothing."""
+    if len(message) < 3:
+        return 0
+    if message[0] == "results":
+        return sum(_parts_size(parts) for _, parts in message[2])
+    return _parts_size(message[2])
+
+
+def _parts_size(parts: list[Any]) -> int:
+    return sum([len(part) for part in parts if type(part) is bytes])
 
 
 _BULK = 1 << 16

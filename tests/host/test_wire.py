@@ -131,6 +131,22 @@ async def test_the_messages_of_one_iteration_go_in_one_write_in_order(
         array[0] = -1  # writable, as arrays read from the socket are
 
 
+async def test_the_outbox_counts_what_it_holds_so_that_a_sender_waits_for_room(
+    pair: tuple[asyncio.StreamWriter, asyncio.StreamReader, list[int]],
+) -> None:
+    """`Peer.send` flushes and drains past the transport's limit: the outbox's size
+    counts the answers queued, a list's too (below the shared-memory threshold)."""
+    writer, _, _ = pair
+    outbox = Outbox(asyncio.get_running_loop(), writer)
+    array = np.zeros(50_000)  # 400 kB: in the message, not in shared memory
+    outbox.put(answer_message("result", 1, array)[0])
+    assert outbox.size() >= array.nbytes
+    entries = [answer_message("result", 0, array)[0][2:] for _ in range(2)]
+    outbox.put(("results", 2, [("result", parts) for (parts,) in entries]))
+    assert outbox.size() >= 3 * array.nbytes
+    outbox.flush()
+
+
 async def test_flush_writes_now_and_a_lone_message_goes_as_itself(
     pair: tuple[asyncio.StreamWriter, asyncio.StreamReader, list[int]],
 ) -> None:
