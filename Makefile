@@ -150,6 +150,12 @@ bench-scale: $(VENV)/.installed
 bench-host: $(VENV)/.installed
 	$(BIN)/python benchmarks/host.py
 
+# server CPU per HTTP request in each layout (one process; a model host and 2 web workers;
+# the HTTP floor) on a model that uses no CPU, as on a GPU (issue 39); by hand:
+# `python benchmarks/host_cpu.py --transport` (no HTTP), `--base REF` (beside a commit)
+bench-host-cpu: $(VENV)/.installed-dev
+	$(BIN)/python benchmarks/host_cpu.py
+
 # python -m batchproxy.tune checked against the real thing: MiniLM (and the GPU-shaped model
 # once registered in benchmarks/_tune_models.py) tuned, then every setting of its grid run for
 # real over the same loads: the recommendation's capacity / the best's, predicted / measured p99
