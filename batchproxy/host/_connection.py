@@ -36,7 +36,10 @@ from .._stats import Health
 from . import _shm
 from ._deadline import Deadline
 from ._wire import (
+    WIRE,
     MessageReader,
+    WireMismatch,
+    greeted,
     message_bytes,
     open_sealed,
     owned,
@@ -87,6 +90,7 @@ class Connection:
         on_lost: Callable[[str], None],
         on_health: Callable[[Health], None],
     ) -> None:
+        writer.write(WIRE)  # (first, before any message: the host reads it first)
         self.path = path
         self.loop = loop
         self.writer = writer
@@ -101,7 +105,9 @@ class Connection:
         self._ids = itertools.count()
         self._lock = asyncio.Lock()  # one drain at a time (Python 3.10's streams allow no more)
         self._room = writer.transport.get_write_buffer_limits()[1]  # (then, writes pause)
-        self._carried = False  # a call's message was written (see `_unsent`)
+        self._carried = False  # the host took this connection: its greeting came, or a
+        # call's message was written (see `_unsent`)
+        self._refused: str | None = None  # why the host is not to be talked to (`_read`)
         self._pending: list[bytes] = []  # queued, written together (`_queue`)
         self._pending_calls: list[int] = []  # the calls among them
         self._queued = 0  # their bytes
@@ -231,7 +237,7 @@ class Connection:
                 self._flush()
                 room = self._drain()
                 await (room if deadline is None else deadline.bound(room))
-        except NotSent:
+        except HostUnavailable:  # (`NotSent` too; found here, not by the socket)
             self._leave(ident)
             raise
         except ConnectionError as exc:
@@ -284,9 +290,12 @@ class Connection:
 
     def _unsent(self) -> HostUnavailable:
         """The error of a call found the connection lost before any of it was written:
-        `NotSent` (to be sent on a new connection) if this connection carried calls
-        before, so was lost while it stood idle; else `HostUnavailable` (the host
-        ended it as it opened: it refuses this process, or died then)."""
+        `NotSent` (to be sent on a new connection) if the host had taken this connection
+        (its greeting came, or calls went), so it was lost while it stood idle; else
+        `HostUnavailable` (the host ended it as it opened: it refuses this process, or
+        died then), and so if the host speaks another version."""
+        if self._refused is not None:  # (another host would say the same: no retry)
+            return HostUnavailable(self.path, self._refused)
         kind = NotSent if self._carried else HostUnavailable
         return kind(self.path, "the connection to the host was lost")
 
@@ -340,6 +349,8 @@ class Connection:
         why = "the host closed the connection"
         inbox = MessageReader(reader)
         try:
+            await greeted(reader)
+            self._carried = True  # the host took this connection
             while True:
                 # (each handed on, not kept in this frame while the next are awaited: its
                 # buffers may map shared memory, freed only with the last reference)
@@ -347,6 +358,8 @@ class Connection:
                 answers.reverse()
                 while answers:
                     self._deliver(*answers.pop())
+        except WireMismatch as exc:
+            why = self._refused = f"the host refused this connection: {exc}"
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             if not isinstance(exc, asyncio.IncompleteReadError):
                 why = f"the connection to the host broke ({exc!r})"

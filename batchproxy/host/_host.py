@@ -32,7 +32,7 @@ from typing import Any
 from .._errors import DrainDeadline, HostUnavailable
 from .._stats import Health
 from ._peer import CALLS, Peer
-from ._wire import MessageReader, answer_message
+from ._wire import WIRE, MessageReader, answer_message, greeted
 
 __all__ = ["ModelHost"]
 
@@ -190,10 +190,12 @@ class ModelHost:
             self.refused += 1
             writer.transport.abort()
             return
+        writer.write(WIRE)  # (first, before any answer: the client reads it first)
         connection = Peer(self, writer)
         self._connections.add(connection)
         inbox = MessageReader(reader)
         try:
+            await greeted(reader)  # (another version's client: WireMismatch, parted)
             while True:
                 # (each handed on, not kept in this frame while the next are awaited: its
                 # buffers may map shared memory, freed only with the last reference)

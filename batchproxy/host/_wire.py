@@ -26,6 +26,11 @@ the message (`read_message`), so its arrays are views of the segment.
 with a timeout its `timeout` and its `deadline` on `time.monotonic()` (the system's
 monotonic clock, the same in every process of the machine).
 
+Each side writes `WIRE` first on a connection (the host at accept, the client at
+connect, neither waiting for the other's) and reads the other's before its first
+message (`greeted`): a host and a client of different batchproxy versions, whose
+messages may differ, part with `WireMismatch` saying so, before any call is read.
+
 Who may send what is unpickled: only processes of the host's own user can open the
 socket (mode 0600) and be heard (the host checks `SO_PEERCRED`), as with the pipes to
 worker processes this library starts.
@@ -46,10 +51,13 @@ from .._executors.ipc import pickled
 from . import _shm
 
 __all__ = [
+    "WIRE",
     "MessageReader",
     "Outbox",
     "Packed",
+    "WireMismatch",
     "answer_message",
+    "greeted",
     "message_bytes",
     "open_sealed",
     "owned",
@@ -168,6 +176,26 @@ async def read_message(reader: asyncio.StreamReader) -> Any:
             frames.append(bytearray(view[start : start + size]))
             start += size
     return pickle.loads(frames[0], buffers=frames[1:])
+
+
+WIRE = b"batchproxy-wire 3\n"
+"""What each side writes first: the version of these messages (raised with any change
+to them; the format is not kept across versions)."""
+
+
+class WireMismatch(ConnectionError):
+    """The other side of a connection speaks another version of these messages."""
+
+
+async def greeted(reader: asyncio.StreamReader) -> None:
+    """Read the other side's `WIRE` (`asyncio.IncompleteReadError` if the stream ends
+    first); `WireMismatch` if it is another."""
+    heard = await reader.readexactly(len(WIRE))
+    if heard != WIRE:
+        raise WireMismatch(
+            f"the other side speaks {heard!r}, this one {WIRE!r}: the model host and its "
+            f"web workers must run the same batchproxy version"
+        )
 
 
 class MessageReader:

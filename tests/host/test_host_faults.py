@@ -32,7 +32,13 @@ from hypothesis import HealthCheck, Phase, given, settings
 
 import batchproxy
 from batchproxy.host import ModelHost, RemoteProxy
-from batchproxy.host._wire import message_bytes, open_sealed, read_message, sealed_message
+from batchproxy.host._wire import (
+    WIRE,
+    message_bytes,
+    open_sealed,
+    read_message,
+    sealed_message,
+)
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="Unix domain sockets")
 
@@ -103,7 +109,8 @@ async def test_a_call_cancelled_before_its_task_ran_leaves_nothing_in_the_host(
         try:
             call, _ = sealed_message("call", 0, "doomed", {"priority": 0})
             then, _ = sealed_message("call", 1, "served", {"priority": 0})
-            writer.write(call + message_bytes(("cancel", 0)) + then)  # read in one go
+            writer.write(WIRE + call + message_bytes(("cancel", 0)) + then)  # read in one go
+            assert await reader.readexactly(len(WIRE)) == WIRE
             kind, ident, sealed = await asyncio.wait_for(read_message(reader), 30)
             assert (kind, ident, open_sealed(sealed)[0]) == ("result", 1, "served")
             (connection,) = host._connections
@@ -224,3 +231,40 @@ async def test_a_call_to_a_stalled_host_ends_by_its_deadline() -> None:
     finally:
         await asyncio.to_thread(host.stop)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+async def test_a_client_of_another_version_is_parted_with_before_any_call(
+    served: tuple[Tagged, ModelHost, RemoteProxy], socket_path: str
+) -> None:
+    """The wire changes between versions: a web worker left on the old version must not
+    have its messages read as this version's (a garbled call, a hung read)."""
+    proxy, _, remote = served
+    reader, writer = await asyncio.open_unix_connection(socket_path)
+    try:
+        call, _ = sealed_message("call", 0, "old", {"priority": 0})
+        writer.write(b"batchproxy-wire 2\n" + call)
+        assert await reader.readexactly(len(WIRE)) == WIRE  # the host says its own
+        assert await asyncio.wait_for(reader.read(), 30) == b""  # then parts with it
+    finally:
+        writer.close()
+    assert proxy.seen == []  # its call was never read
+    assert (await remote.inference("new"))[0] == "new"  # the others are served on
+
+
+async def test_a_host_of_another_version_is_unavailable_and_says_why(socket_path: str) -> None:
+    async def old_host(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"batchproxy-wire 2\n")
+        await reader.read()  # (it reads on, as an old host would)
+        writer.close()
+
+    server = await asyncio.start_unix_server(old_host, socket_path)
+    try:
+        remote = RemoteProxy(socket_path)
+        try:
+            with pytest.raises(batchproxy.HostUnavailable, match="same batchproxy version"):
+                await remote.inference("x", timeout=30)
+        finally:
+            await remote.aclose()
+    finally:
+        server.close()
+        await server.wait_closed()

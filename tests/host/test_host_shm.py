@@ -286,7 +286,7 @@ async def test_no_segment_left_when_a_client_leaves_with_its_answer_unread(
     connected = host.connections  # (the fixture's RemoteProxy, started)
     _, writer = await asyncio.open_unix_connection(socket_path)
     data, _names = _wire.sealed_message("call", 0, big(0), {"priority": 0})
-    writer.write(data)  # a client that sends a call and never reads the answer
+    writer.write(_wire.WIRE + data)  # a client that sends a call and never reads the answer
     await writer.drain()
     await wait_until(lambda: len(made) == 2)  # the answer is written, in its segment
     assert len(segments()) == 1  # the item's segment went as the host read it
