@@ -431,8 +431,8 @@ class _Freezes:
         self.holders = 0  # changed by hold() and release() only
 
     def hold(self) -> None:
+        gc.collect()  # (outside the lock: the finalizers it runs are user code)
         with self._lock:
-            gc.collect()
             gc.freeze()
             self.holders += 1
 
