@@ -14,7 +14,15 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import inspect
-from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Iterable, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Generator,
+    Iterable,
+    Sequence,
+)
 from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, overload
 
 from typing_extensions import Unpack
@@ -82,6 +90,14 @@ class BatchedArgs(Batched[T, U], Generic[P, T, U]):
         item, key = self._item_and_key(item, args, kwargs)
         return self.proxy.stream(item, key=key, **self._per_call)
 
+    def stream_sync(  # type: ignore[override]
+        self, item: T, /, *args: P.args, **kwargs: P.kwargs
+    ) -> Generator[U, None, None]:
+        """`Proxy.stream_sync`, for a generator `f`: `f.stream_sync(item, *args,
+        **kwargs)` in a plain thread."""
+        item, key = self._item_and_key(item, args, kwargs)
+        return self.proxy.stream_sync(item, key=key, **self._per_call)
+
     def inference_sync(  # type: ignore[override]
         self, item: T, /, *args: P.args, **kwargs: P.kwargs
     ) -> U:
@@ -112,6 +128,15 @@ class BatchedArgs(Batched[T, U], Generic[P, T, U]):
         """`Proxy.inference_many`: every item with the same arguments."""
         key = self._arguments.key(args, kwargs)
         results: list[U] = await self.proxy.inference_many(items, key=key, **self._per_call)
+        return results
+
+    def inference_many_sync(  # type: ignore[override]
+        self, items: Iterable[T], /, *args: P.args, **kwargs: P.kwargs
+    ) -> list[U]:
+        """`Proxy.inference_many_sync`: every item with the same arguments, from a plain
+        thread."""
+        key = self._arguments.key(args, kwargs)
+        results: list[U] = self.proxy.inference_many_sync(items, key=key, **self._per_call)
         return results
 
     async def many(  # type: ignore[override]

@@ -1,7 +1,7 @@
 """The call methods built on `Proxy.inference`: `inference_many` (a list, each item
-batched like a call of its own), `submit` and `inference_sync` (calls from plain
-threads, routed to the proxy's loop), and `with_args` (per-batch arguments for an
-`_inference` that takes them). Each takes the per-call keywords as `**call`, typed
+batched like a call of its own), `submit`, `inference_sync` and `inference_many_sync`
+(calls from plain threads, routed to the proxy's loop), and `with_args` (per-batch
+arguments for an `_inference` that takes them). Each takes the per-call keywords as `**call`, typed
 by `CallOptions` and checked (`check_call`) before it is forwarded."""
 
 from __future__ import annotations
@@ -9,7 +9,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import (
+    AsyncGenerator,
+    Callable,
+    Coroutine,
+    Generator,
+    Hashable,
+    Iterable,
+    Mapping,
+)
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, overload
 
 from typing_extensions import Unpack
@@ -18,11 +26,10 @@ from . import _validate
 from ._arguments import Arguments, ArgumentsKey
 from ._errors import DeadlineExceeded
 from ._loops.bridge import LoopBridge
+from ._loops.sync_stream import chunks_from_thread
 from ._option_values import CallOptions, UnkeyedCallOptions, check_call
 
 if TYPE_CHECKING:
-    from collections.abc import Coroutine
-
     from ._intake import Intake
     from ._loops.binding import Binder
     from ._options import Options
@@ -31,6 +38,7 @@ __all__ = ["CallForms", "WithArguments"]
 
 In = TypeVar("In")
 Out = TypeVar("Out")
+T = TypeVar("T")
 
 
 class CallForms(Generic[In, Out]):
@@ -56,6 +64,15 @@ class CallForms(Generic[In, Out]):
             tenant: Hashable | None = None,
             key: Hashable | None = None,
         ) -> Coroutine[Any, Any, Out]: ...
+        def stream(
+            self,
+            item: In,
+            *,
+            timeout: float | None = None,
+            priority: int = 0,
+            tenant: Hashable | None = None,
+            key: Hashable | None = None,
+        ) -> AsyncGenerator[Out, None]: ...
 
     @overload
     async def inference_many(
@@ -90,11 +107,7 @@ class CallForms(Generic[In, Out]):
         (`max_queue_size`, the tenant's limit), the whole list is refused with
         `QueueFull`.
         """
-        if isinstance(items, (str, bytes, bytearray, Mapping)):
-            raise TypeError(
-                f"inference_many takes an iterable of items, got {type(items).__name__}; "
-                f"wrap a single item in a list or call inference()"
-            )
+        _refuse_single(items)
         check_call("inference_many()", call)
         timeout = call.get("timeout")
         priority = call.get("priority", 0)
@@ -142,12 +155,14 @@ class CallForms(Generic[In, Out]):
         """Thread-safe entry: queue `item` from any thread; returns a concurrent future.
 
         The call goes through the proxy's event loop if that runs in another
-        thread; a proxy running in no event loop is started on the default
-        `BackgroundLoop`. Calling this from the proxy's own loop thread is
-        refused: blocking on the future would deadlock. The keywords are
-        `inference`'s (`CallOptions`).
+        thread (the `with` loop inside `with proxy:`); a proxy running in no event
+        loop is started on the default `BackgroundLoop`. Calling this from the
+        proxy's own loop thread is refused: blocking on the future would deadlock.
+        The keywords are `inference`'s (`CallOptions`).
         """
-        future, _ = self._from_thread("submit", item, call)
+        self._require_init()
+        check_call("submit()", call)
+        future, _ = self._from_thread("submit", functools.partial(self.inference, item, **call))
         return future
 
     def inference_sync(self, item: In, **call: Unpack[CallOptions]) -> Out:
@@ -162,11 +177,81 @@ class CallForms(Generic[In, Out]):
         """
         self._require_init()
         check_call("inference_sync()", call)
-        timeout = call.get("timeout")
-        seconds = (
-            self._options.timeout if timeout is None else _validate.timeout("timeout", timeout)
+        seconds = self._sync_seconds(call)
+        make = functools.partial(self.inference, item, **call)
+        result: Out = self._wait(*self._from_thread("inference_sync", make), seconds)
+        return result
+
+    @overload
+    def inference_many_sync(
+        self,
+        items: Iterable[In],
+        *,
+        return_exceptions: Literal[False] = ...,
+        **call: Unpack[CallOptions],
+    ) -> list[Out]: ...
+
+    @overload
+    def inference_many_sync(
+        self, items: Iterable[In], *, return_exceptions: bool, **call: Unpack[CallOptions]
+    ) -> list[Out | Exception]: ...
+
+    def inference_many_sync(
+        self,
+        items: Iterable[In],
+        *,
+        return_exceptions: bool = False,
+        **call: Unpack[CallOptions],
+    ) -> list[Out] | list[Out | Exception]:
+        """Blocking `inference_many`, for plain threads: each item batched like a call
+        of its own, the results in order. Goes through the proxy's loop like
+        `inference_sync()`, and ends like it (`timeout` bounds the whole call, an
+        interrupted wait withdraws every item)."""
+        self._require_init()
+        _refuse_single(items)
+        check_call("inference_many_sync()", call)
+        seconds = self._sync_seconds(call)
+        _validate.priority(call.get("priority", 0))
+        batch = list(items)
+        if not batch:
+            return []
+
+        def make() -> Coroutine[Any, Any, list[Out] | list[Out | Exception]]:
+            return self.inference_many(batch, return_exceptions=return_exceptions, **call)
+
+        results: list[Out] | list[Out | Exception] = self._wait(
+            *self._from_thread("inference_many_sync", make), seconds
         )
-        future, bridge = self._from_thread("inference_sync", item, call)
+        return results
+
+    def stream_sync(self, item: In, **call: Unpack[CallOptions]) -> Generator[Out, None, None]:
+        """Blocking `stream`, for plain threads: `for chunk in proxy.stream_sync(item)`,
+        best inside `contextlib.closing(...)`. Each chunk is read on the proxy's loop
+        (as `inference_sync` routes a call); leaving early and closing the iterator,
+        or an interrupted wait, withdraws the call. `timeout` bounds the whole
+        stream. On a proxy that does not stream, its one result. Checked here."""
+        self._require_init()
+        check_call("stream_sync()", call)
+        seconds = self._sync_seconds(call)
+        self._intake.refuse_own_model(self._binder.current, "stream_sync")
+
+        def run(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+            return self._wait(*self._from_thread("stream_sync", make), seconds)
+
+        return chunks_from_thread(lambda: self.stream(item, **call), run)
+
+    def _sync_seconds(self, call: CallOptions) -> float | None:
+        """The bound on a blocking call: its `timeout`, else the proxy's (checked)."""
+        timeout = call.get("timeout")
+        return self._options.timeout if timeout is None else _validate.timeout("timeout", timeout)
+
+    def _wait(
+        self,
+        future: concurrent.futures.Future[T],
+        bridge: LoopBridge | None,
+        seconds: float | None,
+    ) -> T:
+        """Block for a call routed from a plain thread; `DeadlineExceeded` past `seconds`."""
         # the proxy's loop enforces the deadline; the extra wait here only guards
         # against a loop too busy to answer at all
         if bridge is not None and not bridge.wait(
@@ -177,16 +262,24 @@ class CallForms(Generic[In, Out]):
         return future.result()
 
     def _from_thread(
-        self, method: str, item: In, call: CallOptions
-    ) -> tuple[concurrent.futures.Future[Out], LoopBridge | None]:
-        """Route an `inference` call from a plain thread (`submit`, `inference_sync`)."""
-        self._require_init()
-        check_call(f"{method}()", call)
+        self, method: str, make: Callable[[], Coroutine[Any, Any, T]]
+    ) -> tuple[concurrent.futures.Future[T], LoopBridge | None]:
+        """Route a call from a plain thread (`submit`, `inference_sync`,
+        `inference_many_sync`): `make()` runs on the proxy's loop."""
         self._intake.refuse_own_model(self._binder.current, method)
         # here, in the caller's thread: a first call made just before the interpreter
         # exits would otherwise start the thread during the exit (refused on 3.12+)
         self._start_worker()
-        return self._binder.from_thread(method, functools.partial(self.inference, item, **call))
+        return self._binder.from_thread(method, make)
+
+
+def _refuse_single(items: object) -> None:
+    """`inference_many` takes an iterable of items, not one string, bytes or mapping."""
+    if isinstance(items, (str, bytes, bytearray, Mapping)):
+        raise TypeError(
+            f"inference_many takes an iterable of items, got {type(items).__name__}; "
+            f"wrap a single item in a list or call inference()"
+        )
 
 
 class WithArguments(Generic[In, Out]):
@@ -224,6 +317,18 @@ class WithArguments(Generic[In, Out]):
     def inference_sync(self, item: In, **call: Unpack[UnkeyedCallOptions]) -> Out:
         check_call("with_args(...).inference_sync()", call, keyed=False)
         return self._proxy.inference_sync(item, key=self._key, **call)
+
+    def inference_many_sync(
+        self,
+        items: Iterable[In],
+        *,
+        return_exceptions: bool = False,
+        **call: Unpack[UnkeyedCallOptions],
+    ) -> list[Any]:
+        check_call("with_args(...).inference_many_sync()", call, keyed=False)
+        return self._proxy.inference_many_sync(
+            items, key=self._key, return_exceptions=return_exceptions, **call
+        )
 
     def __repr__(self) -> str:
         arguments = ", ".join(f"{name}={value!r}" for name, value in self._key)

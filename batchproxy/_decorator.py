@@ -15,6 +15,7 @@ from collections.abc import (
     Awaitable,
     Callable,
     Coroutine,
+    Generator,
     Iterable,
     Sequence,
 )
@@ -24,6 +25,7 @@ from typing_extensions import Self, Unpack
 
 from ._deprecated import warn_renamed
 from ._executors.base import Executor
+from ._loops.sync_scope import SyncScope
 from ._option_values import CALL_KEYWORDS, CallOptions, unexpected_keyword
 from ._options import ConfigurableOptions, ProxyOptions, check_keywords
 from ._proxy import Proxy
@@ -49,11 +51,12 @@ class _FunctionProxy(Proxy[T, U]):
         return self._fn(items)
 
 
-class Batched(Generic[T, U]):
+class Batched(SyncScope, Generic[T, U]):
     """What `@batch` returns: `await f(x)` (or `f.inference(x)`), `await
-    f.inference_many(xs)`, `f.submit(x)` and `f.inference_sync(x)` from threads,
-    `f.stats`, `async with f:`: `Proxy`'s call methods and lifecycle, by the same
-    names (so a `ModelHost` serves it as it serves a proxy)."""
+    f.inference_many(xs)`, `f.submit(x)`, `f.inference_sync(x)` and
+    `f.inference_many_sync(xs)` from threads, `f.stats`, `async with f:` (and `with
+    f:` from plain code): `Proxy`'s call methods and lifecycle, by the same names (so
+    a `ModelHost` serves it as it serves a proxy)."""
 
     def __init__(
         self, fn: Callable[..., Any], options: dict[str, Any], instance: object = None
@@ -153,6 +156,10 @@ class Batched(Generic[T, U]):
         """`Proxy.stream`: `async for chunk in f.stream(item)`, for a generator `f`."""
         return self.proxy.stream(item, **call)
 
+    def stream_sync(self, item: T, **call: Unpack[CallOptions]) -> Generator[U, None, None]:
+        """`Proxy.stream_sync`: `for chunk in f.stream_sync(item)` in a plain thread."""
+        return self.proxy.stream_sync(item, **call)
+
     def submit(self, item: T, **call: Unpack[CallOptions]) -> concurrent.futures.Future[U]:
         """`Proxy.submit`: from any thread, a `concurrent.futures.Future` of `f(item)`'s
         result (the call runs on the function's loop, or the default `BackgroundLoop`)."""
@@ -162,6 +169,30 @@ class Batched(Generic[T, U]):
         """`Proxy.inference_sync`: `f.inference_sync(item)` blocks a plain thread for
         the result."""
         return self.proxy.inference_sync(item, **call)
+
+    @overload
+    def inference_many_sync(
+        self,
+        items: Iterable[T],
+        *,
+        return_exceptions: Literal[False] = ...,
+        **call: Unpack[CallOptions],
+    ) -> list[U]: ...
+
+    @overload
+    def inference_many_sync(
+        self, items: Iterable[T], *, return_exceptions: bool, **call: Unpack[CallOptions]
+    ) -> list[U | Exception]: ...
+
+    def inference_many_sync(
+        self,
+        items: Iterable[T],
+        *,
+        return_exceptions: bool = False,
+        **call: Unpack[CallOptions],
+    ) -> list[U] | list[U | Exception]:
+        """`Proxy.inference_many_sync`: blocks a plain thread for `f.inference_many`."""
+        return self.proxy.inference_many_sync(items, return_exceptions=return_exceptions, **call)
 
     def sync(self, item: T, **call: Unpack[CallOptions]) -> U:
         """Deprecated: `f.inference_sync(item)`."""

@@ -26,7 +26,8 @@ Invariants, each kept by one method:
   (`leave`); then the next call with that key makes a new slot (or, for a result,
   is answered from the cache while it holds the key).
 - A queued slot stands at the best place among its callers: the highest
-  priority, and within it the earliest deadline (`join` moves it up by queueing a
+  priority, a small call's lane before a bulk call's, and within it the earliest
+  deadline (`join` moves it up by queueing a
   copy and discarding the original; the queue forgets a discarded request, so a
   request object is never queued twice).
 - Its last caller gone, a slot's future is cancelled and it leaves the queue:
@@ -188,9 +189,13 @@ class Deduplicator(Generic[T]):
             caller.priority,
             slot.enqueued_at,  # its wait so far still counts (window, aging)
             slot.cost,
-            caller.deadline,  # (no later than the slot's, at the same priority: `_ahead`)
+            # no later than the slot's at the same priority (a small caller may move a
+            # bulk slot up with a later deadline of its own: the earlier one stays)
+            caller.deadline
+            if caller.priority != slot.priority
+            else min(caller.deadline, slot.deadline),
         )
-        moved.tenant, moved.key = slot.tenant, slot.key
+        moved.tenant, moved.key, moved.bulk = slot.tenant, slot.key, caller.bulk
         if hasattr(slot, "context"):
             moved.context = slot.context
         moved.dedup_key, moved.callers, moved.waiting = slot.dedup_key, slot.callers, slot.waiting
@@ -260,4 +265,6 @@ def _ahead(caller: Request[Any], slot: Request[Any]) -> bool:
     """Whether `caller` would be served before `slot` in its own queue order."""
     if caller.priority != slot.priority:
         return caller.priority > slot.priority
+    if caller.bulk != slot.bulk:
+        return slot.bulk  # a small call's lane is ahead of a bulk call's
     return caller.deadline < slot.deadline

@@ -2,7 +2,8 @@
 
 `admit` checks a call (its own model calling the proxy, priority, timeout, cost,
 room in the queue, a deadline it cannot meet with `shed_late`), makes its
-request (a future, the arrival time, a deadline timer if it has a deadline) and
+request (an item of an `inference_many` the scheduler calls bulk is marked so:
+the queue ranks it) (a future, the arrival time, a deadline timer if it has a deadline) and
 hands it to the scheduler. A request leaves before dispatch when its deadline
 passes (`expire`) or its caller leaves (`abandon`, `withdraw`); settling it is
 `Settlement`'s, taking it out of the queue is the queue's, and timers are
@@ -104,10 +105,12 @@ class Intake(Generic[In]):
         stream: bool = False,
         identity: tuple[Hashable, Hashable] | None = None,
         cost: int | None = None,
+        bulk: bool = False,
     ) -> Request[In]:
         """Queue one call on `binding` (its loop is running this): its request.
         `identity`: with `dedup`, the call's key (`Deduplicator.key`: its batch key
-        first), and `cost` its item's, when `admit_many` has made them already."""
+        first), and `cost` its item's, when `admit_many` has made them already;
+        `bulk`: an item of a bulk call (`Scheduler.is_bulk`)."""
         if stream is not self._streams:
             raise TypeError(
                 f"{self.name} streams its results (its _inference is a generator): "
@@ -123,7 +126,9 @@ class Intake(Generic[In]):
         if tenant is not None or key is not None:  # before anything is made for the call
             self._place(binding, tenant, key)
         if self._dedup is not None:
-            return self._admit_shared(binding, item, seconds, priority, tenant, key, identity, cost)
+            return self._admit_shared(
+                binding, item, seconds, priority, tenant, key, identity, cost, bulk
+            )
         if cost is None:
             cost = 1 if self._cost is None else self._cost(item)
         loop, scheduler = binding.loop, binding.scheduler
@@ -144,6 +149,8 @@ class Intake(Generic[In]):
             request = kind(item, binding.new_future(), priority, now, cost, now + seconds)
         if tenant is not None or key is not None:
             request.tenant, request.key = tenant, key
+        if bulk:
+            request.bulk = True
         if seconds is not None:
             if options.shed_late:
                 self._shed_if_late(binding, request, seconds)
@@ -175,6 +182,7 @@ class Intake(Generic[In]):
         key: object,
         identity: tuple[Hashable, Hashable] | None,
         cost: int | None,
+        bulk: bool,
     ) -> Request[In]:
         """`admit` with `dedup`: answer the call from the cache, or make it a caller of
         the slot in flight for its key (a new slot, queued like any request, if none)."""
@@ -199,11 +207,12 @@ class Intake(Generic[In]):
                 cost = 1 if self._cost is None else self._cost(item)
             self.check_room(binding, 1, tenant)
             slot = SharedSlot(item, binding.new_future(), priority, now, cost, deadline)
-            slot.tenant, slot.key = tenant, key
+            slot.tenant, slot.key, slot.bulk = tenant, key, bulk
             if seconds is not None and self.options.shed_late:
                 self._shed_if_late(binding, slot, seconds)
         caller: Caller[In] = Caller(item, binding.new_future(), priority, now, 1, deadline)
         caller.queued = False  # the slot is queued, not the caller
+        caller.bulk = bulk  # (a small caller moves a bulk slot up: `Deduplicator.join`)
         if seconds is not None:
             caller.deadline_timer = binding.loop.call_at(
                 deadline, self.expire, binding, caller, seconds
@@ -251,6 +260,7 @@ class Intake(Generic[In]):
                 identities.append(dedup.key(item, batch_key))
             wanted = dedup.new_slots(identities, binding.loop, binding.clock())
         self.check_room(binding, wanted, tenant, calls=len(items))
+        bulk = binding.scheduler.is_bulk(len(items))  # the scheduler says what is bulk
         # every item measured before any is queued: one that cannot be refuses the list
         # with none of its items counted as calls accepted (then withdrawn)
         costs = [None if self._cost is None else self._cost(item) for item in items]
@@ -268,6 +278,7 @@ class Intake(Generic[In]):
                         key,
                         identity=identity,
                         cost=costs[index],
+                        bulk=bulk,
                     )
                 )
         except BaseException:  # an item refused (its length, shed_late) refuses the list:

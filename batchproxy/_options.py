@@ -38,6 +38,7 @@ class _Changeable(TypedDict, total=False):
     max_concurrent_batches: int | None
     window: Literal["adaptive", "fixed"]
     aging_ms: float | None
+    bulk_threshold: int | None
     shed_late: bool
     isolate_errors: bool
     batch_timeout: float | Watchdog | None
@@ -126,6 +127,11 @@ class Options:
       oldest request has waited `aging_ms` goes oldest first; so no request is
       overtaken by one Δp levels higher that came more than Δp x `aging_ms`
       after it. Off: strict priority, then earliest deadline first.
+    - `bulk_threshold`: a call of more items than this (an `inference_many`) is a
+      bulk call: within its priority, small calls' requests go before its own,
+      but for one batch place in `BULK_EVERY` (8) kept for bulk requests while
+      small ones wait, so a query is not stuck behind a reindex and the reindex
+      is never starved. None: every call is ranked alike (arrival order).
     - `shed_late` (opt-in): refuse a call with a deadline at once, with
       `DeadlineExceeded`, when the cost model predicts it cannot be answered in
       time even at full speed (counted in `stats.shed`), instead of letting it
@@ -202,6 +208,7 @@ class Options:
     oom_backoff: bool | OomPredicate = False
     window: Literal["adaptive", "fixed"] = "adaptive"
     aging_ms: float | None = None
+    bulk_threshold: int | None = 64
     shed_late: bool = False
     isolate_errors: bool = False
     batch_timeout: Watchdog | None = None
@@ -241,6 +248,7 @@ class Options:
                 if self.aging_ms is None
                 else _milliseconds("aging_ms", self.aging_ms, allow_zero=False)
             ),
+            "bulk_threshold": _validate.optional_count("bulk_threshold", self.bulk_threshold),
             "shed_late": _validate.flag("shed_late", self.shed_late),
             "isolate_errors": _validate.flag("isolate_errors", self.isolate_errors),
             "batch_timeout": _watchdog(self.batch_timeout),

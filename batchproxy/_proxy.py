@@ -43,6 +43,7 @@ from ._intake import Intake
 from ._lifecycle import Lifecycle, State
 from ._listeners import Listener, Listeners
 from ._loops.binding import Binder
+from ._loops.sync_scope import SyncScope
 from ._options import ConfigurableOptions, Options, ProxyOptions, options_for
 from ._reachable import check_queue_bound
 from ._runs.batches import ModelOutput, RunKind, Runner, current_batch
@@ -62,7 +63,7 @@ _UNINITIALIZED = Lifecycle("(uninitialized)", State.UNINITIALIZED)
 _NO_BINDER: Any = types.SimpleNamespace(current=None)  # so a first call reaches _require_init
 
 
-class Proxy(ABC, CallForms[In, Out]):
+class Proxy(ABC, CallForms[In, Out], SyncScope):
     """Batch concurrent `await proxy.inference(item)` calls into `_inference(items)` calls.
 
     Subclass it and implement `_inference`. `batch_size` is the most items in one
@@ -75,6 +76,11 @@ class Proxy(ABC, CallForms[In, Out]):
       `WorkerThread(model=...)`) replaces `_inference`: use `Proxy(offload=...)`
       directly, without a subclass.
     - `name`: how stats, errors and logs name this proxy (default: class name).
+
+    `async with proxy:` starts it and drains it (`aclose()`) on exit; from plain code
+    (no event loop in the thread), `with proxy:` does the same on the process's `with`
+    loop, and threads call it inside with `inference_sync`, `submit` and
+    `inference_many_sync`.
 
     Hooks a subclass may override: `_inference` (the model) and `_cost` (an item's
     cost, by `length` by default). The other underscore names are the library's
@@ -277,6 +283,8 @@ class Proxy(ABC, CallForms[In, Out]):
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+    # `with proxy:` from plain code (no event loop in the thread): `SyncScope`'s
 
     @property
     def closed(self) -> bool:

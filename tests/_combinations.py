@@ -268,6 +268,9 @@ class Config:
     real_time: bool = False  # run in real time: a batch may overrun its watchdog by load
     # -- the run kinds of tests/_combination_kinds.py ("generation", "tensor", "ray")
     kind_options: dict[str, Any] = field(default_factory=dict)  # a kind's own options
+    # -- issue 40 item 1: "with": entered by `with front:` from a plain thread, so it
+    # runs on the process's `with` loop and only threads call it; "async": `start()`
+    entry: str = "async"
 
     @property
     def hangs(self) -> bool:
@@ -316,7 +319,7 @@ class Call:
 
     id: int
     at: float
-    form: str  # "inference", "many", "stream", "submit", "sync"
+    form: str  # "inference", "many", "stream", "submit", "sync", "many_sync"
     items: tuple[Hashable, ...]  # one, but for "many"
     key: Hashable
     tag: str
@@ -347,9 +350,16 @@ class Program:
 
 @st.composite
 def configs(
-    draw: st.DrawFn, *, threads: bool = False, processes: bool = False, remote: bool = False
+    draw: st.DrawFn,
+    *,
+    threads: bool = False,
+    processes: bool = False,
+    remote: bool = False,
+    entry: str = "async",
 ) -> Config:
     models = ["plain", "plain", "tagged", "streaming", "batch", "args"]
+    if entry == "with":  # (a stream is read on the proxy's loop: not from a thread)
+        models = ["plain", "plain", "tagged", "batch", "args"]
     if remote:  # (a host serves a proxy's calls: no per-batch arguments, no decorator)
         models = ["plain", "plain", "streaming"]
     model = "process" if processes else draw(st.sampled_from(models))
@@ -362,6 +372,8 @@ def configs(
         "max_queue_size_per_tenant": draw(st.none() | st.integers(1, 4)),
         "tenant_weights": draw(st.none() | st.just({"a": 3.0, "b": 0.5})),
         "aging_ms": draw(st.none() | st.sampled_from([1.0, 10.0])),
+        # small calls ahead of bulk ones: an inference_many of 2 or 3 items is bulk at 1
+        "bulk_threshold": draw(st.sampled_from([None, 1, 2, 64])),
         # (a model in another process, or behind a host, runs in no caller's context)
         "caller_context": model != "process" and not remote and draw(st.booleans()),
     }
@@ -389,7 +401,7 @@ def configs(
     delay = draw(st.sampled_from([0.0, 0.001, 0.01]))
     real_time = threads or processes or remote
     options.update(draw(option_extras(real_time)))
-    return Config(model, options, keys, offload, delay, remote, real_time)
+    return Config(model, options, keys, offload, delay, remote, real_time, entry=entry)
 
 
 WATCHDOG_SECONDS = (0.5, 1.0)
@@ -443,6 +455,10 @@ def programs(draw: st.DrawFn, config: Config, horizon: float, *, threads: bool =
         forms += ["sync"] * threads
     elif threads:  # (a stream is read on the loop)
         forms += ["submit", "sync"]
+    if config.entry == "with":  # on the `with` loop: called from plain threads only
+        # (`@batch_args`' forms take its arguments in `sync` alone; neither its
+        # `inference_many` nor `inference_many_sync` has `return_exceptions`)
+        forms = ["sync"] if config.model == "args" else ["submit", "sync", "many_sync"]
     n = draw(st.integers(1, 24))
     items = [*ITEMS, HANG] if config.hangs else ITEMS
     arrivals = [0.0, 0.0, horizon / 20, horizon / 4, horizon / 2]
@@ -451,7 +467,7 @@ def programs(draw: st.DrawFn, config: Config, horizon: float, *, threads: bool =
     calls = []
     for i in range(n):
         form = draw(st.sampled_from(forms))
-        count = draw(st.integers(1, 3)) if form == "many" else 1
+        count = draw(st.integers(1, 3)) if form in ("many", "many_sync") else 1
         calls.append(
             Call(
                 id=i,
@@ -465,7 +481,7 @@ def programs(draw: st.DrawFn, config: Config, horizon: float, *, threads: bool =
                 timeout=draw(st.none() | st.sampled_from([0.002, horizon])),
                 # a thread's call is not cancelled from the loop
                 cancel_after=None
-                if form in ("submit", "sync")
+                if form in ("submit", "sync", "many_sync")
                 else draw(st.none() | st.sampled_from([0.0, 0.003])),
             )
         )
@@ -482,6 +498,7 @@ def programs(draw: st.DrawFn, config: Config, horizon: float, *, threads: bool =
                     "max_queue_size": st.none() | st.integers(1, 6),
                     "batch_size": st.integers(1, 8),
                     "aging_ms": st.none() | st.just(5.0),
+                    "bulk_threshold": st.none() | st.just(1),
                     "tenant_weights": st.none() | st.just({"b": 2.0}),
                     "max_queue_size_per_tenant": st.none() | st.integers(1, 3),
                     **option_changes(config),
@@ -558,6 +575,15 @@ async def run(config: Config, program: Program) -> Run:
     """Run `program` against a proxy made from `config`, in the running loop; close it."""
     log = Log()
     proxy, front = config.make(log)
+    if config.entry == "with":  # `with front:` in a plain thread: on the `with` loop
+        await asyncio.to_thread(front.__enter__)
+        bound = proxy._binder.current
+        assert bound is not None
+        assert bound.loop is not asyncio.get_running_loop()
+        try:  # (`run_on` closes it from this loop; the exit drains again and ends it)
+            return await run_on(config, program, proxy, front, log)
+        finally:
+            await asyncio.to_thread(front.__exit__, None, None, None)
     await proxy.start()  # here: a thread's first call would start it on a loop of its own
     async with contextlib.AsyncExitStack() as stack:
         if config.remote:
@@ -711,6 +737,12 @@ async def one_call(
         elif call.form == "sync":
             answer = await asyncio.to_thread(target.inference_sync, item, **keywords, **arguments)
             settle(call, answer, None)
+        elif call.form == "many_sync":
+            results = await asyncio.to_thread(
+                target.inference_many_sync, call.items, return_exceptions=True, **keywords
+            )
+            for index, outcome in enumerate(results):
+                settle(call, outcome, index)
         else:
             raise AssertionError(call.form)
     except Exception as exc:
@@ -891,7 +923,7 @@ def explain(
         # its deadline may pass on the way to a host; a thread's own wait (its timeout
         # + 0.5 s, `inference_sync`'s guard against a loop too busy to answer) may end
         # before that busy loop admitted the call
-        counts["unsure"] += config.remote or call.form == "sync"
+        counts["unsure"] += config.remote or call.form in ("sync", "many_sync")
         return None if call.timeout is not None else f"timed out: {outcome!r}"
     if isinstance(outcome, asyncio.CancelledError):
         # a caller cancelled as it called, on a closed proxy, may not have been accepted;

@@ -43,6 +43,7 @@ FULL_SUITE_ONLY = {
     "integrations/test_aiohttp.py": "aiohttp",
     "integrations/test_disconnect.py": "a server, aiohttp",
     "integrations/test_fastapi.py": "a server",
+    "integrations/test_nodelay_uvicorn.py": "a server",
     "integrations/test_otel.py": "a server, the OpenTelemetry SDK",
     "integrations/test_prometheus.py": "prometheus-client",
     "integrations/test_servers.py": "servers, torch",

@@ -31,7 +31,14 @@ from .. import _validate
 from .._fork import forget_threads_in_forked_children
 from .bridge import LoopBridge
 
-__all__ = ["BackgroundLoop", "LoopHost", "default_host", "host_of"]
+__all__ = [
+    "BackgroundLoop",
+    "LoopHost",
+    "aclose_of",
+    "close_without_proxies",
+    "default_host",
+    "host_of",
+]
 
 logger = logging.getLogger("batchproxy")
 
@@ -68,6 +75,7 @@ class BackgroundLoop:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._proxies: weakref.WeakSet[_Closable] = weakref.WeakSet()  # bound here now
+        self._closes_proxies = True  # close() closes them (`close_without_proxies`: not)
         self._bridge: LoopBridge | None = None  # for calls to proxies not bound here yet
         forget_threads_in_forked_children(self)
 
@@ -312,20 +320,29 @@ async def _close_proxies_of(background: BackgroundLoop, timeout: float | None) -
     it moves on). Run on that loop, after what was submitted before: those calls have
     bound theirs."""
     with background._lock:
-        proxies = list(background._proxies)
+        proxies = list(background._proxies) if background._closes_proxies else []
     outcomes = await asyncio.gather(
-        *(_aclose(proxy, timeout) for proxy in proxies), return_exceptions=True
+        *(aclose_of(proxy, timeout) for proxy in proxies), return_exceptions=True
     )
     for proxy, outcome in zip(proxies, outcomes, strict=True):
         if isinstance(outcome, Exception):
             logger.error("closing %s raised %r", proxy.name, outcome)
 
 
-def _aclose(proxy: _Closable, timeout: float | None) -> Coroutine[Any, Any, None]:
+def aclose_of(proxy: _Closable, timeout: float | None) -> Coroutine[Any, Any, None]:
     """`proxy.aclose(timeout=timeout)`; without the timeout where a subclass's `aclose()`
     takes none (it was written before it existed)."""
     takes = "timeout" in inspect.signature(proxy.aclose).parameters
     return proxy.aclose(timeout=timeout) if takes and timeout is not None else proxy.aclose()
+
+
+def close_without_proxies(background: BackgroundLoop, timeout: float | None = 10.0) -> None:
+    """`background.close(timeout)` that closes none of the proxies bound to its loop: they
+    leave it as they leave an `asyncio.run` loop that returns (what is still queued gets
+    the "loop ended" error; the next call binds anew)."""
+    with background._lock:
+        background._closes_proxies = False
+    background.close(timeout)
 
 
 def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:

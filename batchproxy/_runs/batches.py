@@ -234,8 +234,7 @@ class Runner(Generic[In]):
     def limits(self) -> Limits:
         """What the scheduler is told now (`Limits`): the batch cap cut to an allowed size
         (1 for a run kind that admits requests itself), the options' delay, slots (the
-        executor's capacity unless set), window and aging, and whether it predicts batch
-        ends (several slots to stagger, or calls to shed)."""
+        executor's capacity unless set), window, aging, bulk threshold and `predicts`."""
         options = self.options
         slots = options.max_concurrent_batches or self.executor.capacity
         size = 1 if self.kind.admits_itself else self.cap.cap
@@ -248,6 +247,7 @@ class Runner(Generic[In]):
             adaptive=options.adaptive,
             aging=options.aging,
             predicts=slots > 1 or options.shed_late,
+            bulk_threshold=options.bulk_threshold,
         )
 
     def new_scheduler(self, binding: Binding[In]) -> Scheduler[In]:

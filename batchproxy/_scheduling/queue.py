@@ -1,11 +1,15 @@
 """Pending requests: one level per priority, highest level first.
 
-Within a level, requests with a deadline go earliest deadline first, then those
+Each priority has two lanes, small calls' and below it bulk calls' (`lanes`:
+their interleave, and the bound it gives the bulk calls).
+
+Within a lane, requests with a deadline go earliest deadline first, then those
 without one in arrival order (so with one timeout for every call, the order is
-FIFO). With `aging` (seconds), levels are served in order of their oldest
-request's arrival time minus `aging` per level of priority, and a level whose
-oldest request has waited `aging` is served oldest first. So a request is never
-overtaken by one of Δp levels more that arrived more than Δp x `aging` after it,
+FIFO). With `aging` (seconds), priorities are served in order of their oldest
+request's arrival time (in either lane) minus `aging` per level of priority, and
+a lane whose oldest request has waited `aging` is served oldest first. So a
+request is never overtaken by one of Δp levels more that arrived more than Δp x
+`aging` after it,
 nor, in its own level, by one that arrived more than `aging` after it: neither a
 busier level nor a stream of tighter deadlines holds it back for ever.
 
@@ -23,8 +27,8 @@ also count who is ahead.
 
 `Queue` is the interface the scheduler, intake and generation use, which
 composites of `RequestQueue`s (`FairQueue`: one per tenant; `KeyedQueue`: one
-per batch key; `_scheduling.placement` nests them) also have; `pick_similar` forms a
-length-aware batch from any of them.
+per batch key; `_scheduling.placement` nests them) also have; `pick_similar`
+(`similar`) forms a length-aware batch from any of them.
 """
 
 from __future__ import annotations
@@ -35,11 +39,20 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Generic, Protocol, TypeVar
 
+from .lanes import BULK_EVERY, Level, across, aged, interleaved, lane_order
 from .request import NO_DEADLINE as _NO_DEADLINE
-from .request import Request
+from .request import Request, lane
+from .similar import pick_similar
 from .sizes import Cut, cut_limit
 
-__all__ = ["Composite", "Queue", "Request", "RequestQueue", "full_reason", "pick_similar"]
+__all__ = [
+    "Composite",
+    "Queue",
+    "Request",
+    "RequestQueue",
+    "full_reason",
+    "pick_similar",
+]
 
 T = TypeVar("T")
 
@@ -47,34 +60,17 @@ _COMPACT_MIN_DEAD = 64
 _DEFAULT_ONLY = ((0, False),)  # the serving order when only the default level is in use
 
 
-class _Level(Generic[T]):
-    """One priority level: every request in arrival order, the live ones with a
-    deadline also sorted by (deadline, arrival)."""
-
-    __slots__ = ("by_deadline", "fifo", "live")
-
-    def __init__(self) -> None:
-        self.fifo: deque[Request[T]] = deque()
-        self.by_deadline: list[tuple[float, int, Request[T]]] = []
-        self.live = 0
-
-    def unlist(self, request: Request[T]) -> None:
-        """Remove a request from the deadline order (it has one, and is in it)."""
-        entries = self.by_deadline
-        index = bisect.bisect_left(entries, (request.deadline, request.seq))
-        del entries[index]
-
-
 class RequestQueue(Generic[T]):
-    """Priority levels; within one, earliest deadline first, then FIFO; optional aging."""
+    """Priority levels, each a small and a bulk lane (keyed by `lane`); within a lane,
+    earliest deadline first, then FIFO; optional aging."""
 
     __slots__ = ("_dead", "_levels", "_order", "_seq", "aging", "live", "live_cost")
 
     def __init__(self, aging: float | None = None) -> None:
         # the default level stays even when empty (it is the common one); others come
         # and go with their requests, so memory does not grow with priorities ever used
-        self._levels: dict[int, _Level[T]] = {0: _Level()}
-        self._order: list[int] = [0]  # negated priorities, ascending: highest priority first
+        self._levels: dict[int, Level[T]] = {0: Level()}  # by `lane`
+        self._order: list[int] = [0]  # negated lanes, ascending: highest priority first
         self._dead = 0
         self._seq = 0
         self.aging = aging  # seconds of waiting per level of priority gained; None: off
@@ -82,10 +78,11 @@ class RequestQueue(Generic[T]):
         self.live_cost = 0  # summed cost of the live requests
 
     def push(self, request: Request[T]) -> None:
-        level = self._levels.get(request.priority)
+        at = 2 * request.priority - request.bulk  # (`lane`, inline: every request)
+        level = self._levels.get(at)
         if level is None:
-            level = self._levels[request.priority] = _Level()
-            bisect.insort(self._order, -request.priority)
+            level = self._levels[at] = Level()
+            bisect.insort(self._order, -at)
         self._seq += 1
         request.seq = self._seq
         level.fifo.append(request)
@@ -116,41 +113,81 @@ class RequestQueue(Generic[T]):
         batch: list[Request[T]] = []
         default_only = self.aging is None and self._order == [0]
         order = _DEFAULT_ONLY if default_only else self._serving_order(now)
-        for priority, oldest_first in order:
-            level = self._levels[priority]
-            if not oldest_first and level.by_deadline:
-                entries = level.by_deadline
-                taken = entries[: limit - len(batch)]
-                del entries[: len(taken)]
-                for _, _, request in taken:
-                    self._leave(request)
-                    self._dead += 1  # still in the arrival deque: dropped at its head
-                    if not request.future.done():
-                        batch.append(request)
-            fifo = level.fifo
-            left = cost = 0  # (`_leave` for each, summed: this loop is per request)
-            while fifo and (len(batch) < limit or not fifo[0].queued):
-                request = fifo.popleft()
-                if not request.queued:  # left earlier, out of order: a dead entry
-                    self._dead -= 1
-                    continue
-                if request.deadline != _NO_DEADLINE:
-                    level.unlist(request)
-                request.queued = False
-                left += 1
-                cost += request.cost
-                if not request.future.done():
-                    batch.append(request)
-            level.live -= left
-            self.live -= left
-            self.live_cost -= cost
-            if not fifo and priority:
-                self._drop_level(-priority)
+        levels = self._levels
+        for at, oldest_first in order:
             if len(batch) >= limit:
                 break
+            level = levels.get(at)
+            if level is None:  # a bulk lane, emptied with its small lane
+                continue
+            bulk = None if at & 1 else levels.get(at - 1)
+            if bulk is not None and bulk.live:
+                self._interleave(at, (oldest_first, aged(order, at - 1)), limit, batch)
+            else:
+                self._take_lane(at, level, limit, oldest_first, batch)
         if self._dead > _COMPACT_MIN_DEAD:  # (`_collect`, inline: once per batch)
             self._collect()  # served out of arrival order: dead entries behind a live head
         return batch
+
+    def _take_lane(
+        self, at: int, level: Level[T], limit: int, oldest_first: bool, batch: list[Request[T]]
+    ) -> None:
+        """Fill `batch` up to `limit` from lane `at` (`level`) in its order; requests whose
+        caller left on the way leave too, unsent."""
+        before = len(batch)
+        if not oldest_first and level.by_deadline:
+            entries = level.by_deadline
+            taken = entries[: limit - len(batch)]
+            del entries[: len(taken)]
+            for _, _, request in taken:
+                self._leave(request)
+                self._dead += 1  # still in the arrival deque: dropped at its head
+                if not request.future.done():
+                    batch.append(request)
+        fifo = level.fifo
+        left = cost = 0  # (`_leave` for each, summed: this loop is per request)
+        while fifo and (len(batch) < limit or not fifo[0].queued):
+            request = fifo.popleft()
+            if not request.queued:  # left earlier, out of order: a dead entry
+                self._dead -= 1
+                continue
+            if request.deadline != _NO_DEADLINE:
+                level.unlist(request)
+            request.queued = False
+            left += 1
+            cost += request.cost
+            if not request.future.done():
+                batch.append(request)
+        level.live -= left
+        self.live -= left
+        self.live_cost -= cost
+        if at & 1 and len(batch) > before:
+            level.passed = 0  # a bulk lane served
+        if not fifo and at:
+            self._drop_level(-at)
+
+    def _interleave(
+        self, at: int, oldest_first: tuple[bool, bool], limit: int, batch: list[Request[T]]
+    ) -> None:
+        """Fill `batch` up to `limit` from priority `at // 2`'s small lane (`at`) and bulk
+        lane (`at - 1`), both waiting: `BULK_EVERY - 1` small places, then a bulk one,
+        the count carried over between batches; one lane alone takes the rest.
+        `oldest_first`: each lane's (small, bulk), as `_serving_order` says."""
+        small, bulk = self._levels[at], self._levels[at - 1]
+        while len(batch) < limit:
+            if not small.live:
+                self._take_lane(at - 1, bulk, limit, oldest_first[1], batch)
+                return
+            if not bulk.live:
+                self._take_lane(at, small, limit, oldest_first[0], batch)
+                return
+            run = BULK_EVERY - 1 - bulk.passed
+            before = len(batch)
+            if run > 0:
+                self._take_lane(at, small, min(limit, before + run), oldest_first[0], batch)
+                bulk.passed += len(batch) - before
+            else:
+                self._take_lane(at - 1, bulk, before + 1, oldest_first[1], batch)
 
     def pop_similar(
         self,
@@ -170,9 +207,16 @@ class RequestQueue(Generic[T]):
 
     def take(self, requests: list[Request[T]]) -> None:
         """These live requests, picked from `in_pop_order`, leave the queue as served."""
+        served: dict[int, tuple[int, bool]] = {}  # per priority: small places, any bulk
         for request in requests:
             if request.queued:
                 self._take_out(request)
+                small, bulk = served.get(request.priority, (0, False))
+                served[request.priority] = (small + (not request.bulk), bulk or request.bulk)
+        for priority, (small, bulk) in served.items():  # the interleave's count follows
+            level = self._levels.get(2 * priority - 1)
+            if level is not None:
+                level.passed = 0 if bulk else min(BULK_EVERY - 1, level.passed + small)
         self._clean_heads()
         self._collect()
 
@@ -186,17 +230,22 @@ class RequestQueue(Generic[T]):
 
     def count_ahead(self, probe: Request[T]) -> int:
         """How many live requests go before `probe` (a new request, not queued) by its
-        priority and deadline, ignoring aging: every one in a higher level, and in its
-        own level those whose deadline is no later."""
-        priority, deadline = probe.priority, probe.deadline
+        priority, lane and deadline, ignoring aging: every one in a higher priority, and
+        in its own lane those whose deadline is no later, with the other lane's
+        requests the interleave puts before it."""
+        own, deadline = lane(probe), probe.deadline
+        sibling = own + 1 if own & 1 else own - 1
         ahead = 0
         for negated in self._order:
-            if -negated > priority:
+            if -negated > own and -negated != sibling:
                 ahead += self._levels[-negated].live
-            elif -negated == priority:
-                entries = self._levels[priority].by_deadline
-                ahead += bisect.bisect_right(entries, (deadline, math.inf))
-        return ahead
+        level = self._levels.get(own)
+        mine = 0 if level is None else bisect.bisect_right(level.by_deadline, (deadline, math.inf))
+        other = self._levels.get(sibling)
+        if other is not None and other.live:
+            passed = (0 if level is None else level.passed) if own & 1 else other.passed
+            ahead += across(bool(own & 1), mine, other.live, passed)
+        return ahead + mine
 
     def peek(self, now: float = 0.0) -> Request[T] | None:
         """The live request a `pop_batch(1, now)` would take, left in the queue."""
@@ -220,7 +269,7 @@ class RequestQueue(Generic[T]):
         batch = [r for level in self._levels.values() for r in level.fifo if r.queued]
         for request in batch:
             request.queued = False
-        self._levels = {0: _Level()}
+        self._levels = {0: Level()}
         self._order = [0]
         self._dead = 0
         self.live = 0
@@ -230,49 +279,54 @@ class RequestQueue(Generic[T]):
     # -- internals ---------------------------------------------------------------------
 
     def _serving_order(self, now: float, *, clean: bool = True) -> list[tuple[int, bool]]:
-        """Levels to serve, as (priority, oldest first?), most urgent first. With aging,
-        a level ranks by its oldest live request's arrival minus `aging` per priority
-        level. `clean`: retire the dead heads first (a pop); without, the queue is only
-        read (`in_pop_order`: a composite queue counts only the changes of its calls)."""
+        """Lanes to serve, as (lane, oldest first?), most urgent first, a priority's
+        small lane just before its bulk one. With aging, a priority ranks by its oldest
+        live request's arrival (in either lane) minus `aging` per level, and a lane
+        whose oldest has waited `aging` goes oldest first. `clean`: retire the dead
+        heads first (a pop); without, the queue is only read (`in_pop_order`: a
+        composite queue counts only the changes of its calls)."""
         aging = self.aging
         if aging is None:
             return [(-negated, False) for negated in self._order]
         if clean:
             self._clean_heads()
-        ranked = []
+        heads: dict[int, float] = {}
         for negated in self._order:
             head = next(
                 (r for r in self._levels[-negated].fifo if r.queued and not r.future.done()),
                 None,
             )
-            if head is None:
-                continue
-            arrived = head.enqueued_at
-            ranked.append((arrived + negated * aging, negated, now - arrived >= aging))
+            if head is not None:
+                heads[-negated] = head.enqueued_at
+        ranked = []
+        for at, arrived in heads.items():
+            oldest = min(arrived, heads.get(at + 1 if at & 1 else at - 1, math.inf))
+            rank = oldest - ((at + 1) >> 1) * aging  # (`at + 1 >> 1`: its priority)
+            ranked.append((rank, -at, now - arrived >= aging))
         ranked.sort()
         return [(-negated, aged) for _, negated, aged in ranked]
 
     def in_pop_order(self, now: float) -> Iterator[Request[T]]:
         """Live requests whose caller still waits, in the order a pop would take them.
         Reading them changes nothing."""
-        for priority, oldest_first in self._serving_order(now, clean=False):
-            level = self._levels[priority]
-            if not oldest_first:
-                for _, _, request in level.by_deadline:
-                    if not request.future.done():
-                        yield request
-            for request in level.fifo:
-                if (
-                    request.queued
-                    and (oldest_first or request.deadline == _NO_DEADLINE)
-                    and not request.future.done()
-                ):
-                    yield request
+        order = self._serving_order(now, clean=False)
+        levels = self._levels
+        paired: set[int] = set()
+        for at, oldest_first in order:
+            if at in paired:
+                continue
+            requests = lane_order(levels[at], oldest_first)
+            bulk = None if at & 1 else levels.get(at - 1)
+            if bulk is not None and bulk.live:
+                paired.add(at - 1)
+                bulk_order = lane_order(bulk, aged(order, at - 1))
+                requests = interleaved(requests, bulk_order, bulk.passed)
+            yield from requests
 
     def _take_out(self, request: Request[T]) -> None:
         """A queued request leaves out of arrival order: a dead entry in its deque."""
         if request.deadline != _NO_DEADLINE:
-            self._levels[request.priority].unlist(request)
+            self._levels[lane(request)].unlist(request)
         self._leave(request)
         self._dead += 1
 
@@ -295,12 +349,12 @@ class RequestQueue(Generic[T]):
 
     def _leave(self, request: Request[T]) -> None:
         request.queued = False
-        self._levels[request.priority].live -= 1
+        self._levels[lane(request)].live -= 1
         self.live -= 1
         self.live_cost -= request.cost
 
     def _drop_level(self, negated: int) -> None:
-        """An emptied level goes, except the default one."""
+        """An emptied lane goes, except the default one (priority 0's small lane)."""
         if not negated:
             return
         del self._levels[-negated]
@@ -417,59 +471,3 @@ def full_reason(queue: Queue[T], limit: int, budget: int | None) -> str | None:
     if queue.live >= limit:
         return "full"
     return "token budget" if budget is not None and queue.live_cost >= budget else None
-
-
-def pick_similar(
-    queue: Queue[T],
-    limit: int,
-    budget: int | None,
-    window: int,
-    now: float,
-    group: bool,
-    max_passes: int,
-) -> list[Request[T]]:
-    """`pop_similar` for any queue: up to `limit` requests of similar cost, so a padded
-    batch wastes little.
-
-    Looks at the first `window` live requests in pop order. The first of them
-    always goes, alone if its cost alone exceeds `budget`. Next come requests
-    passed over `max_passes` times, oldest first; then the ones closest in cost
-    to the first (higher priority first), or, with `group=False`, the rest in pop
-    order. With a `budget`, the padded size (members x largest cost) stays within
-    it. Whoever is among the `limit` first in pop order (the batch a plain pop
-    would send) and left out is passed over once more, so nobody waits more than
-    `max_passes` batches longer than in that order.
-    """
-    candidates: list[Request[T]] = []
-    for request in queue.in_pop_order(now):
-        candidates.append(request)
-        if len(candidates) >= window:
-            break
-    if not candidates:
-        return []
-    anchor = candidates[0]
-    batch = [anchor]
-    largest = anchor.cost
-
-    def admit(request: Request[T]) -> None:
-        nonlocal largest
-        if len(batch) < limit and (
-            budget is None or max(largest, request.cost) * (len(batch) + 1) <= budget
-        ):
-            batch.append(request)
-            largest = max(largest, request.cost)
-
-    rest = candidates[1:]
-    for request in rest:
-        if request.passed_over >= max_passes:
-            admit(request)
-    if group:
-        rest = sorted(rest, key=lambda r: (-r.priority, abs(r.cost - anchor.cost)))
-    for request in rest:
-        if request not in batch:
-            admit(request)
-    queue.take(batch)
-    for request in candidates[:limit]:
-        if request.queued:
-            request.passed_over += 1
-    return batch

@@ -1,6 +1,6 @@
 """`Request`: one call as the scheduler sees it, from intake to its batch (or its leaving
-the queue): its item and future, and where it stands (priority, deadline, cost,
-tenant, batch key). The queues (`queue`, `fair_queue`, `keyed_queue`) hold them."""
+the queue): its item and future, and where it stands (priority, bulk or small call,
+deadline, cost, tenant, batch key). The queues (`queue`, `fair_queue`, `keyed_queue`) hold them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import math
 from collections.abc import Hashable
 from typing import Any, Generic, TypeVar
 
-__all__ = ["NO_DEADLINE", "Request"]
+__all__ = ["NO_DEADLINE", "Request", "lane"]
 
 T = TypeVar("T")
 
@@ -23,6 +23,7 @@ class Request(Generic[T]):
     caller's `contextvars` context, is set (by intake) only with `caller_context`."""
 
     __slots__ = (
+        "bulk",
         "context",
         "cost",
         "deadline",
@@ -51,6 +52,7 @@ class Request(Generic[T]):
         self.item = item
         self.future = future
         self.priority = priority
+        self.bulk = False  # part of a bulk call (`Scheduler.is_bulk`): set by intake
         self.enqueued_at = enqueued_at
         self.cost = cost
         self.deadline = deadline  # loop time; inf: none
@@ -60,3 +62,10 @@ class Request(Generic[T]):
         self.deadline_timer: asyncio.TimerHandle | None = None
         self.tenant: Hashable | None = None  # whose call (fair sharing); set by intake
         self.key: Hashable | None = None  # batched only with its own key; set by intake
+
+
+def lane(request: Request[Any]) -> int:
+    """The queue level `request` waits in: its priority's small-call lane (2 x priority),
+    or just below it, that priority's bulk lane (2 x priority - 1). So levels sort by
+    priority first, and within a priority small calls rank above bulk ones."""
+    return 2 * request.priority - request.bulk

@@ -74,9 +74,11 @@ for the next allowed size while the missing requests are expected before its
 window closes and its deadline rule (`sizes.AllowedSizes.wait_until`). With a
 filler the scheduler does nothing special: `_runs.sized.SizedExecutor` pads.
 
-Order: highest priority first; within a priority, earliest deadline first,
-then requests without a deadline in arrival order; with `aging`, an old
-request climbs levels (see `_scheduling.queue`). Once a call names a tenant, the queue is a
+Order: highest priority first; within a priority, small calls before bulk calls
+(of more than `bulk_threshold` items), the bulk calls keeping one place in
+`BULK_EVERY`; within each, earliest deadline first, then requests without a
+deadline in arrival order; with `aging`, an old request climbs levels (see
+`_scheduling.queue`). Once a call names a tenant, the queue is a
 `FairQueue`: tenants share each batch by weighted fair queuing first, and this
 order applies within each tenant; the rules above look at all tenants together.
 
@@ -144,6 +146,9 @@ class Limits:
     predicts: bool
     """Whether the scheduler predicts when each batch ends (by the cost model): what
     staggers batches over several slots and what `shed_late` needs."""
+    bulk_threshold: int | None = None
+    """A call of more items than this is a bulk call, whose requests yield to small
+    calls' (`bulk_threshold`); None: no call is."""
 
 
 _EWMA_WEIGHT = 0.2
@@ -272,7 +277,15 @@ class Scheduler(Generic[T]):
         self._limit(limits)
         self._schedule_decision()  # a smaller batch, a new slot or window may send one now
 
+    def is_bulk(self, items: int) -> bool:
+        """Whether a call of `items` items is a bulk call: its requests wait in their
+        priority's bulk lane, behind small calls but for their share (see
+        `_scheduling.queue`). Intake marks them (`Request.bulk`); the queue ranks them."""
+        threshold = self._bulk_threshold
+        return threshold is not None and items > threshold
+
     def _limit(self, limits: Limits) -> None:
+        self._bulk_threshold = limits.bulk_threshold
         self._batch_size = limits.batch_size
         self._max_delay = limits.max_delay
         self._max_concurrent = limits.slots

@@ -6,8 +6,9 @@ that they share one copy of the model and batch together.
   calls from every connected process (`python -m batchproxy.host module:factory
   --socket PATH` runs one on its own);
 - `RemoteProxy(path)`: in each web worker, the proxy's call methods (`await
-  remote.inference(x)`, `inference_many`, `stream`, `submit`/`inference_sync` from
-  threads, `with_args(...)`) with its call options, answered by the host; its
+  remote.inference(x)`, `inference_many`, `stream`, `submit`/`inference_sync`/
+  `inference_many_sync` from threads (`_threads`; inside `with remote:` too),
+  `with_args(...)`) with its call options, answered by the host; its
   errors as the same exceptions (`_wire.pack_error`), and each call's deadline
   holds in the worker whatever the host does (`_deadline`).
 
@@ -18,7 +19,7 @@ tensor) travels in POSIX shared memory instead (`_shm`): copied once, received a
 view of the segment, which is unlinked as soon as it is read, or when its
 connection closes unread.
 
-May import: `_errors`, `_executors`, `_loops`, `_option_values`, `_stats`, `_validate`.
+May import: `_errors`, `_executors`, `_factory`, `_loops`, `_option_values`, `_stats`, `_validate`.
 """
 
 from ._host import ModelHost

@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import importlib
 import inspect
 import os
 import signal
@@ -39,20 +38,9 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._factory import load_factory
 from ._host import ModelHost
 from ._launch import LOAD_FAILED, hold_lock
-
-
-def load_factory(spec: str) -> Any:
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"expected module:factory, got {spec!r}")
-    target: Any = importlib.import_module(module_name)
-    for part in attribute.split("."):
-        target = getattr(target, part)
-    if not callable(target):
-        raise TypeError(f"{spec} is not callable")
-    return target
 
 
 async def serve(

@@ -90,6 +90,19 @@ class RemoteWithArguments:
         check_call("with_args(...).inference_sync()", call, keyed=False)
         return self._remote.inference_sync(item, key=self._arguments, **call)
 
+    def inference_many_sync(
+        self,
+        items: Iterable[Any],
+        *,
+        return_exceptions: bool = False,
+        **call: Unpack[UnkeyedCallOptions],
+    ) -> list[Any]:
+        check_call("with_args(...).inference_many_sync()", call, keyed=False)
+        results: list[Any] = self._remote.inference_many_sync(
+            items, key=self._arguments, return_exceptions=return_exceptions, **call
+        )
+        return results
+
     def __repr__(self) -> str:
         args, kwargs = self._arguments
         shown = [repr(value) for value in args] + [f"{name}={value!r}" for name, value in kwargs]

@@ -32,10 +32,14 @@ import subprocess
 import sys
 import weakref
 
-__all__ = ["LOAD_FAILED", "Candidate", "hold_lock", "lock_is_free"]
+__all__ = ["LOAD_FAILED", "RELAUNCH_PAUSE_MAX", "Candidate", "hold_lock", "lock_is_free"]
 
 LOAD_FAILED = 3
 """The exit status of `python -m batchproxy.host` when its load fails."""
+
+RELAUNCH_PAUSE_MAX = 60.0
+"""The longest pause, in seconds, before the health watch starts again a host whose
+last start failed to load (the pause doubles from `health_every` up to this)."""
 
 
 class Candidate:

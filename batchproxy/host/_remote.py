@@ -26,7 +26,7 @@ import math
 import os
 import time
 import weakref
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -34,13 +34,15 @@ from typing_extensions import Unpack
 
 from .. import _validate
 from .._errors import DeadlineExceeded, DrainDeadline, HostUnavailable, ProxyClosed
-from .._loops.background_loop import BackgroundLoop
+from .._loops.sync_scope import SyncScope
+from .._loops.sync_stream import chunks_from_thread
 from .._option_values import CallOptions, check_call
 from .._stats import Health
 from ._arguments import RemoteArguments, RemoteWithArguments
 from ._connection import Connection, NotSent
 from ._deadline import Deadline
-from ._launch import Candidate, lock_is_free
+from ._launch import RELAUNCH_PAUSE_MAX, Candidate, lock_is_free
+from ._threads import blocked_on, refuse_blocking, submitted
 
 __all__ = ["RemoteProxy"]
 
@@ -51,7 +53,7 @@ _HAND_OVER = 1.0
 connection (and how often it checks that the loop still runs)."""
 
 
-class RemoteProxy:
+class RemoteProxy(SyncScope):
     """Calls to the proxy a `ModelHost` serves on `path`, from this process.
 
     The proxy's call methods, with its call options (`timeout`, `priority`,
@@ -82,7 +84,9 @@ class RemoteProxy:
     its last worker left), then asks its health every `health_every` seconds
     (`health`, `healthy`, so `/readyz` includes the host); `aclose(timeout=...)`
     lets the calls in flight finish, then closes (later calls raise `ProxyClosed`).
-    `async with remote:` is `start()`, then `aclose()`, as for a proxy. `name`: the
+    `async with remote:` is `start()`, then `aclose()`, as for a proxy (and `with
+    remote:` from plain code, on the process's `with` loop, where its plain-thread
+    calls then go). `name`: the
     service's name for it (default: the socket file's stem). `connect_timeout`:
     seconds to wait for the socket.
     """
@@ -196,35 +200,37 @@ class RemoteProxy:
             async for chunk in chunks:
                 yield chunk
 
+    def stream_sync(self, item: Any, **call: Unpack[CallOptions]) -> Generator[Any, None, None]:
+        """From a plain thread: `stream`'s chunks, as `Proxy.stream_sync` (each read
+        through `submit`'s loop). Refused in a thread that runs an event loop."""
+        _options("stream_sync()", call)  # here: a bad option raises in the caller
+        refuse_blocking(self, "stream_sync", "stream")
+        chunks = functools.partial(self.stream, item, **call)
+        return chunks_from_thread(chunks, lambda make: blocked_on(submitted(self, make())))
+
     def submit(self, item: Any, **call: Unpack[CallOptions]) -> concurrent.futures.Future[Any]:
-        """From a plain thread: `inference` on the process-wide `BackgroundLoop`; a
-        `concurrent.futures.Future` of its result (cancel it to cancel the call)."""
+        """From a plain thread: `inference` on the process-wide `BackgroundLoop` (the
+        `with` loop inside `with remote:`); a `concurrent.futures.Future` of its result
+        (cancel it to cancel the call)."""
         options = _options("submit()", call)  # here: a bad option raises in the caller
-        return BackgroundLoop.default().submit(self._call(item, options))
+        return submitted(self, self._call(item, options))
 
     def inference_sync(self, item: Any, **call: Unpack[CallOptions]) -> Any:
-        """From a plain thread: block for `inference`'s result (on the process-wide
-        `BackgroundLoop`, which holds its deadline as `inference` does). An
-        interrupted wait (`KeyboardInterrupt`) cancels the call. Refused in a thread
-        that runs an event loop, which it would block (`await remote.inference(...)`
-        there)."""
+        """From a plain thread: block for `inference`'s result (through `submit`'s loop,
+        which holds its deadline as `inference` does). An interrupted wait
+        (`KeyboardInterrupt`) cancels the call. Refused in a thread that runs an event
+        loop, which it would block (`await remote.inference(...)` there)."""
         options = _options("inference_sync()", call)
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            pass  # no loop in this thread: the usual case
-        else:
-            raise RuntimeError(
-                f"{self!r}.inference_sync() was called in a thread running an event loop, "
-                f"which it would block: await remote.inference(...) there"
-            )
-        future = BackgroundLoop.default().submit(self._call(item, options))
-        try:
-            concurrent.futures.wait([future])  # (`_call` ends by its deadline)
-        except BaseException:  # interrupted: the call is withdrawn, not left queued
-            future.cancel()
-            raise
-        return future.result()
+        refuse_blocking(self, "inference_sync", "inference")
+        return blocked_on(submitted(self, self._call(item, options)))
+
+    def inference_many_sync(
+        self, items: Iterable[Any], *, return_exceptions: bool = False, **call: Unpack[CallOptions]
+    ) -> list[Any]:
+        """From a plain thread: block for `inference_many`'s results, as `inference_sync`."""
+        refuse_blocking(self, "inference_many_sync", "inference_many")
+        many = self.inference_many(items, return_exceptions=return_exceptions, **call)
+        return blocked_on(submitted(self, many))  # (its checks raise in this thread)
 
     def with_args(self, *args: Any, **kwargs: Any) -> RemoteWithArguments:
         """The call methods with these per-batch arguments for the host proxy's
@@ -353,14 +359,27 @@ class RemoteProxy:
     async def _watching(self) -> None:
         """Ask the host's health every `health_every` seconds; a host that cannot be
         reached, or does not answer, is unhealthy (and started again, with `host=`,
-        unless one holds the host lock)."""
+        unless one holds the host lock). A host started here that fails to load is
+        started again only after a pause that doubles from `health_every` up to
+        `RELAUNCH_PAUSE_MAX` (each start loads the model to fail again), the health
+        saying why; an answer ends the pauses."""
+        loop = asyncio.get_running_loop()
+        failure: str | None = None  # why the last host started here failed to load
+        pause = self.health_every  # before the next start, once one failed to load
+        start_at = 0.0
         while True:
             await asyncio.sleep(self.health_every)
             try:
                 self._heard(await self._ask())
+                failure, pause, start_at = None, self.health_every, 0.0
             except HostUnavailable as exc:
-                self._lost(exc.detail)
-                self._start_host()
+                failed = self._load_failure()
+                if failed is not None:
+                    failure, start_at = failed, loop.time() + pause
+                    pause = min(2 * pause, RELAUNCH_PAUSE_MAX)
+                self._lost(exc.detail if failure is None else f"failed to load: {failure}")
+                if loop.time() >= start_at:
+                    self._start_host()
 
     async def _ask(self) -> Health:
         """The host's health, asked now; `HostUnavailable` if it cannot be reached, or
@@ -382,14 +401,22 @@ class RemoteProxy:
         since = self._health.since if not self._health.healthy else None
         self._health = Health(False, f"model host at {self.path}: {why}", since or time.time())
 
+    def _load_failure(self) -> str | None:
+        """Why the host candidate this worker started last failed to load, once it has
+        exited saying so (forgetting it: the next question starts another), else None."""
+        candidate = self._candidate
+        if candidate is None or candidate.running or candidate.failure is None:
+            return None
+        self._candidate = None
+        return candidate.failure
+
     def _refuse_failed_load(self) -> None:
         """Raise `RuntimeError` if the host candidate this worker started last exited
         because its load failed (`_launch`): starting another would fail the same way."""
-        candidate = self._candidate
-        if candidate is not None and not candidate.running and candidate.failure is not None:
-            self._candidate = None
+        failure = self._load_failure()
+        if failure is not None:
             raise RuntimeError(
-                f"the model host {self.host!r} for {self.path} failed to load: {candidate.failure}"
+                f"the model host {self.host!r} for {self.path} failed to load: {failure}"
             )
 
     def _start_host(self) -> None:

@@ -58,6 +58,7 @@ from .. import (
 from .._reachable import check_callers
 from .._validate import flag
 from ..host import RemoteProxy
+from ._nodelay import nodelay_listeners
 
 __all__ = ["Answer", "NotReady", "Serving", "State", "answer_for"]
 
@@ -146,6 +147,13 @@ class Serving:
     process that outlives its service (tests, notebooks) keeps nothing for good. It
     costs one full collection before the service is ready. False leaves the collector
     alone (see docs/serving.md, "Garbage-collection pauses").
+    `tcp_nodelay` (default True): at `start()`, set TCP_NODELAY on this process's TCP
+    listeners that lack it, so that the connections they accept have it, as asyncio
+    gives its own: `uvicorn --workers N` binds its shared listener so that asyncio's
+    loop leaves it off (and `--fd N` so that uvloop does too), and each keep-alive
+    response then waits about 40 ms for the client's delayed ACK (uvicorn issue
+    #3149). Connections are left as they are.
+    False leaves every socket alone (docs/serving.md).
     """
 
     def __init__(
@@ -157,6 +165,7 @@ class Serving:
         max_callers: int | None = None,
         drain_timeout: float | None = None,
         freeze_gc: bool = True,
+        tcp_nodelay: bool = True,
     ) -> None:
         for proxy in proxies:
             if not isinstance(proxy, (Proxy, RemoteProxy)):
@@ -191,6 +200,7 @@ class Serving:
                 drain_timeout = None
         self.drain_timeout: float | None = drain_timeout
         self.freeze_gc = flag("freeze_gc", freeze_gc)
+        self.tcp_nodelay = flag("tcp_nodelay", tcp_nodelay)
         self.proxies: tuple[Served, ...] = proxies
         self.executors: tuple[Executor, ...] = tuple(executors)
         self.retry_after = retry_after
@@ -212,6 +222,8 @@ class Serving:
         if self.state is not State.NEW:
             return
         self.state = State.LOADING
+        if self.tcp_nodelay:  # before the server listens (uvicorn's workers: after this)
+            nodelay_listeners()
         loop = asyncio.get_running_loop()
         self._loading = loop.create_task(self._load_all(), name="batchproxy-serving-load")
         if self.drain_timeout is not None:

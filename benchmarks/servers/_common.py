@@ -7,6 +7,10 @@ module first: it puts the repository's root and `examples/` on `sys.path`, so ev
 stack loads the model through `examples/minilm.py` (the same weights, tokenizer,
 pooling and normalisation), and sets torch to THREADS threads.
 
+The model is `$BENCH_MODEL` (the driver's `--model`): `minilm` (the default), or
+`gpu-sim` (`_gpu_sim.py`: MiniLM's tokenizer in front of a model shaped like a GPU's).
+Every stack runs it through `load`, `encode_texts`, `encode` and `reference` here.
+
 The servers' protocol is the one of `examples/demo.py`'s `serve_app`: the first line on
 stdout is `PORT n` (a free port on 127.0.0.1), and the server stops when its stdin
 closes (the driver closed it, or died). A server whose framework starts processes of
@@ -23,6 +27,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from _gpu_sim import NAME as GPU_SIM
+from _gpu_sim import GpuSim
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 for _path in (str(ROOT / "examples"), str(ROOT)):  # (this checkout's batchproxy first)
@@ -37,6 +44,13 @@ BATCH_SIZE = 64  # the largest batch, where a stack batches
 WINDOW_MS = 5.0  # how long a stack may wait to fill a batch, where it has such a window
 REQUEST_TIMEOUT_S = 120.0  # a stack's own per-request deadline, where it has one
 LOG_VARIABLE = "BENCH_SERVER_LOG"  # where the server writes its stderr (the driver sets it)
+# uvicorn's health check of its workers (`timeout_worker_healthcheck`, 5 s by default):
+# a spawned worker answers only once it has imported the server's module (torch and
+# transformers for the host's workers), which takes longer on a loaded machine; one that
+# does not answer in time is killed and started again, and the server never comes up
+WORKER_HEALTHCHECK_S = 120
+MODEL_VARIABLE = "BENCH_MODEL"  # which model every stack serves (the driver sets it)
+MODELS = ("minilm", GPU_SIM)
 
 
 def log_to_file() -> None:
@@ -54,23 +68,54 @@ def set_threads() -> None:
     torch.set_num_threads(THREADS)
 
 
+def model_name() -> str:
+    """`$BENCH_MODEL`, one of MODELS (`minilm` when unset)."""
+    name = os.environ.get(MODEL_VARIABLE) or MODELS[0]
+    if name not in MODELS:
+        raise ValueError(f"${MODEL_VARIABLE}={name!r}: not one of {MODELS}")
+    return name
+
+
 def load() -> tuple[Any, Any]:
-    """The tokenizer and the model (`examples/minilm.py`), torch on THREADS threads."""
+    """The tokenizer and the model (`examples/minilm.py`, or `_gpu_sim.GpuSim` behind the
+    same tokenizer), torch on THREADS threads."""
     set_threads()
+    if model_name() == GPU_SIM:
+        from minilm import load_tokenizer
+
+        return load_tokenizer(), GpuSim()
     from minilm import load_minilm
 
     return load_minilm()
 
 
+def encode(model: Any, input_ids: Any, attention_mask: Any) -> Any:
+    """The model on an (n, L) batch padded on the right: (n, 384) unit vectors."""
+    if isinstance(model, GpuSim):
+        return model.encode(input_ids, attention_mask)
+    from minilm import encode as encode_minilm
+
+    return encode_minilm(model, input_ids, attention_mask)
+
+
 def encode_texts(tokenizer: Any, model: Any, texts: list[str]) -> Any:
     """A batch of texts, tokenized together (padded on the right, as the proxy pads):
     an (n, 384) tensor of unit vectors."""
-    from minilm import MAX_TOKENS, encode
+    from minilm import MAX_TOKENS
 
     batch = tokenizer(
         texts, padding=True, truncation=True, max_length=MAX_TOKENS, return_tensors="pt"
     )
     return encode(model, batch["input_ids"], batch["attention_mask"])
+
+
+def reference(tokenizer: Any, model: Any, text: str) -> Any:
+    """The text run alone, unpadded, no proxy (`minilm.reference_embedding`'s way): what
+    every batched answer must equal."""
+    from minilm import tokenize
+
+    item = tokenize(tokenizer, text)
+    return encode(model, item["input_ids"].unsqueeze(0), item["attention_mask"].unsqueeze(0))[0]
 
 
 def announce_port() -> int:

@@ -1,6 +1,7 @@
-"""batchproxy: the README's kind of service in front of all-MiniLM-L6-v2.
+"""batchproxy: the README's kind of service in front of all-MiniLM-L6-v2 (or gpu-sim).
 
-A `TensorProxy` (`examples/minilm.py`'s `MiniLMEmbedder`: length-aware, the adaptive
+A `TensorProxy` (`examples/minilm.py`'s `MiniLMEmbedder`, its batch run by
+`_common.encode`, so either model: length-aware, the adaptive
 window of WINDOW_MS at most, batches of BATCH_SIZE at most, `offload=True`: the model
 runs on the proxy's worker thread) behind `Serving` (with `freeze_gc=True`, as
 docs/serving.md advises for a serving process) and `install`; each handler tokenizes
@@ -9,18 +10,30 @@ its own text and awaits its own vector.
 
 from __future__ import annotations
 
-from _common import BATCH_SIZE, REQUEST_TIMEOUT_S, WINDOW_MS, load
+from typing import Any
+
+from _common import BATCH_SIZE, REQUEST_TIMEOUT_S, WINDOW_MS, encode, load
 from _http import EmbedIn, EmbedOut, serve
 from fastapi import Depends, FastAPI
 from minilm import MiniLMEmbedder
+from typing_extensions import override
 
 from batchproxy.integrations.fastapi import Serving, install
+from batchproxy.tensors import Collated
+
+
+class Embedder(MiniLMEmbedder):
+    """`MiniLMEmbedder` whose batch runs through `_common.encode`: MiniLM's or gpu-sim's."""
+
+    @override
+    def _forward(self, batch: Collated, /) -> Any:
+        return encode(self.model, batch.data["input_ids"], batch.data["attention_mask"])
 
 
 def embedder() -> MiniLMEmbedder:
     """The proxy, its model loaded (also the model host's, in `host_server.py`)."""
     tokenizer, model = load()
-    return MiniLMEmbedder(
+    return Embedder(
         tokenizer,
         model,
         BATCH_SIZE,

@@ -7,7 +7,8 @@ the model (`_common.load`: torch on THREADS threads), runs one batch to warm up,
 for `seconds` tokenizes and embeds `texts` in full batches of BATCH_SIZE, one after the
 other, and prints one JSON line: the texts per second. With `check`, also the
 reference vector of each of those texts: the text run alone, unpadded
-(`minilm.reference_embedding`), which every stack's answer must equal.
+(`_common.reference`), which every stack's answer must equal. The model is
+`$BENCH_MODEL`'s, as in every server.
 """
 
 from __future__ import annotations
@@ -17,12 +18,10 @@ import sys
 import time
 from typing import Any
 
-from _common import BATCH_SIZE, encode_texts, load
+from _common import BATCH_SIZE, encode_texts, load, reference
 
 
 def measure(config: dict[str, Any]) -> dict[str, Any]:
-    from minilm import reference_embedding
-
     tokenizer, model = load()
     texts: list[str] = config["texts"]
     batches = [texts[i : i + BATCH_SIZE] for i in range(0, len(texts), BATCH_SIZE)]
@@ -37,7 +36,7 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {"throughput": done * BATCH_SIZE / elapsed, "batches": done}
     if config.get("check"):
         result["reference"] = [
-            reference_embedding(tokenizer, model, text).tolist() for text in config["check"]
+            reference(tokenizer, model, text).tolist() for text in config["check"]
         ]
     return result
 

@@ -2,10 +2,15 @@
 
 Every request is parsed and answered with one constant 384-float vector: what HTTP,
 JSON and the client cost on this machine, the most any served stack could answer.
+
+`python floor_server.py` serves it in one process, as the one-process stacks are
+served (`_http.serve`); `--workers N` (N > 1) serves it from N uvicorn workers, as
+`host_server.py` serves its web workers: the floor of a layout with N web workers.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 
 from _http import EmbedIn, EmbedOut, serve
@@ -25,5 +30,33 @@ def create_app() -> FastAPI:
     return app
 
 
+def serve_workers(workers: int) -> None:
+    """`workers` uvicorn workers, bound and run as `host_server.py` runs its own (this
+    process leads its group: the supervisor and the workers go with it)."""
+    import uvicorn
+    from _common import WORKER_HEALTHCHECK_S, announce_port, log_to_file
+
+    log_to_file()
+    port = announce_port()
+    uvicorn.run(
+        "floor_server:create_app",
+        factory=True,
+        host="127.0.0.1",
+        port=port,
+        workers=workers,
+        log_level="warning",
+        access_log=False,
+        timeout_keep_alive=300,
+        backlog=4096,
+        timeout_worker_healthcheck=WORKER_HEALTHCHECK_S,
+    )
+
+
 if __name__ == "__main__":
-    serve(create_app())
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=1)
+    workers = parser.parse_args().workers
+    if workers > 1:
+        serve_workers(workers)
+    else:
+        serve(create_app())

@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 import batchproxy_server
-from _common import HERE, announce_port, log_to_file
+from _common import HERE, WORKER_HEALTHCHECK_S, announce_port, log_to_file
 from _http import EmbedIn, EmbedOut
 from fastapi import Depends, FastAPI
 from minilm import MiniLMEmbedder, load_tokenizer, tokenize
@@ -76,6 +76,7 @@ def main() -> None:
         access_log=False,
         timeout_keep_alive=300,
         backlog=4096,
+        timeout_worker_healthcheck=WORKER_HEALTHCHECK_S,
     )
 
 

@@ -1,8 +1,8 @@
 """The regular way: FastAPI, one forward pass per request.
 
 Each request's text runs alone through the model (batch of one, no padding:
-`examples/embeddings.py`'s `OneAtATime`), on one model thread, in arrival order, as a
-server that calls the model from its handler does.
+`examples/embeddings.py`'s `OneAtATime`, running `_common.reference`), on one model
+thread, in arrival order, as a server that calls the model from its handler does.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from _common import load
+from _common import load, reference
 from _http import EmbedIn, EmbedOut, serve
 from embeddings import OneAtATime
 from fastapi import FastAPI
@@ -18,7 +18,7 @@ from fastapi import FastAPI
 
 def create_app() -> FastAPI:
     tokenizer, model = load()
-    regular = OneAtATime(tokenizer, model)
+    regular = OneAtATime(tokenizer, model, run_alone=reference)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

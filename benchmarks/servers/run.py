@@ -10,7 +10,7 @@ batches of BATCH_SIZE at most, a WINDOW_MS window where a stack has one):
   `TensorProxy` (length-aware, the adaptive window, `offload=True`), and
   `Serving(freeze_gc=True)` as docs/serving.md advises; each handler tokenizes its
   own text;
-- host (only when named: `--stacks host,...`): the same service split as
+- host (only when named, `--stacks host,...`, or with gpu-sim): the same service split as
   docs/serving.md's "Several web workers" shows, two uvicorn workers (HTTP, JSON,
   tokenizing) in front of one model host process (`host_server.py`);
 - regular: FastAPI, one forward pass per request on one model thread;
@@ -19,9 +19,15 @@ batches of BATCH_SIZE at most, a WINDOW_MS window where a stack has one):
   git-ignored; torch pinned in the pip command; reused while its requirements' hash
   is the same, `--rebuild` to build again);
 - floor: the same FastAPI server answering a constant vector, no model: the most any
-  served stack can answer here (HTTP, JSON and the client);
+  served stack can answer here (HTTP, JSON and the client); floor2 (only when named,
+  or with gpu-sim): the same from two uvicorn workers, as the host's web workers run;
 - ceiling: no HTTP, the same model in one process fed full batches (`ceiling.py`): the
   most the model can answer here.
+
+The model (`--model`, `$BENCH_MODEL` in every server): `minilm` (the default), or
+`gpu-sim` (`_gpu_sim.py`: MiniLM's tokenizer in front of a model shaped like bert-base
+on a GPU: a GIL-bound launch, then a device that takes no CPU), whose stacks default
+to all of them (host and floor2 included) and whose results are `servers-gpu-sim*`.
 
 The load: one aiohttp client process (`_gpu_http.Clients`, the GPU benchmark's load
 generator) running a closed loop: at each level (1, 8, 32 and 150 clients), every
@@ -35,15 +41,18 @@ the rounds with their min and max, its throughput as a fraction of the ceiling's
 the floor's at the same level. The targets of issue 30 are checked, not asserted.
 
 Written: `benchmarks/results/servers.json` and `servers.png` (`--quick`: levels 1 and
-8, one short round, `servers-quick.{json,png}`, git-ignored). Every process started
+8, one short round, `servers-quick.{json,png}`, git-ignored; gpu-sim:
+`servers-gpu-sim.*`, `servers-gpu-sim-quick.*`). Every process started
 here is stopped, even on failure (each server leads a process group of its own).
 
-Run: `python benchmarks/servers/run.py [--quick] [--stacks batchproxy,regular,...]`.
+Run: `python benchmarks/servers/run.py [--quick] [--model gpu-sim]
+[--stacks batchproxy,regular,...]`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -61,8 +70,16 @@ ROOT = HERE.parent.parent
 sys.path[:0] = [str(HERE), str(ROOT / "examples"), str(ROOT / "benchmarks")]
 
 import httpx  # noqa: E402
-from _common import BATCH_SIZE, LOG_VARIABLE, THREADS, WINDOW_MS  # noqa: E402
+from _common import (  # noqa: E402
+    BATCH_SIZE,
+    LOG_VARIABLE,
+    MODEL_VARIABLE,
+    MODELS,
+    THREADS,
+    WINDOW_MS,
+)
 from _gpu_http import Clients, percentile_ms  # noqa: E402
+from _gpu_sim import DESCRIPTION as GPU_SIM  # noqa: E402
 from _report import Run, arguments, environment, headline, write_report  # noqa: E402
 from demo import Service, client_axes, versions  # noqa: E402
 from sample_text import make_sentences  # noqa: E402
@@ -100,7 +117,9 @@ class Stack:
     module: str  # the server, in benchmarks/servers/
     path: str  # where it answers POST {"text": ...} with {"embedding": [...]}
     requirements: tuple[str, ...] = ()  # a peer's own packages: its own virtual environment
-    model: bool = True  # False: the floor (no vectors to check)
+    model: bool = True  # False: a floor (no vectors to check)
+    workers: int = 1  # the processes that serve HTTP (a floor is the floor of its count)
+    args: tuple[str, ...] = ()  # the server's command-line arguments
 
     @property
     def peer(self) -> bool:
@@ -111,15 +130,24 @@ STACKS = {
     stack.name: stack
     for stack in (
         Stack("batchproxy", "batchproxy (TensorProxy)", "batchproxy_server.py", "/embed"),
-        Stack("host", "batchproxy, 2 web workers + model host", "host_server.py", "/embed"),
+        Stack("host", "batchproxy, 2 web workers + model host", "host_server.py", "/embed",
+              workers=2),
         Stack("regular", "regular FastAPI", "regular_server.py", "/embed"),
         Stack("litserve", "LitServe", "litserve_server.py", "/predict", ("litserve==0.2.19",)),
         Stack("mosec", "mosec", "mosec_server.py", "/inference", ("mosec==0.9.8",)),
         Stack("floor", "HTTP floor (no model)", "floor_server.py", "/embed", model=False),
+        Stack("floor2", "HTTP floor, 2 workers (no model)", "floor_server.py", "/embed",
+              model=False, workers=2, args=("--workers", "2")),
     )
-}
+}  # fmt: skip
 ALL = (*STACKS, CEILING)
-DEFAULT = tuple(name for name in ALL if name != "host")  # (on 2 cores it only adds processes)
+# minilm: on 2 cores, torch takes both and more web workers only add processes; gpu-sim:
+# the model leaves the CPU, the case the host with several web workers is for
+DEFAULT = {
+    "minilm": tuple(name for name in ALL if name not in ("host", "floor2")),
+    "gpu-sim": ALL,
+}
+MODEL_LABELS = {"minilm": "all-MiniLM-L6-v2", "gpu-sim": GPU_SIM}
 
 
 def log(message: str) -> None:
@@ -183,11 +211,11 @@ class StackService(Service):
     process group of its own, its stderr in benchmarks/servers/.logs/<stack>.log; ready
     once it answers a real request (the model loaded, the workers up)."""
 
-    def __init__(self, stack: Stack, python: Path) -> None:
+    def __init__(self, stack: Stack, python: Path, model: str = MODELS[0]) -> None:
         LOGS.mkdir(parents=True, exist_ok=True)
         self.log = LOGS / f"{stack.name}.log"
-        env = {**SERVER_ENV, LOG_VARIABLE: str(self.log)}
-        command = [str(python), str(HERE / stack.module)]
+        env = {**SERVER_ENV, LOG_VARIABLE: str(self.log), MODEL_VARIABLE: model}
+        command = [str(python), str(HERE / stack.module), *stack.args]
         super().__init__(command, STARTUP_TIMEOUT, env=env, own_group=True)
         self.path = stack.path
 
@@ -201,6 +229,7 @@ class StackService(Service):
 
 @dataclass(frozen=True)
 class Plan:
+    model: str  # one of MODELS
     levels: tuple[int, ...]
     rounds: int
     seconds: float
@@ -234,7 +263,7 @@ def measure_stack(
     stack: Stack, python: Path, clients: Clients, plan: Plan, reference: list[list[float]]
 ) -> dict[str, Any]:
     """Start the stack, warm it up, check its vectors, run every level, stop it."""
-    service = StackService(stack, python)
+    service = StackService(stack, python, plan.model)
     try:
         service.start()
         log(f"{stack.name}: ready at {service.base_url} in {service.startup_seconds:.1f} s")
@@ -262,7 +291,9 @@ def measure_stack(
         service.stop()
 
 
-def run_ceiling(seconds: float, texts: list[str], check: list[str]) -> dict[str, Any]:
+def run_ceiling(
+    seconds: float, texts: list[str], check: list[str], model: str = MODELS[0]
+) -> dict[str, Any]:
     """`ceiling.py` in a child process: texts/s in full batches (and the references)."""
     LOGS.mkdir(parents=True, exist_ok=True)
     config = json.dumps({"seconds": seconds, "texts": texts, "check": check})
@@ -275,7 +306,7 @@ def run_ceiling(seconds: float, texts: list[str], check: list[str]) -> dict[str,
             stderr=err,
             text=True,
             timeout=CEILING_TIMEOUT,
-            env={**os.environ, **SERVER_ENV},
+            env={**os.environ, **SERVER_ENV, MODEL_VARIABLE: model},
         )
     if done.returncode != 0:
         raise RuntimeError(f"ceiling.py failed ({done.returncode}): see {LOGS / 'ceiling.log'}")
@@ -301,19 +332,23 @@ def spread(values: Sequence[float | None]) -> dict[str, Any] | None:
 def summarize(
     measured: dict[str, list[dict[str, Any]]], ceilings: list[float], levels: Sequence[int]
 ) -> list[dict[str, Any]]:
-    """One row per stack and level: medians over the rounds, min and max, fractions."""
+    """One row per stack and level: medians over the rounds, min and max, fractions (of
+    the floor with as many web workers as the stack, where measured, else of the floor)."""
     ceiling = statistics.median(ceilings) if ceilings else None
     rows: list[dict[str, Any]] = []
-    floor: dict[int, float] = {}
-    for name in [n for n in measured if n == "floor"] + [n for n in measured if n != "floor"]:
+    floors: dict[tuple[int, int], float] = {}  # (workers, level): the floor's median
+    floors_first = sorted(measured, key=lambda n: STACKS[n].model)
+    for name in floors_first:
+        workers = STACKS[name].workers
         for level in levels:
             runs = [r["levels"][level] for r in measured[name] if level in r["levels"]]
             if not runs:
                 continue
             throughput = spread([r["throughput"] for r in runs])
             assert throughput is not None
-            if name == "floor":
-                floor[level] = throughput["median"]
+            if not STACKS[name].model:
+                floors[workers, level] = throughput["median"]
+            floor = floors.get((workers, level), floors.get((1, level)))
             rows.append(
                 {
                     "stack": name,
@@ -322,7 +357,7 @@ def summarize(
                     "p50_ms": spread([r["p50_ms"] for r in runs]),
                     "p99_ms": spread([r["p99_ms"] for r in runs]),
                     "of_ceiling": throughput["median"] / ceiling if ceiling else None,
-                    "of_floor": throughput["median"] / floor[level] if level in floor else None,
+                    "of_floor": throughput["median"] / floor if floor else None,
                     "errors": sum(r["errors"] for r in runs),
                     "checks": [r["check"] for r in measured[name]],
                 }
@@ -416,18 +451,24 @@ def plot(rows: Sequence[dict[str, Any]], ceiling: float | None, output: Path, ti
         "litserve": ("tab:purple", "D"),
         "mosec": ("tab:green", "v"),
         "floor": ("gray", "^"),
+        "floor2": ("black", "^"),
     }
     levels = sorted({r["clients"] for r in rows})
+    floor = [r["throughput"]["median"] for r in rows if not STACKS[r["stack"]].model]
+    served = [r["throughput"]["median"] for r in rows if STACKS[r["stack"]].model]
+    # (a floor tens of times the model's throughput, as MiniLM's on the CPU, would flatten
+    # the others: it is then given in the left panel's title instead)
+    off_scale = bool(floor and served and max(floor) > 5 * max(served))
     for name, stack in STACKS.items():
         mine = sorted((r for r in rows if r["stack"] == name), key=lambda r: r["clients"])
         if not mine:
             continue
         color, marker = styles[name]
         x = [r["clients"] for r in mine]
-        # (the floor's throughput, tens of times the model's, would flatten the others: it
-        # is given in the left panel's title instead)
         panels = (
-            ((right, "p99_ms"),) if name == "floor" else ((left, "throughput"), (right, "p99_ms"))
+            ((right, "p99_ms"),)
+            if off_scale and not stack.model
+            else ((left, "throughput"), (right, "p99_ms"))
         )
         for axis, key in panels:
             points = [(xi, r[key]) for xi, r in zip(x, mine, strict=True) if r[key] is not None]
@@ -444,13 +485,12 @@ def plot(rows: Sequence[dict[str, Any]], ceiling: float | None, output: Path, ti
                 color=color,
                 capsize=3,
                 label=stack.label,
-                linestyle="--" if name == "floor" else "-",
+                linestyle="-" if stack.model else "--",
             )
     if ceiling is not None:
         left.axhline(ceiling, color="black", linestyle=":", label="ceiling (in process)")
-    floor = [r["throughput"]["median"] for r in rows if r["stack"] == "floor"]
     heading = "Throughput (median, min-max over rounds)"
-    if floor:
+    if off_scale:
         heading += f"\nthe HTTP floor: {min(floor):.0f}-{max(floor):.0f} req/s, off the scale"
     client_axes(
         levels,
@@ -474,9 +514,17 @@ def plot(rows: Sequence[dict[str, Any]], ceiling: float | None, output: Path, ti
 
 def extra_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
+        "--model",
+        choices=MODELS,
+        default=MODELS[0],
+        help="minilm (the default: all-MiniLM-L6-v2 on the CPU) or gpu-sim (MiniLM's "
+        "tokenizer, a model shaped like bert-base on a GPU; writes servers-gpu-sim*)",
+    )
+    parser.add_argument(
         "--stacks",
-        default=",".join(DEFAULT),
-        help=f"comma-separated, from {','.join(ALL)} (default: all but host)",
+        default=None,
+        help=f"comma-separated, from {','.join(ALL)} (default: all but host and floor2; "
+        "all with --model gpu-sim)",
     )
     parser.add_argument("--rounds", type=int, default=None, help="rounds (default 3; quick 1)")
     parser.add_argument(
@@ -488,6 +536,23 @@ def extra_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rebuild", action="store_true", help="build the peers' environments again"
     )
+
+
+def parse(argv: Sequence[str] | None) -> Run:
+    """The command line (`_report.arguments`, with this script's flags); with
+    `--model gpu-sim` and no `--output`, the results go to `servers-gpu-sim*.json`."""
+    doc = __doc__.splitlines()[0] if __doc__ else None
+    run = arguments("servers", doc, argv, extra=extra_flags)
+    if run.args.model != MODELS[0] and run.args.output is None:
+        stem = f"servers-{run.args.model}"
+        output = run.output.with_name(f"{stem}-quick.json" if run.quick else f"{stem}.json")
+        run = dataclasses.replace(run, output=output)
+    return run
+
+
+def stacks_of(run: Run) -> list[str]:
+    """`--stacks`, or the model's default stacks."""
+    return parse_stacks(run.args.stacks or ",".join(DEFAULT[run.args.model]))
 
 
 def parse_stacks(text: str) -> list[str]:
@@ -502,6 +567,7 @@ def plan_of(run: Run) -> Plan:
     args = run.args
     levels = QUICK_LEVELS if run.quick else LEVELS
     return Plan(
+        model=args.model,
         levels=tuple(int(v) for v in args.levels.split(",")) if args.levels else levels,
         rounds=args.rounds or (QUICK_ROUNDS if run.quick else ROUNDS),
         seconds=args.seconds or (QUICK_SECONDS if run.quick else SECONDS),
@@ -549,7 +615,7 @@ def rounds(names: Sequence[str], plan: Plan, outcome: Outcome) -> None:
     """Every round, the stacks in turn (the order reversed every other round); a stack
     that fails is reported and the others go on."""
     log("the reference vectors (each sentence alone, in process)")
-    reference = run_ceiling(0.0, plan.texts[:BATCH_SIZE], plan.check)["reference"]
+    reference = run_ceiling(0.0, plan.texts[:BATCH_SIZE], plan.check, plan.model)["reference"]
     outcome.measured = {name: [] for name in outcome.pythons}
     order = [name for name in names if name == CEILING or name in outcome.pythons]
     clients = Clients(1, None)
@@ -560,7 +626,7 @@ def rounds(names: Sequence[str], plan: Plan, outcome: Outcome) -> None:
             for name in this_round:
                 try:
                     if name == CEILING:
-                        result = run_ceiling(plan.seconds, plan.texts, [])
+                        result = run_ceiling(plan.seconds, plan.texts, [], plan.model)
                         outcome.ceilings.append(result["throughput"])
                         log(f"ceiling: {result['throughput']:.1f} texts/s")
                         continue
@@ -611,15 +677,14 @@ def print_report(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    doc = __doc__.splitlines()[0] if __doc__ else None
-    run = arguments("servers", doc, argv, extra=extra_flags)
-    names = parse_stacks(run.args.stacks)
+    run = parse(argv)
+    names = stacks_of(run)
     plan = plan_of(run)
     began = time.perf_counter()
     outcome = Outcome()
     environments(names, run.args.rebuild, outcome)
     env = environment(
-        model="all-MiniLM-L6-v2",
+        model=MODEL_LABELS[plan.model],
         client="one aiohttp process, closed loop",
         versions=versions("torch", "transformers", "fastapi", "uvicorn", "aiohttp", "uvloop"),
         peers={name: built.versions for name, built in outcome.built.items()},
@@ -638,6 +703,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         env,
         quick=run.quick,
         config={
+            "model": plan.model,
             "stacks": names,
             "levels": list(plan.levels),
             "rounds": plan.rounds,
@@ -667,7 +733,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
     )
     png = run.output.with_suffix(".png")
-    title = f"all-MiniLM-L6-v2 over HTTP ({env['date']}, {env['cpus']} CPUs"
+    title = f"{plan.model} over HTTP ({env['date']}, {env['cpus']} CPUs"
+    if plan.model == MODELS[0]:
+        title = f"all-MiniLM-L6-v2 over HTTP ({env['date']}, {env['cpus']} CPUs"
     plot(
         rows,
         ceiling["median"] if ceiling else None,

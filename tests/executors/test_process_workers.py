@@ -265,6 +265,10 @@ async def test_a_worker_whose_batch_the_watchdog_abandoned_is_killed_and_replace
         with pytest.raises(batchproxy.BatchTimeout):
             await asyncio.wait_for(proxy.inference(("sleep", 60)), 10)
         assert not proxy.healthy
+        # the hung one is killed and a new process started (started, not yet served:
+        # on a loaded machine the start alone took longer than batch_timeout, and a
+        # batch waiting for it was abandoned in turn)
+        await wait_until(lambda: workers.pids[0] not in (None, hung_pid), seconds=40)
         started = time.monotonic()
         pid, item = await asyncio.wait_for(proxy.inference("next"), 20)
         assert item == "next"

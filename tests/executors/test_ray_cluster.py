@@ -175,6 +175,12 @@ def batches(folder: Path, node: str) -> tuple[dict[str, list[int]], set[str]]:
     return started, {path.stem for path in folder.glob("*.end")}
 
 
+def ended_on(folder: Path, node: str) -> set[str]:
+    """The ids of the batches `holding` started on `node` and ended."""
+    started, ended = batches(folder, node)
+    return ended & started.keys()
+
+
 def started_after(folder: Path, moment: float) -> int:
     """How many batches `holding` started after `moment` (a `time.time()`)."""
     return sum(path.stat().st_mtime > moment for path in folder.glob("*.start"))
@@ -382,8 +388,8 @@ async def test_a_node_lost_under_load_fails_exactly_the_batches_it_held(
         await asyncio.wait_for(actors.start(), 60)
         callers = [asyncio.ensure_future(caller(proxy)) for _ in range(24)]  # 6 batches' worth
         try:
-            await poll(
-                lambda: len(batches(tmp_path, second)[1]) >= 2, 30, "the second node ran nothing"
+            await poll(  # (two of its batches ended: `batches`' ended ids are every node's)
+                lambda: len(ended_on(tmp_path, second)) >= 2, 30, "the second node ran nothing"
             )
             (tmp_path / "hold").touch()
             await holding_steadily(tmp_path, second)

@@ -100,6 +100,9 @@ TENSORS_THREADS = 10
 RAY = 2
 """The run kinds' examples in CI (tests/_combination_kinds.py)."""
 
+WITH_ENTRY = 40
+"""Examples of proxies entered by `with` from a plain thread (issue 40, item 1)."""
+
 
 def examples(default: int) -> int:
     return max(1, round(default * EXAMPLES / WALK)) if EXAMPLES else default
@@ -200,6 +203,19 @@ def test_every_combination_on_worker_processes(data: st.DataObject) -> None:
     """A few examples on `ProcessWorkers` (one worker process each: slow to start), with
     calls from threads; its model sees no batch key nor contexts, so none are drawn."""
     config = data.draw(configs(threads=True, processes=True), label="config")
+    program = data.draw(programs(config, HORIZON, threads=True), label="program")
+    in_real_time(config, program)
+
+
+@time_limit(WITH_ENTRY, 0.5)
+@combination_settings(WITH_ENTRY)
+@given(data=st.data())
+def test_every_combination_entered_with_with_from_a_thread(data: st.DataObject) -> None:
+    """`with proxy:` from a plain thread (issue 40, item 1): the proxy runs on the
+    process's `with` loop, plain threads call it (`submit`, `inference_sync`,
+    `inference_many_sync`), `configure()` and `aclose()` come from another loop, and
+    the exit drains it and stops the loop's thread; in real time."""
+    config = data.draw(configs(threads=True, entry="with"), label="config")
     program = data.draw(programs(config, HORIZON, threads=True), label="program")
     in_real_time(config, program)
 

@@ -195,14 +195,18 @@ async def test_a_stream_whose_host_closes_ends_with_its_drain_deadline(
 async def test_threads_call_with_submit_and_inference_sync(
     served: tuple[Tagged, ModelHost, RemoteProxy],
 ) -> None:
-    _, _, remote = served
+    proxy, _, remote = served
+    proxy.gate.clear()  # the model held until the 8 submitted calls reached the host
 
     def from_a_thread() -> list[object]:
         futures = [remote.submit(("s", i), priority=1) for i in range(8)]
-        answers = [remote.inference_sync(("i", i), timeout=5) for i in range(3)]
-        return [future.result(5) for future in futures] + answers
+        answers = [remote.inference_sync(("i", i), timeout=60) for i in range(3)]
+        return [future.result(60) for future in futures] + answers
 
-    answers = await in_a_thread(from_a_thread)
+    thread = asyncio.ensure_future(in_a_thread(from_a_thread))
+    await wait_until(lambda: sum(map(len, proxy.seen)) + proxy.stats.queue_depth >= 8, seconds=30)
+    proxy.gate.set()
+    answers = await thread
     assert [tuple(answer[0]) for answer in answers] == [  # type: ignore[index]
         *[("s", i) for i in range(8)],
         *[("i", i) for i in range(3)],

@@ -7,6 +7,7 @@ and it exits once no worker is left."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import sys
@@ -240,3 +241,47 @@ def test_bad_remote_options_are_refused() -> None:
             RemoteProxy("/tmp/x.sock", **options)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="Serving takes batchproxy proxies"):
         Serving(object())  # type: ignore[arg-type]
+
+
+@pytest.mark.looptime
+async def test_a_lost_host_that_fails_to_load_again_is_started_less_and_less_often(
+    socket_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watch starts a lost host again; one whose load fails is started again after a
+    pause that doubles (`health_every`, 2x, 4x...) up to a minute, not at every
+    health question (each start imports the model and prints a traceback), and the
+    health says why. An answer resets the pause. On the virtual clock."""
+    launched: list[float] = []
+
+    class FailsToLoad:
+        running = False
+        failure = "OSError: weights gone"
+
+        def __init__(self, *args: Any) -> None:
+            launched.append(asyncio.get_running_loop().time())
+
+    monkeypatch.setattr(remote_module, "Candidate", FailsToLoad)
+    remote = RemoteProxy(socket_path, host="_host_models:tagged", health_every=1.0)
+    try:
+        async with ModelHost(Tagged(), socket_path):
+            await remote.start()  # the host answers: nothing started
+            assert launched == []
+        started = asyncio.get_running_loop().time()
+        await asyncio.sleep(200)  # lost: each host started from now on fails to load
+        assert not remote.healthy
+        assert remote.health.reason is not None
+        assert "failed to load: OSError: weights gone" in remote.health.reason
+        # the first at once (one health question); then, from each failure seen at the
+        # next question, a pause of 1, 2, 4... 60 s: not one start per second
+        assert launched[0] - started <= 1.5
+        gaps = [round(b - a) for a, b in itertools.pairwise(launched)]
+        assert gaps == [2, 3, 5, 9, 17, 33, 61, 61]
+
+        async with ModelHost(Tagged(), socket_path):  # back (another worker's host)
+            await asyncio.sleep(2)
+            assert remote.healthy
+            launched.clear()
+        await asyncio.sleep(10)  # lost again: started at once, the pause begins anew
+        assert [round(b - a) for a, b in itertools.pairwise(launched)] == [2, 3]
+    finally:
+        await remote.aclose()

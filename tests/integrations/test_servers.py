@@ -64,7 +64,10 @@ def references(model: tuple[Any, Any]) -> dict[str, torch.Tensor]:
 
 @asynccontextmanager
 async def serve(kind: str, model: tuple[Any, Any], **options: Any) -> AsyncIterator[Any]:
-    """Run the app on 127.0.0.1 on a free port; yield (httpx client, its EmbeddingService)."""
+    """Run the app on 127.0.0.1 on a free port; yield (httpx client, its EmbeddingService).
+    Each call may take 120 s unless the test sets `timeout`: the service's own 10 s
+    default was passed by 150 MiniLM requests on a loaded 2-core machine (504s)."""
+    options.setdefault("timeout", 120.0)
     if kind == "fastapi":
         app = fastapi_app.create_app(minilm=model, **options)
         async with on_uvicorn(app) as (_, port):

@@ -10,6 +10,7 @@ import pytest
 from _support import Recorder, scheduler_of
 
 from batchproxy import WorkerThread
+from batchproxy._options import Options
 from batchproxy._scheduling.scheduler import Limits
 
 
@@ -24,6 +25,7 @@ def test_limits_are_a_frozen_value_with_named_fields() -> None:
         "adaptive",
         "aging",
         "predicts",
+        "bulk_threshold",
     ]
     with pytest.raises(dataclasses.FrozenInstanceError):
         limits.batch_size = 4  # type: ignore[misc]
@@ -34,7 +36,13 @@ def test_limits_are_a_frozen_value_with_named_fields() -> None:
 def test_the_runner_makes_them_from_the_options() -> None:
     proxy = Recorder(batch_size=16, max_delay_ms=3, window="fixed", aging_ms=250)
     assert proxy._runner.limits() == Limits(
-        batch_size=16, max_delay=0.003, slots=1, adaptive=False, aging=0.25, predicts=False
+        batch_size=16,
+        max_delay=0.003,
+        slots=1,
+        adaptive=False,
+        aging=0.25,
+        predicts=False,
+        bulk_threshold=Options().bulk_threshold,
     )
 
 

@@ -61,7 +61,7 @@ PUBLIC = [
     "batch_key",
     "caller_contexts",
 ]
-"""Everything `from batchproxy import ...` offers; the modules `tensors`, `simulation`
+"""Everything `from batchproxy import ...` offers; the modules `tensors`, `simulation`, `tune`
 and `integrations.*` are public too, imported by name."""
 
 
@@ -72,7 +72,7 @@ def test_the_public_names_are_exactly_these() -> None:
 def test_every_public_name_is_exported_and_nothing_else_is_public() -> None:
     for name in PUBLIC:
         assert getattr(batchproxy, name) is not None
-    public_modules = {"tensors", "simulation", "integrations", "host"}
+    public_modules = {"tensors", "simulation", "integrations", "host", "tune"}
     exposed = {
         name
         for name, value in vars(batchproxy).items()

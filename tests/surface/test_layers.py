@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from _imports import PACKAGE, find_cycle, relative_imports
 
-FOLDERS = ["_executors", "_loops", "_runs", "_scheduling", "host", "tensors"]
+FOLDERS = ["_executors", "_loops", "_runs", "_scheduling", "host", "tensors", "tune"]
 
 
 def _node(path: Path) -> str:

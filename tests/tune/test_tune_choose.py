@@ -1,0 +1,93 @@
+"""`batchproxy.tune`'s simulated sweep and choice: for a model of known cost, what it
+recommends is what the cost model implies."""
+
+from __future__ import annotations
+
+import pytest
+
+import batchproxy
+from batchproxy.tune import Measurement, Point, TuneError, analyse
+
+SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def cost(size: int) -> float:
+    return 0.010 + 0.001 * size
+
+
+def measured(lanes: int = 1, shape=cost) -> Measurement:  # type: ignore[no-untyped-def]
+    points = tuple(Point(size, None, (shape(size),)) for size in SIZES)
+    return Measurement("toy", points, batchproxy.Options(batch_size=64), lanes, None, False)
+
+
+FAST = {"requests": 400, "sizes": (8, 16, 32, 64), "delays_ms": (5.0,)}
+
+
+def test_for_the_most_throughput_the_largest_batch_and_what_it_serves() -> None:
+    analysis = analyse(measured(), slots=(1,), **FAST)  # type: ignore[arg-type]
+    rec = analysis.recommendation
+    assert rec.target is None
+    assert rec.choice.setting.batch_size == 64  # 865 calls/s; 32 serves 762
+    ceiling = 64 / cost(64)
+    assert 0.75 * ceiling <= rec.choice.capacity <= ceiling
+    assert rec.ranking[0] is rec.choice
+    assert [c.capacity for c in rec.ranking[1:]] == sorted(
+        (c.capacity for c in rec.ranking[1:]), reverse=True
+    )
+    # one caller on an idle proxy: its call goes at once, a batch of one
+    alone = next(o for o in rec.closed if o.load.value == 1)
+    assert alone.p50 == pytest.approx(cost(1))
+    assert alone.p99 == pytest.approx(cost(1))
+    assert rec.knee is not None
+    assert rec.knee.load.value <= rec.choice.capacity
+    extras = {e.what: e for e in rec.extras}
+    assert 1.6 <= extras["another replica"].capacity / rec.choice.capacity <= 2.3
+    assert extras["another replica"].lanes == 2
+    # one lane: a second slot lets the next batch form early, it adds no model time
+    assert extras["one more batch slot"].capacity <= 1.1 * rec.choice.capacity
+
+
+def test_a_p99_target_caps_the_batch_at_what_fits_in_it() -> None:
+    """p99 <= 60 ms: a caller may wait for a running batch and then its own, so a full
+    batch must take at most about half the target: no batch of 64 (74 ms)."""
+    target = 0.060
+    analysis = analyse(measured(), target=target, slots=(1,), **FAST)  # type: ignore[arg-type]
+    rec = analysis.recommendation
+    best = rec.choice
+    assert cost(best.setting.batch_size) <= target
+    assert best.capacity <= 20 / cost(20) * 1.1  # 2 x cost(n) <= 60 ms: n <= 20
+    assert best.capacity > 0
+    met = [o for o in best.outcomes if o.load.value <= best.capacity]
+    assert met
+    assert all(o.p99 <= target for o in met)
+    loose = analyse(measured(), slots=(1,), **FAST).recommendation  # type: ignore[arg-type]
+    assert best.capacity < loose.choice.capacity
+
+
+def test_with_two_lanes_the_most_throughput_uses_both() -> None:
+    analysis = analyse(measured(lanes=2), slots=(1, 2), **FAST)  # type: ignore[arg-type]
+    setting = analysis.recommendation.choice.setting
+    assert setting.max_concurrent_batches == 2
+    assert analysis.recommendation.choice.capacity > 64 / cost(64)  # more than one lane
+
+
+def test_a_gpu_shaped_cost_recommends_the_flat_part_for_a_tight_target() -> None:
+    """5 ms for up to 32 items, then 0.5 ms an item more: under p99 <= 12 ms a batch of
+    64 (21 ms) never fits, one of 32 (5 ms) does."""
+
+    def flat_then_linear(size: int) -> float:
+        return 0.005 + 0.0005 * max(0, size - 32)
+
+    rec = analyse(
+        measured(shape=flat_then_linear),
+        target=0.012,
+        slots=(1,),
+        **FAST,  # type: ignore[arg-type]
+    ).recommendation
+    assert rec.choice.setting.batch_size == 32
+    assert rec.choice.capacity > 16 / 0.005  # more than batches of 16 back to back could
+
+
+def test_an_impossible_target_is_refused_with_the_reason() -> None:
+    with pytest.raises(TuneError, match=r"no setting serves even the lightest load .* 5 ms"):
+        analyse(measured(), target=0.005, slots=(1,), **FAST)  # type: ignore[arg-type]
