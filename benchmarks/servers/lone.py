@@ -5,8 +5,9 @@ Starts each server of `lone_server.py` (the regular way and batchproxy's service
 the README shows it, with variants) on 127.0.0.1, then sends one request at a time on
 one keep-alive connection per server, in rotating order, so the machine's changing
 load falls on every server alike. Per server: latency mean and median, the process's
-CPU per request, the collector's passes per generation during the run (and their
-time, and what they collected), and what is frozen. Per batchproxy server: its speed
+CPU per request (and its event loop's, its model thread's and its other threads'),
+the collector's passes per generation during the run (and their time, and what they
+collected), and what is frozen. Per batchproxy server: its speed
 against the regular way (ratio of mean latencies, with a bootstrap 95 % interval; the
 paired geometric mean of the per-request ratios, with a 95 % interval) and the median
 ratio. The machine's load average is printed before and after.
@@ -147,6 +148,10 @@ def main() -> None:
             "mean_ms": 1e3 * statistics.mean(times[kind]),
             "median_ms": 1e3 * statistics.median(times[kind]),
             "cpu_ms_per_request": 1e3 * (a["cpu"] - b["cpu"]) / n,
+            "thread_cpu_ms_per_request": {
+                role: 1e3 * (seconds - b["threads"].get(role, 0.0)) / n
+                for role, seconds in a["threads"].items()
+            },
             "passes": [x - y for x, y in zip(a["passes"], b["passes"], strict=True)],
             "gc_us_per_request": [
                 1e6 * (x - y) / n for x, y in zip(a["seconds"], b["seconds"], strict=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import threading
 import time
 from typing import Any
 
@@ -34,6 +35,29 @@ def _on_pass(phase: str, info: dict[str, Any]) -> None:
     PASSES["passes"][generation] += 1
     PASSES["seconds"][generation] += time.perf_counter() - _started[0]
     PASSES["collected"][generation] += info["collected"]
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds of each Python thread, by role: the event loop's, the model's (the
+    proxy's worker thread, or the regular way's pool thread), and the others'."""
+    seconds: dict[str, float] = {}
+    for thread in threading.enumerate():
+        if thread.ident is None:
+            continue
+        try:
+            cpu = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+        except OSError:
+            continue
+        name = thread.name
+        role = (
+            "loop"
+            if thread is threading.main_thread()
+            else "model"
+            if name.startswith(("batchproxy-", "minilm-regular"))
+            else "other"
+        )
+        seconds[role] = seconds.get(role, 0.0) + cpu
+    return seconds
 
 
 def create_app(kind: str) -> FastAPI:
@@ -61,7 +85,12 @@ def create_app(kind: str) -> FastAPI:
 
     @app.get("/gcstats")
     async def gcstats() -> dict[str, Any]:
-        return {**PASSES, "cpu": time.process_time(), "frozen": gc.get_freeze_count()}
+        return {
+            **PASSES,
+            "cpu": time.process_time(),
+            "threads": _thread_cpu(),
+            "frozen": gc.get_freeze_count(),
+        }
 
     return app
 
