@@ -6,7 +6,7 @@ BIN     = $(VENV)/bin
 # takes the CPU build on this machine and never resolves a newer torch with CUDA packages
 TORCH   = torch==2.13.0
 
-.PHONY: demo demo-publish test lint typecheck unit unit-uvloop package test-pythons docs docs-check bench bench-tensors bench-suite bench-servers bench-servers-gpu-sim bench-lone bench-scheduling bench-scaleout bench-autoscale bench-dedup bench-soak bench-soak-deadlines bench-soak-host bench-generation bench-keys bench-fairness bench-small-first bench-sizes bench-scale bench-host bench-tune bench-ab bench-gpu bench-gpu-quick clean
+.PHONY: demo demo-publish test lint typecheck unit unit-uvloop package test-pythons docs docs-check bench bench-tensors bench-suite bench-servers bench-servers-gpu-sim bench-lone bench-scheduling bench-scaleout bench-autoscale bench-dedup bench-soak bench-soak-deadlines bench-soak-host bench-generation bench-keys bench-fairness bench-small-first bench-sizes bench-scale bench-host bench-host-cpu bench-tune bench-ab bench-gpu bench-gpu-quick clean
 
 # the real model over HTTP, regular vs batched: the table, and demo.{json,png} in
 # benchmarks/results/runs/ (git-ignored: a run changes no tracked file)
@@ -154,6 +154,12 @@ bench-scale: $(VENV)/.installed
 
 bench-host: $(VENV)/.installed
 	$(BIN)/python benchmarks/host.py
+
+# server CPU per HTTP request in each layout (one process; a model host and 2 web workers;
+# the HTTP floor) on a model that uses no CPU, as on a GPU (issue 39); by hand:
+# `python benchmarks/host_cpu.py --transport` (no HTTP), `--base REF` (beside a commit)
+bench-host-cpu: $(VENV)/.installed-dev
+	$(BIN)/python benchmarks/host_cpu.py
 
 # python -m batchproxy.tune checked against the real thing: MiniLM (and the GPU-shaped model
 # once registered in benchmarks/_tune_models.py) tuned, then every setting of its grid run for

@@ -18,6 +18,13 @@ status 3 (`LOAD_FAILED`); with `--report-fd N`, it first writes its error's type
 message on file descriptor N (a pipe from the process that started it), which is
 closed once serving.
 
+`--loop`: the event loop to serve on: `auto` (the default) is uvloop where it is
+installed (as uvicorn's default: `uvicorn[standard]`), else asyncio's; `asyncio` or
+`uvloop` to choose (`asyncio`: the event loop policy's, asyncio's own unless the
+process set another). The host's loop carries every call of every web worker
+(reading the calls, a task each, writing the answers), and uvloop runs the loop's
+own part of that in C (docs/benchmarks.md, "CPU per request through the host").
+
 `--lock`: first take the host lock of `PATH` (`PATH.lock`), and exit at once (status
 0, nothing loaded) if another host holds it; `--exit-when-idle S`: exit (draining as
 on SIGTERM) once no client has been connected for S seconds. `RemoteProxy(path,
@@ -35,7 +42,7 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from .._factory import load_factory
@@ -66,7 +73,9 @@ async def serve(
         loop.add_signal_handler(signum, stop.set)
     async with ModelHost(proxy, path, drain_timeout=drain_timeout) as host:
         serving()
-        print(f"batchproxy.host: serving {proxy!r} on {path}", file=sys.stderr, flush=True)
+        loop_name = type(loop).__module__.partition(".")[0]  # ("asyncio", "uvloop")
+        print(f"batchproxy.host: serving {proxy!r} on {path} ({loop_name})", file=sys.stderr,
+              flush=True)  # fmt: skip
         if exit_when_idle is None:
             await stop.wait()
         else:
@@ -99,6 +108,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=True,
         help="gc.freeze() what is alive once loaded (default: on)",
     )
+    parser.add_argument(
+        "--loop", choices=LOOPS, default="auto", help="auto: uvloop where it is installed"
+    )
     parser.add_argument("--report-fd", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     report = _Report(args.report_fd)
@@ -107,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             return  # another host serves: nothing loaded
         sys.path.insert(0, "")  # the current directory, as `python -m` users expect
         factory = load_factory(args.factory)
-        asyncio.run(
+        run(
             serve(
                 factory,
                 args.socket,
@@ -115,7 +127,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 args.exit_when_idle,
                 freeze_gc=args.freeze_gc,
                 serving=report.close,
-            )
+            ),
+            args.loop,
         )
     except Exception as exc:
         if not report.loading:
@@ -125,6 +138,40 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(LOAD_FAILED)
     finally:
         report.close()
+
+
+LOOPS = ("auto", "asyncio", "uvloop")
+
+
+def loop_factory(loop: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The `--loop` choice's factory: uvloop's (`auto`: where it is installed; `uvloop`:
+    `ImportError` where it is not), or None for asyncio's own."""
+    if loop == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if loop == "uvloop":
+            raise
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+def run(main: Coroutine[Any, Any, None], loop: str) -> None:
+    """`asyncio.run(main)` on the `--loop` chosen."""
+    factory = loop_factory(loop)
+    if factory is None:
+        asyncio.run(main)
+        return
+    if sys.version_info >= (3, 11):
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(main)
+        return
+    import uvloop  # (Python 3.10: no loop factory; this process's policy, then)
+
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    asyncio.run(main)
 
 
 class _Report:

@@ -1,8 +1,9 @@
 """One `RemoteProxy` connection: the socket to the host on one event loop.
 
-Each call has an id, and a queue of its own for the host's answers with that id (a
-unary call's one answer; a list's results; a stream's chunks, then its end or error).
-The reader task is the only code that delivers those answers; when the connection
+Each call has an id, and a waiter of its own for the host's answers with that id (a
+future for a unary call's one answer or a list's results; a queue for a stream's
+chunks, then its end or error). The reader task is the only code that delivers those
+answers, all those that arrived together in one go; when the connection
 ends it delivers `HostUnavailable` to every call still waiting (and tells its owner,
 `on_lost`). A call with a deadline (`_deadline`) waits for nothing past it: not for
 room to write its message, nor for an answer (its queue gets the deadline when it
@@ -12,10 +13,13 @@ items' shared-memory segments the host has not read when the connection ends are
 unlinked then (`_shm`). Each new connection asks the host's health at once, for its
 owner (`on_health`), without waiting for the answer.
 
+The messages queued in one iteration of the loop (calls, cancels, health questions)
+are written together when the loop next runs its callbacks, in order (`_queue`).
 The transport may know the connection lost before the reader task does (a write
-failed: the host is gone); from then on nothing is written to it. A call that finds
-it so before any of its message was written raises `NotSent` if the connection had
-carried calls (it was lost while idle), and its `RemoteProxy` sends it on a new one.
+failed: the host is gone); from then on nothing is written to it. A call whose
+message could not be written at all (the connection found lost when it was queued,
+or when the queue was written) raises `NotSent` if the connection had carried calls
+(it was lost while idle), and its `RemoteProxy` sends it on a new one.
 """
 
 from __future__ import annotations
@@ -32,10 +36,10 @@ from .._stats import Health
 from . import _shm
 from ._deadline import Deadline
 from ._wire import (
+    MessageReader,
     message_bytes,
     open_sealed,
     owned,
-    read_message,
     seal,
     sealed_message,
     segment_names,
@@ -45,9 +49,24 @@ from ._wire import (
 __all__ = ["Connection", "NotSent"]
 
 _Answer = tuple[str, Any] | BaseException | Deadline
-"""What a call's queue gets: an answer `(kind, sealed)` from the host, the error that
+"""What a call's waiter gets: an answer `(kind, sealed)` from the host, the error that
 ends it here (the `HostUnavailable` of a lost connection, a drain's `DrainDeadline`:
 `cut`), or the call's `Deadline` once it passed."""
+
+_Waiter = asyncio.Future[list[_Answer]] | asyncio.Queue[_Answer]
+"""A call's: a future for its one final answer, a queue for a stream's. The future's
+result is a list the answer is taken out of: the loop's callback that wakes the call
+holds the future until the call's task next yields, and an answer left in it would
+keep its arrays' shared memory mapped until then."""
+
+
+def _put(waiter: _Waiter, answer: _Answer) -> None:
+    """Hand `answer` to a call's waiter (a future already done keeps its first)."""
+    if isinstance(waiter, asyncio.Future):
+        if not waiter.done():
+            waiter.set_result([answer])
+    else:
+        waiter.put_nowait(answer)
 
 
 class NotSent(HostUnavailable):
@@ -72,7 +91,7 @@ class Connection:
         self.loop = loop
         self.writer = writer
         self.open = True
-        self.waiting: dict[int, asyncio.Queue[_Answer]] = {}
+        self.waiting: dict[int, _Waiter] = {}
         self.segments = _shm.Ledger()  # of the items written, until the host reads them
         self._on_lost = on_lost
         self._on_health = on_health
@@ -82,7 +101,10 @@ class Connection:
         self._ids = itertools.count()
         self._lock = asyncio.Lock()  # one drain at a time (Python 3.10's streams allow no more)
         self._room = writer.transport.get_write_buffer_limits()[1]  # (then, writes pause)
-        self._carried = False  # a message was written whole (see `_unsent`)
+        self._carried = False  # a call's message was written (see `_unsent`)
+        self._pending: list[bytes] = []  # queued, written together (`_queue`)
+        self._pending_calls: list[int] = []  # the calls among them
+        self._queued = 0  # their bytes
         self._reader = loop.create_task(self._read(reader))
 
     async def call(self, item: Any, options: dict[str, Any], deadline: Deadline | None) -> Any:
@@ -134,8 +156,9 @@ class Connection:
     async def stream(
         self, item: Any, options: dict[str, Any], deadline: Deadline | None
     ) -> AsyncGenerator[Any, None]:
-        ident, answers = await self._send(self._sealed("stream", item, options), deadline)
-        timer = None if deadline is None else deadline.arm(self.loop, answers)
+        answers: asyncio.Queue[_Answer] = asyncio.Queue()
+        ident = await self._send(self._sealed("stream", item, options), deadline, answers)
+        timer = None if deadline is None else deadline.arm(self.loop, _put, answers)
         try:
             while True:
                 kind, sealed = _received(await answers.get())
@@ -160,8 +183,7 @@ class Connection:
         """Ask the host's `Health` without waiting: its answer goes to `on_health`."""
         ident = next(self._ids)
         self._health_asks.add(ident)
-        with contextlib.suppress(Exception):
-            self.writer.write(message_bytes(("health", ident)))
+        self._queue(message_bytes(("health", ident)))
 
     async def _one_answer(
         self, message: Callable[[int], tuple[bytes, list[str]]], deadline: Deadline | None
@@ -173,40 +195,40 @@ class Connection:
     async def _final_answer(
         self, message: Callable[[int], tuple[bytes, list[str]]], deadline: Deadline | None
     ) -> _Answer:
-        """Send `message(id)`; what its queue gets first (by `deadline`, if any)."""
-        ident, answers = await self._send(message, deadline)
-        timer = None if deadline is None else deadline.arm(self.loop, answers)
+        """Send `message(id)`; what its waiter gets first (by `deadline`, if any)."""
+        answer: asyncio.Future[list[_Answer]] = self.loop.create_future()
+        ident = await self._send(message, deadline, answer)
+        timer = None if deadline is None else deadline.arm(self.loop, _put, answer)
         try:
-            return await answers.get()
+            return (await answer).pop()
         finally:
             if timer is not None:
                 timer.cancel()
             self._leave(ident)
 
     async def _send(
-        self, message: Callable[[int], tuple[bytes, list[str]]], deadline: Deadline | None
-    ) -> tuple[int, asyncio.Queue[_Answer]]:
+        self,
+        message: Callable[[int], tuple[bytes, list[str]]],
+        deadline: Deadline | None,
+        answers: _Waiter,
+    ) -> int:
         """Send `message(id)` (its bytes, and the shared-memory segments they carry),
         then, if the socket's buffer is full, wait for room, by `deadline` at most;
-        the id and its answer queue (registered before the message is written, so no
-        answer can arrive unseen)."""
+        the id (its `answers` registered before the message is written, so no answer
+        can arrive unseen)."""
         ident = next(self._ids)
         data, names = message(ident)
-        answers: asyncio.Queue[_Answer] = asyncio.Queue()
         self.waiting[ident] = answers
         self._idle.clear()
         try:
             if not self.writable():
                 raise self._unsent()
-            fresh = self.writer.transport.get_write_buffer_size() == 0
-            self.writer.write(data)  # (whole: the messages never interleave)
-            if fresh and self.writer.is_closing():  # its first byte already refused
-                raise self._unsent()
+            self._queue(data, ident)  # (whole: the messages never interleave)
             self.segments.add(names)  # the host unlinks them as it reads the call
             names = []
-            self._carried = True
-            if self.writer.transport.get_write_buffer_size() > self._room:
+            if self._queued + self.writer.transport.get_write_buffer_size() > self._room:
                 # the host reads slower than this process writes, or not at all
+                self._flush()
                 room = self._drain()
                 await (room if deadline is None else deadline.bound(room))
         except NotSent:
@@ -220,7 +242,40 @@ class Connection:
             raise
         finally:
             _shm.unlink(names)  # never written (cancelled, or lost): nobody else knows them
-        return ident, answers
+        return ident
+
+    def _queue(self, data: bytes, ident: int | None = None) -> None:
+        """Queue a message (of call `ident`, if a call's): the messages queued in one
+        iteration of the loop are written together, in order, when it next runs its
+        callbacks (`_flush`: one system call, and one wakeup of the host, for all the
+        calls of the requests that arrived together)."""
+        if not self._pending:
+            self.loop.call_soon(self._flush)
+        self._pending.append(data)
+        self._queued += len(data)
+        if ident is not None:
+            self._pending_calls.append(ident)
+
+    def _flush(self) -> None:
+        """Write the messages queued. A call whose message could not be written at all
+        (the connection was found lost: not writable, or its first byte refused) ends
+        with `_unsent()`, as if it had found so itself."""
+        pending, self._pending, self._queued = self._pending, [], 0
+        calls, self._pending_calls = self._pending_calls, []
+        if not pending:
+            return
+        if self.writable():
+            fresh = self.writer.transport.get_write_buffer_size() == 0
+            self.writer.write(pending[0] if len(pending) == 1 else b"".join(pending))
+            if not (fresh and self.writer.is_closing()):  # (else its first byte refused)
+                self._carried = self._carried or bool(calls)
+                return
+        unsent = self._unsent()
+        for ident in calls:
+            answers = self.waiting.get(ident)
+            if answers is not None:
+                self._forget(ident)  # (nothing of it reached the host: no cancel)
+                _put(answers, unsent)
 
     async def _drain(self) -> None:
         """Until the socket has room again (for every call waiting for it)."""
@@ -265,8 +320,7 @@ class Connection:
         """The caller is done with call `ident`: if the host may still be working on it
         (it is still listed: no final answer came), tell the host to drop it."""
         if self._forget(ident) and self.writable():
-            with contextlib.suppress(Exception):
-                self.writer.write(message_bytes(("cancel", ident)))
+            self._queue(message_bytes(("cancel", ident)))  # (after its call, queued or not)
 
     def writable(self) -> bool:
         """Whether a message may be written: the connection is not known lost, neither
@@ -284,11 +338,15 @@ class Connection:
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         why = "the host closed the connection"
+        inbox = MessageReader(reader)
         try:
             while True:
-                # (handed on, not kept in this frame while the next one is awaited: its
+                # (each handed on, not kept in this frame while the next are awaited: its
                 # buffers may map shared memory, freed only with the last reference)
-                self._deliver(*await read_message(reader))
+                answers = await inbox.next()
+                answers.reverse()
+                while answers:
+                    self._deliver(*answers.pop())
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             if not isinstance(exc, asyncio.IncompleteReadError):
                 why = f"the connection to the host broke ({exc!r})"
@@ -308,7 +366,7 @@ class Connection:
             return  # else a call withdrawn meanwhile
         if kind != "chunk":  # the call's last answer: the host is done with it
             self._forget(ident)
-        answers.put_nowait((kind, sealed))
+        _put(answers, (kind, sealed))
 
     def cut(self, error: Callable[[], BaseException]) -> None:
         """End every call still waiting with `error()` now (a drain's deadline); the
@@ -316,7 +374,7 @@ class Connection:
         waiting, self.waiting = self.waiting, {}
         self._idle.set()
         for answers in waiting.values():
-            answers.put_nowait(error())
+            _put(answers, error())
 
     def _heard(self, kind: str, sealed: Any) -> None:
         """The answer to `ask_health`, for the owner."""
@@ -332,8 +390,12 @@ class Connection:
         waiting, self.waiting = self.waiting, {}
         self._health_asks.clear()
         self._idle.set()
-        for answers in waiting.values():
-            answers.put_nowait(HostUnavailable(self.path, why))
+        # a call still queued here was never written: `NotSent`, as if it had found the
+        # connection lost itself (sent on a new one, if this one had carried calls)
+        unsent = set(self._pending_calls)
+        self._pending, self._pending_calls, self._queued = [], [], 0
+        for ident, answers in waiting.items():
+            _put(answers, self._unsent() if ident in unsent else HostUnavailable(self.path, why))
         self.writer.close()
         self.segments.unlink_all()  # the items the host did not read: nobody will now
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from .._errors import DeadlineExceeded
@@ -25,6 +25,7 @@ from .._errors import DeadlineExceeded
 __all__ = ["MARGIN", "Deadline"]
 
 T = TypeVar("T")
+W = TypeVar("W")
 
 MARGIN = 0.05
 """Seconds a caller waits past its call's deadline for the host's own answer."""
@@ -58,11 +59,15 @@ class Deadline:
         return DeadlineExceeded(self.name, self.timeout)
 
     def arm(
-        self, loop: asyncio.AbstractEventLoop, answers: asyncio.Queue[Any]
+        self,
+        loop: asyncio.AbstractEventLoop,
+        put: Callable[[W, Deadline], None],
+        waiter: W,
     ) -> asyncio.TimerHandle:
-        """Put this deadline in a call's answer queue when it passes (the call's own
-        answers before it are read first); cancel the handle once the call ends."""
-        return loop.call_later(self.left(), answers.put_nowait, self)
+        """`put(waiter, self)` when this deadline passes: the call's answer queue or
+        future gets it (the call's own answers before it are read first); cancel the
+        handle once the call ends."""
+        return loop.call_later(self.left(), put, waiter, self)
 
     async def bound(self, awaitable: Awaitable[T]) -> T:
         """`awaitable`'s result, or `exceeded()` raised when the deadline passes first

@@ -32,7 +32,7 @@ from typing import Any
 from .._errors import DrainDeadline, HostUnavailable
 from .._stats import Health
 from ._peer import CALLS, Peer
-from ._wire import read_message, sealed_message
+from ._wire import MessageReader, answer_message
 
 __all__ = ["ModelHost"]
 
@@ -192,17 +192,35 @@ class ModelHost:
             return
         connection = Peer(self, writer)
         self._connections.add(connection)
+        inbox = MessageReader(reader)
         try:
             while True:
-                # (handed on, not kept in this frame while the next one is awaited: its
+                # (each handed on, not kept in this frame while the next are awaited: its
                 # buffers may map shared memory, freed only with the last reference)
-                await self._handle(connection, await read_message(reader))
+                messages = await inbox.next()
+                messages.reverse()
+                while messages:
+                    if self._handled(connection, messages[-1]):
+                        messages.pop()
+                    else:
+                        await self._handle(connection, messages.pop())
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client process closed the connection, or died
         finally:
             connection.peer_gone.set()  # it reads no more: its unread segments can go
             self._connections.discard(connection)
             await connection.close()
+
+    def _handled(self, connection: Peer, message: tuple[Any, ...]) -> bool:
+        """A call or a cancel from a client, taken at once (while the host serves);
+        False for a message that `_handle` takes."""
+        if message[0] in CALLS and not self._closing:
+            connection.start(*message)
+        elif message[0] == "cancel":
+            connection.cancel(message[1])
+        else:
+            return False
+        return True
 
     async def _handle(self, connection: Peer, message: tuple[Any, ...]) -> None:
         """One message from a client."""
@@ -214,7 +232,7 @@ class ModelHost:
         elif message[0] == "cancel":
             connection.cancel(message[1])
         elif message[0] == "health":  # a web worker's readiness, answered at once
-            await connection.send(*sealed_message("result", message[1], self.health()))
+            await connection.send(*answer_message("result", message[1], self.health()))
 
 
 def _same_user(writer: asyncio.StreamWriter) -> bool:

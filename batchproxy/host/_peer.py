@@ -22,12 +22,12 @@ from . import _shm
 from ._arguments import RemoteArguments
 from ._deadline import MARGIN
 from ._wire import (
-    message_bytes,
+    Outbox,
+    answer_message,
     open_sealed,
     owned,
     pack_error,
     seal,
-    sealed_message,
     segment_names,
 )
 
@@ -50,11 +50,13 @@ class Peer:
     def __init__(self, host: Host, writer: asyncio.StreamWriter) -> None:
         self.host = host
         self.writer = writer
+        self.outbox = Outbox(asyncio.get_running_loop(), writer)  # (one write per iteration)
+        self._room = writer.transport.get_write_buffer_limits()[1]  # (then, writes pause)
         self.calls: dict[int, asyncio.Task[None]] = {}
         self.deadlines: dict[int, float] = {}  # of the calls in `calls` that have one
         self.segments = _shm.Ledger()  # of the answers written, until the client reads them
         self.peer_gone = asyncio.Event()
-        self._lock = asyncio.Lock()  # one message written at a time
+        self._lock = asyncio.Lock()  # one drain at a time (Python 3.10's streams allow no more)
         self._eof = False  # the host closed its side for writing
 
     def start(
@@ -118,7 +120,7 @@ class Peer:
             async with contextlib.aclosing(proxy.stream(item, **call)) as chunks:
                 async for chunk in chunks:
                     await self._answer(ident, "chunk", chunk)
-            await self.send(*sealed_message("end", ident, None))
+            await self.send(*answer_message("end", ident, None))
         except asyncio.CancelledError:
             return  # the caller cancelled (or left): nobody waits for an answer
         except Exception as exc:
@@ -203,20 +205,19 @@ class Peer:
                 kind, parts = _sealed_outcome(outcome)
                 names += segment_names(parts)
                 entries.append((kind, parts))
-            data = message_bytes(("results", ident, entries))
         except BaseException:
             _shm.unlink(names)
             raise
-        await self.send(data, names)
+        await self.send(("results", ident, entries), names)
 
     async def _answer(self, ident: int, kind: str, value: Any) -> None:
         """Send a result or chunk; one that cannot travel raises `TypeError` (which
         fails its own call only)."""
         try:
-            data, names = sealed_message(kind, ident, value)
+            message, names = answer_message(kind, ident, value)
         except Exception as exc:
             raise TypeError(f"the model host could not send the call's {kind}: {exc!r}") from exc
-        await self.send(data, names)
+        await self.send(message, names)
 
     async def cut(
         self, tasks: Collection[asyncio.Task[None]], error: Callable[[], BaseException]
@@ -230,19 +231,23 @@ class Peer:
             await self.send_error(ident, error())
 
     async def send_error(self, ident: int, error: BaseException) -> None:
-        await self.send(*sealed_message("error", ident, pack_error(error)))  # (it pickles)
+        await self.send(*answer_message("error", ident, pack_error(error)))  # (it pickles)
 
-    async def send(self, data: bytes, names: list[str]) -> None:
-        """Write one message; `names`, its segments, are the ledger's once written."""
+    async def send(self, message: tuple[Any, ...], names: list[str]) -> None:
+        """Write one message (its values sealed: `answer_message`) with the others sent in this
+        iteration of the loop (the outbox), waiting for room if the client reads slower
+        than this host writes; `names`, its segments, are the ledger's once queued."""
         try:
-            async with self._lock:
-                if self.writer.is_closing() or self._eof:
-                    return
-                self.writer.write(data)
-                self.segments.add(names)  # the client unlinks them as it reads them
-                names = []
-                with contextlib.suppress(ConnectionError):
-                    await self.writer.drain()
+            if self.writer.is_closing() or self._eof:
+                return
+            self.outbox.put(message)
+            self.segments.add(names)  # the client unlinks them as it reads them
+            names = []
+            if self.outbox.size() > self._room:
+                self.outbox.flush()
+                async with self._lock:
+                    with contextlib.suppress(ConnectionError):
+                        await self.writer.drain()
         finally:
             _shm.unlink(names)  # never written (cancelled, or closed): nobody else knows them
 
@@ -257,6 +262,7 @@ class Peer:
         try:
             if calls:
                 await asyncio.gather(*calls, return_exceptions=True)
+            self.outbox.flush()  # (the answers already sent, the drain's cut-offs among them)
             if grace > 0 and not self.writer.is_closing() and self.segments.sweep():
                 self._eof = True  # (first: no message may follow the end of the stream)
                 with contextlib.suppress(Exception):  # (a transport with no half-close)

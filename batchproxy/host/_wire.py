@@ -1,8 +1,9 @@
 """The messages between a `RemoteProxy` and its `ModelHost`, on a Unix domain socket.
 
-A message is a tuple, encoded as the worker pipes' frames (`_executors.ipc`: a
-header, the pickle (protocol 5), each large buffer out of band, never copied into
-the pickle); on the socket it is the frame count, then each frame's length and bytes.
+A message is a tuple, pickled as the worker pipes' messages are (`_executors.ipc`:
+protocol 5, each large buffer out of band, never copied into the pickle); on the
+socket it is the frame count, each frame's length, then the frames' bytes (the
+pickle, then each buffer), read in three reads whatever the count.
 
 - client to host: `("call", id, item, options)`, `("stream", id, item, options)`,
   `("many", id, [item, ...], options, return_exceptions)` (`inference_many`, each
@@ -41,11 +42,14 @@ import struct
 import types
 from typing import Any
 
-from .._executors.ipc import decode, encode
+from .._executors.ipc import pickled
 from . import _shm
 
 __all__ = [
+    "MessageReader",
+    "Outbox",
     "Packed",
+    "answer_message",
     "message_bytes",
     "open_sealed",
     "owned",
@@ -63,20 +67,23 @@ _SIZE = struct.Struct("<Q")
 
 def message_bytes(message: tuple[Any, ...]) -> bytes:
     """The bytes to write for `message`: raises what pickling raises, before anything
-    is written (so a message that cannot be sent leaves the socket in step).
+    is written (so a message that cannot be sent leaves the socket in step). Its values
+    are sealed already (`seal`): the message itself is pickled as it is.
 
     Returned as one `bytes`, with no view into the pickled buffers left behind: a
     memoryview of a `PickleBuffer` that outlives this call can end up in a reference
     cycle (an exception's traceback, a frame), and CPython 3.12.1's collector then
     released the buffer under the view (a segfault, seen in this package's tests)."""
-    frames = encode(message)
-    out = bytearray(_COUNT.pack(len(frames)))
-    for frame in frames:
-        with memoryview(frame) as view:
-            out += _SIZE.pack(view.nbytes)
-            out += view
-    del frames
-    return bytes(out)
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)
+    frames = [memoryview(data), *(buffer.raw() for buffer in buffers)]
+    sizes = [frame.nbytes for frame in frames]
+    try:
+        return b"".join([struct.pack(f"<I{len(sizes)}Q", len(sizes), *sizes), *frames])
+    finally:
+        for frame in frames:
+            frame.release()
+        del frames
 
 
 def seal(value: Any) -> list[Any]:
@@ -85,10 +92,10 @@ def seal(value: Any) -> list[Any]:
     `PickleBuffer`, or a buffer of `_shm.THRESHOLD` bytes or more copied into a
     shared-memory segment, as its `_shm.Segment`. The caller owns those segments
     (`segment_names`): it writes them on a connection or unlinks them."""
-    frames = encode(value)
-    parts: list[Any] = [pickle.PickleBuffer(frames[1])]
+    frames = pickled(value)
+    parts: list[Any] = [pickle.PickleBuffer(frames[0])]
     try:
-        for view in frames[2:]:
+        for view in frames[1:]:
             segment = _shm.put(view) if view.nbytes >= _shm.THRESHOLD else None
             if segment is None:
                 parts.append(pickle.PickleBuffer(view))
@@ -126,25 +133,163 @@ def sealed_message(kind: str, ident: int, value: Any, *rest: Any) -> tuple[bytes
         raise
 
 
+def answer_message(kind: str, ident: int, value: Any) -> tuple[tuple[Any, ...], list[str]]:
+    """`(kind, ident, owned(seal(value)))`, to queue in an `Outbox`, and the names of the
+    segments it carries, which the caller owns from here on (raises what pickling
+    raises, after unlinking any it made)."""
+    parts = owned(seal(value))
+    return (kind, ident, parts), segment_names(parts)
+
+
 def open_sealed(parts: list[Any]) -> Any:
     """What `seal` sealed (raises what unpickling raises, or `_shm.SegmentLost` for a
     segment that could not be mapped when the message was read)."""
     for part in parts:
         if isinstance(part, _shm.SegmentLost):
             raise part
-    return decode([b"", *parts])
+    # (a buffer that came in band, as `owned` sends it, is copied: writable, as the
+    # arrays made from buffers that came out of band are)
+    buffers = [bytearray(part) if isinstance(part, bytes) else part for part in parts[1:]]
+    return pickle.loads(parts[0], buffers=buffers)
 
 
 async def read_message(reader: asyncio.StreamReader) -> Any:
-    """The next message (raises `asyncio.IncompleteReadError` at the end of the stream).
+    """The next message as written (raises `asyncio.IncompleteReadError` at the end of
+    the stream; a `("batch", [message, ...])` is not taken apart: `MessageReader` does).
     Its segments are mapped and unlinked here, whatever becomes of its call."""
     (count,) = _COUNT.unpack(await reader.readexactly(_COUNT.size))
+    sizes = struct.unpack(f"<{count}Q", await reader.readexactly(_SIZE.size * count))
+    data = await reader.readexactly(sum(sizes))
     frames: list[Any] = []
-    for _ in range(count):
-        (size,) = _SIZE.unpack(await reader.readexactly(_SIZE.size))
-        # writable, so that NumPy arrays made from out-of-band buffers are too
-        frames.append(bytearray(await reader.readexactly(size)) if size else bytearray())
-    return decode(frames)
+    start = 0
+    with memoryview(data) as view:
+        for size in sizes:
+            # writable, so that NumPy arrays made from out-of-band buffers are too
+            frames.append(bytearray(view[start : start + size]))
+            start += size
+    return pickle.loads(frames[0], buffers=frames[1:])
+
+
+class MessageReader:
+    """The messages of one stream, read in bulk: `next()` returns every message that
+    has arrived whole (one read of the socket for many messages, the usual case when
+    calls or answers are in flight together), at least one."""
+
+    def __init__(self, reader: asyncio.StreamReader) -> None:
+        self.reader = reader
+        self.buffer = bytearray()
+
+    async def next(self) -> list[Any]:
+        """The messages read next, in order (raises `asyncio.IncompleteReadError` at the
+        end of the stream, as `read_message`). Their segments are mapped and unlinked
+        here, whatever becomes of their calls."""
+        while True:
+            messages = self._parse()
+            if messages:
+                return messages
+            want = self._missing()
+            if want > _BULK:  # a large message: the rest of it at once
+                data = await self.reader.readexactly(want)
+            else:
+                data = await self.reader.read(_BULK)
+                if not data:
+                    raise asyncio.IncompleteReadError(bytes(self.buffer), None)
+            self.buffer += data
+
+    def _missing(self) -> int:
+        """How many bytes the first message still lacks (at least 1)."""
+        buffer = self.buffer
+        if len(buffer) < _COUNT.size:
+            return _COUNT.size - len(buffer)
+        count: int = _COUNT.unpack_from(buffer)[0]
+        head = _COUNT.size + _SIZE.size * count
+        if len(buffer) < head:
+            return head - len(buffer)
+        total: int = head + sum(struct.unpack_from(f"<{count}Q", buffer, _COUNT.size))
+        return max(1, total - len(buffer))
+
+    def _parse(self) -> list[Any]:
+        buffer = self.buffer
+        messages: list[Any] = []
+        start = 0
+        with memoryview(buffer) as view:
+            while len(buffer) - start >= _COUNT.size:
+                (count,) = _COUNT.unpack_from(buffer, start)
+                head = start + _COUNT.size + _SIZE.size * count
+                if len(buffer) < head:
+                    break
+                sizes = struct.unpack_from(f"<{count}Q", buffer, start + _COUNT.size)
+                if len(buffer) < head + sum(sizes):
+                    break
+                frames: list[Any] = []
+                for size in sizes:
+                    # writable, so that NumPy arrays made from out-of-band buffers are too
+                    frames.append(bytearray(view[head : head + size]))
+                    head += size
+                start = head
+                message = pickle.loads(frames[0], buffers=frames[1:])
+                if message[0] == "batch":  # (an `Outbox`'s: the messages in it, in order)
+                    messages.extend(message[1])
+                else:
+                    messages.append(message)
+                del message
+        if start:
+            del buffer[:start]
+        return messages
+
+
+class Outbox:
+    """The messages for one stream, written together: `put` queues a message (its values
+    sealed and owned: `answer_message`), and when the loop next runs its callbacks all
+    those queued go as one `("batch", [message, ...])` message in one write (one
+    pickling, one system call and one wakeup of the reader for a batch's answers).
+    `flush` writes them now (before waiting for room, or closing)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, writer: asyncio.StreamWriter) -> None:
+        self.loop = loop
+        self.writer = writer
+        self._pending: list[tuple[Any, ...]] = []
+        self._bytes = 0
+
+    def put(self, message: tuple[Any, ...]) -> None:
+        if not self._pending:
+            self.loop.call_soon(self.flush)
+        self._pending.append(message)
+        self._bytes += _ENVELOPE + _size(message)
+
+    def size(self) -> int:
+        """Bytes queued here (about) and in the transport, not yet sent."""
+        return self._bytes + self.writer.transport.get_write_buffer_size()
+
+    def flush(self) -> None:
+        """Write what is queued (dropped if the transport is closing: the other end is
+        gone, or this one closes). Nothing in it can fail to pickle: its values are
+        sealed already, the rest are the library's own plain values."""
+        pending, self._pending, self._bytes = self._pending, [], 0
+        if pending and not self.writer.is_closing():
+            message = pending[0] if len(pending) == 1 else ("batch", pending)
+            self.writer.write(message_bytes(message))
+
+
+_ENVELOPE = 64  # (bytes a message adds to the values it carries, about)
+
+
+def _size(message: tuple[Any, ...]) -> int:
+    """The bytes of a message's sealed values (its parts, or a list's entries' parts),
+    about: segments and the rest count for nothing."""
+    if len(message) < 3:
+        return 0
+    if message[0] == "results":
+        return sum(_parts_size(parts) for _, parts in message[2])
+    return _parts_size(message[2])
+
+
+def _parts_size(parts: list[Any]) -> int:
+    return sum([len(part) for part in parts if type(part) is bytes])
+
+
+_BULK = 1 << 16
+"""Bytes asked of the stream at a time (a message larger than that: all of its rest)."""
 
 
 Packed = tuple[str, str, str, bytes | None, bytes | None]

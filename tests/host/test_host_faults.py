@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _combinations import EXAMPLES
@@ -132,6 +133,34 @@ async def test_a_call_made_as_the_connection_drops_is_sent_on_a_new_one(
         assert [chunk[0] for chunk in chunks] == [2]
     else:  # the question a service's watch asks every second
         assert (await remote._ask()).healthy
+    assert remote._connections[asyncio.get_running_loop()] is not connection
+    await wait_until(lambda: host.connections == 1)
+
+
+@pytest.mark.parametrize("form", ["inference", "stream", "health"])
+async def test_a_call_queued_as_the_connection_ends_is_sent_on_a_new_one(
+    served: tuple[Tagged, ModelHost, RemoteProxy], form: str
+) -> None:
+    """Found by the fault walk once a connection wrote the messages of one iteration
+    of the loop together: a call queued, not written yet, when the reader saw the end
+    of the stream failed with `HostUnavailable`, though nothing of it had left. It is
+    `NotSent`, and sent on a new connection, as a call that found the socket dead."""
+    _, host, remote = served
+    assert (await remote.inference(1))[0] == 1  # connected (it carried a call)
+    connection = next(iter(remote._connections.values()))
+
+    async def call() -> Any:
+        if form == "inference":
+            return (await remote.inference(2))[0]
+        if form == "stream":
+            return [chunk[0] async for chunk in remote.stream(2)]
+        return (await remote._ask()).healthy
+
+    made = asyncio.ensure_future(call())
+    await asyncio.sleep(0)  # queued, not written: that waits for the loop's next callbacks
+    assert connection._pending_calls
+    connection._fail_waiting("the host closed the connection")  # (as its reader does)
+    assert await asyncio.wait_for(made, 30) == {"inference": 2, "stream": [2]}.get(form, True)
     assert remote._connections[asyncio.get_running_loop()] is not connection
     await wait_until(lambda: host.connections == 1)
 
