@@ -6,7 +6,7 @@ BIN     = $(VENV)/bin
 # takes the CPU build on this machine and never resolves a newer torch with CUDA packages
 TORCH   = torch==2.13.0
 
-.PHONY: demo demo-publish test lint typecheck unit unit-uvloop package test-pythons docs docs-check bench bench-tensors bench-suite bench-servers bench-servers-gpu-sim bench-scheduling bench-scaleout bench-autoscale bench-dedup bench-soak bench-soak-deadlines bench-soak-host bench-generation bench-keys bench-fairness bench-small-first bench-sizes bench-scale bench-host bench-host-cpu bench-tune bench-ab bench-gpu bench-gpu-quick clean
+.PHONY: demo demo-publish test lint typecheck unit unit-uvloop package test-pythons docs docs-check bench bench-tensors bench-suite bench-servers bench-servers-gpu-sim bench-lone bench-scheduling bench-scaleout bench-autoscale bench-dedup bench-soak bench-soak-deadlines bench-soak-host bench-generation bench-keys bench-fairness bench-small-first bench-sizes bench-scale bench-host bench-host-cpu bench-tune bench-ab bench-gpu bench-gpu-quick clean
 
 # the real model over HTTP, regular vs batched: the table, and demo.{json,png} in
 # benchmarks/results/runs/ (git-ignored: a run changes no tracked file)
@@ -93,6 +93,11 @@ bench-servers: $(VENV)/.installed-dev
 # tokenizer, a GIL-bound launch, a device that takes no CPU): servers-gpu-sim.{json,png}
 bench-servers-gpu-sim: $(VENV)/.installed-dev
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/servers/run.py --model gpu-sim
+
+# a lone client, interleaved across the regular way and batchproxy's service as the README
+# shows it (and variants): speed ratios with 95 % intervals, CPU and collector passes per request
+bench-lone: $(VENV)/.installed-dev
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/servers/lone.py --kinds regular,batchproxy,batchproxy-nofreeze,batchproxy-nowatch
 
 # scheduling policies on a virtual clock, and the scheduler's cost on a real one
 bench-scheduling: $(VENV)/.installed-dev

@@ -119,7 +119,9 @@ async def run_serving(config: Config, program: ServingProgram) -> tuple[Run, dic
     of a proxy made from `config`, drain it at `drain_at`; what happened."""
     log = Log()
     proxy, _ = config.make(log)
-    serving = Serving(proxy, drain_timeout=program.drain_timeout)
+    # (freeze_gc off: one full collection per example would cost the walk more than it
+    # checks; the freeze has tests of its own, tests/integrations/test_collector.py)
+    serving = Serving(proxy, drain_timeout=program.drain_timeout, freeze_gc=False)
     await serving.start()
     await serving.wait_ready()
     log.loop = asyncio.get_running_loop()

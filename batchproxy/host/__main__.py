@@ -6,9 +6,11 @@ coroutine function may load the weights). The host serves it on `PATH` until
 SIGTERM or SIGINT, then drains for up to `--drain-timeout` seconds and removes the
 socket. One line on stderr says when it is ready.
 
-`--freeze-gc`: once the factory's proxy is loaded, before serving, collect once and
-`gc.freeze()` what is alive (the model, the framework), as `Serving(freeze_gc=True)`
-does in a web service: the collector's full passes then skip them.
+Once the factory's proxy is loaded, before serving, the host collects once and
+`gc.freeze()`s what is alive (the model, the framework), as a `Serving` does in a web
+service by default: the collector's full passes then skip them. On by default, for the
+same reasons (docs/serving.md, "Garbage-collection pauses"); `--no-freeze-gc` leaves
+the collector alone (`--freeze-gc`, the default, is still accepted).
 
 A load that fails (taking the lock, importing the factory's module, calling the
 factory, entering the proxy, binding the socket) prints its traceback and exits with
@@ -26,7 +28,7 @@ own part of that in C (docs/benchmarks.md, "CPU per request through the host").
 `--lock`: first take the host lock of `PATH` (`PATH.lock`), and exit at once (status
 0, nothing loaded) if another host holds it; `--exit-when-idle S`: exit (draining as
 on SIGTERM) once no client has been connected for S seconds. `RemoteProxy(path,
-host="module:factory")` starts its host this way, with `--freeze-gc` (see `_launch`).
+host="module:factory")` starts its host this way (see `_launch`).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ async def serve(
     drain_timeout: float | None,
     exit_when_idle: float | None = None,
     *,
-    freeze_gc: bool = False,
+    freeze_gc: bool = True,
     serving: Callable[[], None] = lambda: None,
 ) -> None:
     """Load the factory's proxy and serve it on `path` until SIGTERM or SIGINT (or idle
@@ -101,7 +103,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--lock", action="store_true", help="exit if a host holds PATH.lock")
     parser.add_argument("--exit-when-idle", type=float, default=None, metavar="SECONDS")
     parser.add_argument(
-        "--freeze-gc", action="store_true", help="gc.freeze() what is alive once loaded"
+        "--freeze-gc",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="gc.freeze() what is alive once loaded (default: on)",
     )
     parser.add_argument(
         "--loop", choices=LOOPS, default="auto", help="auto: uvloop where it is installed"

@@ -134,12 +134,19 @@ class Serving:
     `start()` ran in the main thread: `Serving` chains its own handler in front of
     the server's until `aclose()`. So the deadline holds for the requests the server
     waits for before it runs the shutdown (see docs/serving.md for the settings).
-    `freeze_gc`: once loading succeeded, before the service reports ready, collect
-    once and `gc.freeze()` what is alive (the model, the framework), so the garbage
-    collector's full passes, which hold the GIL and so stall the model's thread and
-    the event loop, no longer walk it: with a model loaded such a pass took 200-250
-    ms, every 10-15 s under load; frozen, 2-13 ms. A process-wide setting, off by
-    default: what is frozen stays for the process's life (docs/serving.md).
+    `freeze_gc` (default True): once loading succeeded, before the service reports
+    ready, collect once and `gc.freeze()` what is alive (the model, the framework), so
+    the garbage collector's full passes, which hold the GIL and so stall the model's
+    thread and the event loop, no longer walk it: with a model loaded such a pass took
+    200-250 ms, every 10-15 s under load; frozen, 2-13 ms. On by default because it is
+    safe for a service: the collection first frees what loading left as garbage (so
+    none of it is kept); what is frozen is what was alive, which a serving process
+    keeps anyway, and only what of it later becomes garbage in a reference cycle waits
+    for the freeze's end; and `aclose()` gives the frozen objects back to the
+    collector (`gc.unfreeze()`) once no service that froze is still running, so a
+    process that outlives its service (tests, notebooks) keeps nothing for good. It
+    costs one full collection before the service is ready. False leaves the collector
+    alone (see docs/serving.md, "Garbage-collection pauses").
     `tcp_nodelay` (default True): at `start()`, set TCP_NODELAY on this process's TCP
     listeners that lack it, so that the connections they accept have it, as asyncio
     gives its own: `uvicorn --workers N` binds its shared listener so that asyncio's
@@ -157,7 +164,7 @@ class Serving:
         retry_after: float = 1.0,
         max_callers: int | None = None,
         drain_timeout: float | None = None,
-        freeze_gc: bool = False,
+        freeze_gc: bool = True,
         tcp_nodelay: bool = True,
     ) -> None:
         for proxy in proxies:
@@ -205,6 +212,7 @@ class Serving:
         self._draining: asyncio.Task[None] | None = None  # the drain, once begun
         self._signal_handler: Any = None  # ours, while installed, and the one it chains to
         self._chained: Any = None
+        self._frozen = False  # this service holds a freeze (`_freezes`) until its drain ends
 
     # -- the owner's side: startup and shutdown ---------------------------------------------
 
@@ -246,8 +254,8 @@ class Serving:
         else:
             if self.state is State.LOADING:
                 if self.freeze_gc:
-                    gc.collect()  # (what loading left as garbage is not frozen for good)
-                    gc.freeze()
+                    _freezes.hold()
+                    self._frozen = True
                 self.state = State.READY
 
     async def wait_ready(self) -> None:
@@ -306,6 +314,9 @@ class Serving:
                     logger.warning(
                         "%r did not close by the drain's deadline; left closing", executor
                     )
+            if self._frozen:
+                self._frozen = False
+                _freezes.release()
             self.state = State.CLOSED
 
     def _drain_on_sigterm(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -417,6 +428,34 @@ class Serving:
             body["error"] = f"{type(self.error).__name__}: {self.error}"
         body["proxies"] = {proxy.name: _proxy_report(proxy) for proxy in self.proxies}
         return body
+
+
+class _Freezes:
+    """The process's garbage-collector freeze, held by the services that made it.
+
+    `hold()` collects once (what loading left as garbage is freed, not frozen), then
+    freezes what is alive; `release()` by the last holder unfreezes (every frozen
+    object, as `gc.unfreeze()` does), so a process that outlives its services keeps
+    nothing frozen. Services may start and close on several threads' loops: a lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.holders = 0  # changed by hold() and release() only
+
+    def hold(self) -> None:
+        gc.collect()  # (outside the lock: the finalizers it runs are user code)
+        with self._lock:
+            gc.freeze()
+            self.holders += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self.holders -= 1
+            if self.holders == 0:
+                gc.unfreeze()
+
+
+_freezes = _Freezes()
 
 
 def _proxy_report(proxy: Served) -> dict[str, Any]:

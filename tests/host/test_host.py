@@ -357,11 +357,13 @@ def test_client_processes_share_one_host_and_its_batches(socket_path: str, clien
     assert not _exists(socket_path)
 
 
-@pytest.mark.parametrize("freeze", [True, False])
-async def test_freeze_gc_freezes_what_the_factory_loaded_before_serving(
-    socket_path: str, freeze: bool
+@pytest.mark.parametrize("flag", ["", "--freeze-gc", "--no-freeze-gc"], ids=repr)
+async def test_by_default_the_host_freezes_what_the_factory_loaded_before_serving(
+    socket_path: str, flag: str
 ) -> None:
-    host = HostProcess(socket_path, 0.0, "freeze_count", *(["--freeze-gc"] if freeze else []))
+    """As a `Serving` does by default; `--no-freeze-gc` leaves the collector alone."""
+    freeze = flag != "--no-freeze-gc"
+    host = HostProcess(socket_path, 0.0, "freeze_count", *([flag] if flag else []))
     try:
         async with RemoteProxy(socket_path) as remote:
             frozen = await remote.inference(0)

@@ -4,7 +4,6 @@ executors it owns, and its refusals."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 from typing import Any
 
@@ -169,60 +168,3 @@ async def test_an_executor_sees_the_items_its_proxies_queue_in_batches() -> None
     del second
     gc.collect()
     assert executor.queued_items() == (0, 0)  # and so does a collected one
-
-
-class _Weights:
-    """Stands for a loaded model: objects the collector tracks."""
-
-    def __init__(self) -> None:
-        self.layers = [{"w": [0.0] * 4} for _ in range(1_000)]
-
-
-@pytest.fixture
-def unfrozen() -> Any:
-    """The test's frozen objects go back to the collector after it."""
-    gc.unfreeze()
-    yield
-    gc.unfreeze()
-
-
-@pytest.mark.usefixtures("unfrozen")
-async def test_freeze_gc_freezes_what_loading_left_alive_before_it_reports_ready() -> None:
-    loaded: list[_Weights] = []
-    seen_frozen: list[int] = []
-
-    async def load() -> None:
-        loaded.append(_Weights())
-        seen_frozen.append(gc.get_freeze_count())
-
-    thread = WorkerThread(name="shared")  # (with the other options it meets)
-    serving = Serving(
-        Recorder(offload=thread), executors=[thread], load=load, drain_timeout=5, freeze_gc=True
-    )
-    async with serving.running():
-        await serving.wait_ready()
-        frozen = gc.get_freeze_count()
-        # the model's objects are frozen: a full pass no longer walks them
-        assert frozen >= seen_frozen[0] + 1_000
-        assert not any(
-            gc.is_tracked(layer) and layer in gc.get_objects() for layer in loaded[0].layers[:3]
-        )
-        assert serving.readiness().status == 200
-        assert await serving.proxies[0].inference(1) == ("out", 1)  # calls go on as before
-
-
-@pytest.mark.usefixtures("unfrozen")
-async def test_without_freeze_gc_or_after_a_failed_load_nothing_is_frozen() -> None:
-    async def fails() -> None:
-        raise OSError("weights not found")
-
-    for serving in (Serving(Recorder()), Serving(Recorder(), load=fails, freeze_gc=True)):
-        async with serving.running():
-            with contextlib.suppress(NotReady):
-                await serving.wait_ready()
-        assert gc.get_freeze_count() == 0
-
-
-def test_freeze_gc_must_be_a_bool() -> None:
-    with pytest.raises(TypeError, match="freeze_gc must be a bool"):
-        Serving(Recorder(), freeze_gc=1)  # type: ignore[arg-type]
