@@ -1,7 +1,9 @@
 """A client process for the model-host tests: `python tests/_host_client.py SOCKET ID N`
 sends N calls at once, `(ID, i)` for i in range(N), and prints one JSON line: how many
 came back right, wrong, or failed (by error class), and the batch ids it saw with
-their sizes. With `--forever` it keeps sending until killed (the killed-client test)."""
+their sizes. With `--forever` it keeps sending until killed (the killed-client test);
+with `--on-go`, once connected it prints `ready` and sends when a line comes on stdin
+(the test starts several clients' calls together)."""
 
 from __future__ import annotations
 
@@ -13,9 +15,13 @@ from collections import Counter
 from batchproxy.host import RemoteProxy
 
 
-async def main(path: str, ident: str, count: int, forever: bool) -> None:
+async def main(path: str, ident: str, count: int, forever: bool, on_go: bool) -> None:
     remote = RemoteProxy(path)  # (not `async with`, which would wait for a host: none may be)
     try:
+        if on_go:
+            await remote.start()  # connected, the host answering
+            print("ready", flush=True)
+            await asyncio.to_thread(sys.stdin.readline)
         while True:
             items = [(ident, i) for i in range(count)]
             answers = await remote.inference_many(items, return_exceptions=True)
@@ -40,4 +46,7 @@ async def main(path: str, ident: str, count: int, forever: bool) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), "--forever" in sys.argv))
+    flags = sys.argv[4:]
+    asyncio.run(
+        main(sys.argv[1], sys.argv[2], int(sys.argv[3]), "--forever" in flags, "--on-go" in flags)
+    )

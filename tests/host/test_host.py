@@ -331,6 +331,7 @@ def _client(path: str, ident: str, count: int, *flags: str) -> subprocess.Popen[
     return subprocess.Popen(
         [sys.executable, str(TESTS / "_host_client.py"), path, ident, str(count), *flags],
         env=environment(),
+        stdin=subprocess.PIPE if "--on-go" in flags else None,
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -338,9 +339,16 @@ def _client(path: str, ident: str, count: int, *flags: str) -> subprocess.Popen[
 
 @pytest.mark.parametrize("clients", [2, 4])
 def test_client_processes_share_one_host_and_its_batches(socket_path: str, clients: int) -> None:
-    host = HostProcess(socket_path, delay=0.01)
+    host = HostProcess(socket_path, delay=0.05)  # (1,000 calls: 16 batches, 0.8 s)
     try:
-        processes = [_client(socket_path, f"c{i}", 1000) for i in range(clients)]
+        processes = [_client(socket_path, f"c{i}", 1000, "--on-go") for i in range(clients)]
+        for process in processes:  # each connected, then all send at once: on a loaded
+            assert process.stdout is not None  # machine a client's start took longer
+            assert process.stdout.readline() == "ready\n"  # than another's 1,000 calls
+        for process in processes:
+            assert process.stdin is not None
+            process.stdin.write("go\n")
+            process.stdin.flush()
         summaries = []
         for process in processes:
             out, _ = process.communicate(timeout=120)
