@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -20,7 +21,7 @@ from collections.abc import (
     Sequence,
 )
 from pathlib import Path
-from types import ModuleType
+from types import CodeType, ModuleType
 from typing import Any, NoReturn, TypeVar
 
 from typing_extensions import override
@@ -235,6 +236,24 @@ async def wait_until(condition: Callable[[], bool], *, seconds: float = 10.0) ->
     while not condition():
         assert loop.time() < end, "condition never became true"
         await asyncio.sleep(0.002)
+
+
+def wait_for(condition: Callable[[], bool], seconds: float = 10.0) -> None:
+    """Poll `condition` from a plain thread (for state changed by another thread)."""
+    end = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < end, "condition never became true"
+        time.sleep(0.002)
+
+
+def blocked_in(thread: int, code: CodeType) -> bool:
+    """Whether `thread` is blocked in threading's waits called (at any depth) from `code`."""
+    frame = sys._current_frames().get(thread)
+    if frame is None or frame.f_code.co_filename != threading.__file__:
+        return False
+    while frame is not None and frame.f_code is not code:
+        frame = frame.f_back
+    return frame is not None
 
 
 def thread_alive(name: str) -> bool:

@@ -11,11 +11,18 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import CodeType
 from typing import Any
 
 import pytest
-from _support import LoopThread, Recorder, ThreadRecorder, assert_settled, tag_with_thread
+from _support import (
+    LoopThread,
+    Recorder,
+    ThreadRecorder,
+    assert_settled,
+    blocked_in,
+    tag_with_thread,
+    wait_for,
+)
 from typing_extensions import override
 
 import batchproxy
@@ -46,14 +53,6 @@ def run_threads(target: Callable[[int], object], count: int) -> None:
     for thread in threads:
         thread.join(30)
     assert not any(thread.is_alive() for thread in threads)
-
-
-def wait_for(condition: Callable[[], bool], seconds: float = 10.0) -> None:
-    """Poll `condition` from a plain thread (for state changed by another thread)."""
-    end = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < end, "condition never became true"
-        time.sleep(0.002)
 
 
 # -- inference_sync and submit from plain threads -------------------------------------------
@@ -110,16 +109,6 @@ def test_timeout_raises_deadline_exceeded_and_leaves_nothing_queued(
         gate.set()
     assert busy.result(10) == ("out", 0)
     assert proxy.batches == [[0]]
-
-
-def blocked_in(thread: int, code: CodeType) -> bool:
-    """Whether `thread` is blocked in threading's waits called (at any depth) from `code`."""
-    frame = sys._current_frames().get(thread)
-    if frame is None or frame.f_code.co_filename != threading.__file__:
-        return False
-    while frame is not None and frame.f_code is not code:
-        frame = frame.f_back
-    return frame is not None
 
 
 def test_an_interrupted_wait_withdraws_the_call(background: BackgroundLoop) -> None:

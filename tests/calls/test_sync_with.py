@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from types import CodeType
 from typing import Any
 
 import numpy as np
 import pytest
-from _support import LoopThread, ThreadRecorder
+from _support import LoopThread, ThreadRecorder, blocked_in, wait_for
 from typing_extensions import override
 
 import batchproxy
@@ -40,13 +38,6 @@ def no_thread_left() -> Iterator[None]:
     while threads() - before and time.monotonic() < end:
         time.sleep(0.005)  # (a worker thread given up on by a forced stop ends on its own)
     assert threads() - before == set()
-
-
-def wait_for(condition: Callable[[], bool], seconds: float = 10.0) -> None:
-    end = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < end, "condition never became true"
-        time.sleep(0.002)
 
 
 # -- the kinds ----------------------------------------------------------------------------
@@ -416,16 +407,6 @@ def test_with_is_refused_on_the_with_loops_own_thread(no_thread_left: None) -> N
 
 
 # -- interrupted --------------------------------------------------------------------------
-
-
-def blocked_in(thread: int, code: CodeType) -> bool:
-    """Whether `thread` is blocked in threading's waits called (at any depth) from `code`."""
-    frame = sys._current_frames().get(thread)
-    if frame is None or frame.f_code.co_filename != threading.__file__:
-        return False
-    while frame is not None and frame.f_code is not code:
-        frame = frame.f_back
-    return frame is not None
 
 
 def test_keyboard_interrupt_in_the_body_drains_then_propagates(no_thread_left: None) -> None:

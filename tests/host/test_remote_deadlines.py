@@ -26,7 +26,14 @@ from typing import Any
 import pytest
 from _host_models import Tagged
 from _host_process import HostProcess
-from _support import LoopThread, batchproxy_cycles, fails_with, in_a_task_of_its_own, wait_until
+from _support import (
+    LoopThread,
+    batchproxy_cycles,
+    fails_with,
+    in_a_task_of_its_own,
+    wait_for,
+    wait_until,
+)
 
 import batchproxy
 from batchproxy.host import ModelHost, RemoteProxy
@@ -49,7 +56,7 @@ def stopped(host: HostProcess) -> Iterator[None]:
     happens."""
     os.kill(host.process.pid, signal.SIGSTOP)
     try:
-        _until(lambda: _state(host.process.pid) == "T")  # (stopped, before the block)
+        wait_for(lambda: _state(host.process.pid) == "T")  # (stopped, before the block)
         yield
     finally:
         os.kill(host.process.pid, signal.SIGCONT)
@@ -58,13 +65,6 @@ def stopped(host: HostProcess) -> Iterator[None]:
 def _state(pid: int) -> str:
     """Process `pid`'s state letter (Linux's /proc)."""
     return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[-1][0]
-
-
-def _until(condition: Callable[[], bool], seconds: float = 30.0) -> None:
-    end = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < end, "condition never became true"
-        time.sleep(0.001)
 
 
 @pytest.fixture
@@ -184,7 +184,7 @@ async def test_a_stream_whose_host_stops_sending_ends_by_its_deadline(socket_pat
                         chunks += 1
                         if chunks == 1:
                             os.kill(host.process.pid, signal.SIGSTOP)  # mid-stream
-                            _until(lambda: _state(host.process.pid) == "T")
+                            wait_for(lambda: _state(host.process.pid) == "T")
 
             with pytest.raises(batchproxy.DeadlineExceeded):
                 await asyncio.wait_for(read(), 2.0 + MARGIN + SLACK)

@@ -12,17 +12,11 @@ from typing import Any
 
 import pytest
 from _host_models import Counting
+from _support import wait_for
 from typing_extensions import override
 
 import batchproxy
 from batchproxy import GenerationProxy, Last, Step
-
-
-def wait_for(condition: Callable[[], bool], seconds: float = 30.0) -> None:
-    end = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < end, "condition never became true"
-        time.sleep(0.002)
 
 
 @pytest.fixture
