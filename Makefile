@@ -161,9 +161,8 @@ bench-host: $(VENV)/.installed
 bench-host-cpu: $(VENV)/.installed-dev
 	$(BIN)/python benchmarks/host_cpu.py
 
-# python -m batchproxy.tune checked against the real thing: MiniLM (and the GPU-shaped model
-# once registered in benchmarks/_tune_models.py) tuned, then every setting of its grid run for
-# real over the same loads: the recommendation's capacity / the best's, predicted / measured p99
+# python -m batchproxy.tune checked against the real thing: MiniLM and the GPU-shaped model
+# (gpu-sim) tuned, then every setting of each one's grid run for real over the same loads: the recommendation's capacity / the best's, predicted / measured p99
 bench-tune: $(VENV)/.installed-dev
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/tune.py
 

@@ -3,9 +3,9 @@ factory of its proxy (given the options to try) and a sample of its items.
 
 - `minilm`: all-MiniLM-L6-v2 behind the demo's `TensorProxy` (length-aware, on its
   worker thread), items tokenized sentences of 8 to 60 words (`examples/sample_text.py`).
-- `gpu-sim`: the GPU-shaped model of `benchmarks/servers` (another change adds it there);
-  until it lands, asking for it says so. To add it: a `ModelUnderTest` whose `build`
-  returns that model's proxy with the given options, registered in `MODELS`.
+- `gpu-sim`: the GPU-shaped model of `benchmarks/servers` (`servers/_gpu_sim.py`: a 4 ms
+  GIL-bound launch per batch, a device that takes 1 + 0.3 ms a row and no CPU) behind
+  the same proxy and tokenizer as MiniLM, on the same items.
 
 Also usable from the command line, e.g. from `benchmarks/`:
 `python -m batchproxy.tune _tune_models:minilm --sample _tune_models:minilm_sample`.
@@ -59,14 +59,38 @@ def minilm_sample() -> list[Any]:
     return [tokenize(tokenizer, text) for text in make_sentences(SAMPLE_SIZE, seed=7)]
 
 
-def _gpu_sim(**options: Any) -> Any:
-    raise SystemExit(
-        "gpu-sim: the GPU-shaped model of benchmarks/servers is not here yet; register it "
-        "in benchmarks/_tune_models.py MODELS once it lands"
-    )
+@functools.cache
+def _gpu_sim_parts() -> tuple[type[Any], Any]:
+    """The proxy class in front of gpu-sim, and the tokenizer (loaded once)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "servers"))  # (`_gpu_sim`)
+    from minilm import MiniLMEmbedder, load_tokenizer
+
+    class GpuSimEmbedder(MiniLMEmbedder):
+        """MiniLM's proxy (length-aware, on its worker thread) whose model is gpu-sim."""
+
+        def _forward(self, batch: Any, /) -> Any:
+            return self.model.encode(batch.data["input_ids"], batch.data["attention_mask"])
+
+    return GpuSimEmbedder, load_tokenizer()
+
+
+def gpu_sim(**options: Any) -> Any:
+    """The GPU-shaped model behind MiniLM's proxy (`offload=True`, length-aware)."""
+    embedder, tokenizer = _gpu_sim_parts()
+    from _gpu_sim import GpuSim  # (found once the parts put servers/ on the path)
+
+    options.setdefault("batch_size", 32)
+    return embedder(tokenizer, GpuSim(), offload=True, **options)
+
+
+def gpu_sim_sample() -> list[Any]:
+    from minilm import tokenize
+
+    _, tokenizer = _gpu_sim_parts()
+    return [tokenize(tokenizer, text) for text in make_sentences(SAMPLE_SIZE, seed=7)]
 
 
 MODELS: dict[str, ModelUnderTest] = {
     "minilm": ModelUnderTest("minilm", minilm, minilm_sample),
-    "gpu-sim": ModelUnderTest("gpu-sim", _gpu_sim, lambda: []),
+    "gpu-sim": ModelUnderTest("gpu-sim", gpu_sim, gpu_sim_sample),
 }

@@ -1,7 +1,7 @@
 """The tuner checked against the real thing: `python benchmarks/tune.py` (`make bench-tune`).
 
-For each model (`--model`, default MiniLM on this machine; the GPU-shaped model of
-`benchmarks/servers` once it is registered in `_tune_models.MODELS`):
+For each model (`--model`, repeatable: `minilm`, MiniLM on this machine, and `gpu-sim`,
+the GPU-shaped model of `benchmarks/servers`; default both):
 
 1. `batchproxy.tune` measures the model through its proxy (its worker thread, its
    lengths) and recommends, from the simulation, the setting that serves the most
@@ -205,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     seconds = run.args.seconds or (15.0 if run.quick else 120.0)
     results = [
         check(MODELS[name], run.quick, run.args.p99, calls, seconds)
-        for name in run.args.model or ["minilm"]
+        for name in run.args.model or ["minilm", "gpu-sim"]
     ]
     print(
         "\n| model | recommended | best real | real capacity, recommended / best | "
