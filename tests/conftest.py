@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from _suites import SuiteCheck
@@ -93,3 +94,21 @@ async def no_leftovers() -> AsyncIterator[None]:
     assert not left, f"tasks left running: {left}"
     new_threads = [t for t in set(threading.enumerate()) - threads_before if t.is_alive()]
     assert not new_threads, f"threads left running: {new_threads}"
+
+
+@pytest.fixture
+def python_sigint() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt (Python's default handler) inside: a test that
+    sends it. A run started in the background inherits SIGINT ignored (a shell's `&`):
+    the default is set for the test and the ignore put back; any other handler is a
+    test's left over, and fails."""
+    handler = signal.getsignal(signal.SIGINT)
+    assert handler in (signal.default_int_handler, signal.SIG_IGN), (
+        f"SIGINT's handler is {handler!r}, not Python's default: a test before this one "
+        f"left its own"
+    )
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)

@@ -111,12 +111,10 @@ def test_timeout_raises_deadline_exceeded_and_leaves_nothing_queued(
     assert proxy.batches == [[0]]
 
 
+@pytest.mark.usefixtures("python_sigint")
 def test_an_interrupted_wait_withdraws_the_call(background: BackgroundLoop) -> None:
     """Ctrl-C in a thread blocked in inference_sync takes its request out of the queue."""
     assert threading.current_thread() is threading.main_thread()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, (
-        "SIGINT's handler is not Python's default: a test before this one left its own"
-    )
     gate = threading.Event()
     proxy = ThreadRecorder(gate=gate, batch_size=1)
     busy = proxy.submit(0)

@@ -425,10 +425,10 @@ def test_keyboard_interrupt_in_the_body_drains_then_propagates(no_thread_left: N
     assert proxy.closed
 
 
+@pytest.mark.usefixtures("python_sigint")
 def test_an_interrupted_drain_stops_at_once(no_thread_left: None) -> None:
     """Ctrl-C while the exit waits for the drain: what is left gets `DrainDeadline`."""
     assert threading.current_thread() is threading.main_thread()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     gate = threading.Event()
     proxy = ThreadRecorder(gate=gate, batch_size=1)
     failed: list[BaseException] = []
