@@ -352,7 +352,8 @@ async def flood_through_sigterm(
     server: subprocess.Popen[str], signaller: Signaller
 ) -> list[Answer]:
     """Fire `BURST` requests at once; the signaller sends SIGTERM when the app's queue is
-    full; then keep sending one request every `TRICKLE_EVERY` until the server exits.
+    full; then keep sending one request every `TRICKLE_EVERY` until the server exits, and
+    one more.
     Returns every request's answer, request n at index n."""
     import aiohttp
 
@@ -365,8 +366,11 @@ async def flood_through_sigterm(
     ) as http:
         requests = [asyncio.create_task(get(http, n)) for n in range(BURST)]
         await asyncio.wait_for(signaller.sent.wait(), HTTP_TIMEOUT)
-        while server.poll() is None:  # keep knocking while it shuts down
+        while True:  # keep knocking while it shuts down, and once after it exited (on a
+            # loaded machine it had exited before this loop ran again after the signal)
             requests.append(asyncio.create_task(get(http, len(requests))))
+            if server.poll() is not None:
+                break
             await asyncio.sleep(TRICKLE_EVERY)
         return await asyncio.gather(*requests)
 
