@@ -256,6 +256,17 @@ def blocked_in(thread: int, code: CodeType) -> bool:
     return frame is not None
 
 
+def threads_since(before: set[threading.Thread]) -> list[threading.Thread]:
+    """The threads started since `before` that still run, but not a `_DummyThread`: a
+    thread Python did not start (Ray's C++ threads) that called into Python stays
+    listed for ever, and is not this library's to stop."""
+    return [
+        thread
+        for thread in set(threading.enumerate()) - before
+        if thread.is_alive() and type(thread).__name__ != "_DummyThread"
+    ]
+
+
 def thread_alive(name: str) -> bool:
     """Whether a live thread called `name` exists."""
     return any(thread.name == name and thread.is_alive() for thread in threading.enumerate())

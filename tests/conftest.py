@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from _suites import SuiteCheck
+from _support import threads_since
 
 VIRTUAL_CLOCK_WORKS = sys.version_info >= (3, 11)
 """looptime's virtual clock stalls on Python 3.10 once tasks are cancelled (seen with
@@ -92,7 +93,7 @@ async def no_leftovers() -> AsyncIterator[None]:
     left = {t for t in asyncio.all_tasks() - tasks_before if not t.done()}
     left.discard(asyncio.current_task())  # type: ignore[arg-type]
     assert not left, f"tasks left running: {left}"
-    new_threads = [t for t in set(threading.enumerate()) - threads_before if t.is_alive()]
+    new_threads = threads_since(threads_before)
     assert not new_threads, f"threads left running: {new_threads}"
 
 

@@ -80,6 +80,7 @@ from _serving_walk import (
     serving_problems,
     serving_programs,
 )
+from _support import threads_since
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -172,7 +173,7 @@ def in_real_time(config: Config, program: Program) -> None:
     threads_before = set(threading.enumerate())
     result = asyncio.run(asyncio.wait_for(run(config, program), timeout=30))
     check(result)
-    left = [t for t in set(threading.enumerate()) - threads_before if t.is_alive()]
+    left = threads_since(threads_before)
     assert not left, f"threads left running: {left}"
 
 
