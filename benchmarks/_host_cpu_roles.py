@@ -97,7 +97,7 @@ def create_app(layout: str) -> Any:
 
         return app
     proxy: Any = Device() if layout == "one" else RemoteProxy(os.environ[SOCKET_VARIABLE])
-    serving = Serving(proxy, freeze_gc=True)
+    serving = Serving(proxy)
     app = FastAPI(lifespan=serving.lifespan)
     install(app, serving)
     kind = type(proxy)

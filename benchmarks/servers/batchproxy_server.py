@@ -3,9 +3,9 @@
 A `TensorProxy` (`examples/minilm.py`'s `MiniLMEmbedder`, its batch run by
 `_common.encode`, so either model: length-aware, the adaptive
 window of WINDOW_MS at most, batches of BATCH_SIZE at most, `offload=True`: the model
-runs on the proxy's worker thread) behind `Serving` (with `freeze_gc=True`, as
-docs/serving.md advises for a serving process) and `install`; each handler tokenizes
-its own text and awaits its own vector.
+runs on the proxy's worker thread) behind `Serving` and `install` with their defaults,
+as the README shows them (`Serving` freezes the collector once loaded); each handler
+tokenizes its own text and awaits its own vector.
 """
 
 from __future__ import annotations
@@ -44,10 +44,12 @@ def embedder() -> MiniLMEmbedder:
     )
 
 
-def create_app() -> FastAPI:
-    serving = Serving(embedder(), freeze_gc=True)
+def create_app(*, freeze_gc: bool = True, cancel_on_disconnect: bool = True) -> FastAPI:
+    """The service; the keywords (the defaults of `Serving` and `install`) are for
+    `lone_server.py`'s variants, which turn one off to measure what it costs."""
+    serving = Serving(embedder(), freeze_gc=freeze_gc)
     app = FastAPI(lifespan=serving.lifespan)
-    install(app, serving)
+    install(app, serving, cancel_on_disconnect=cancel_on_disconnect)
 
     @app.post("/embed")
     async def embed(

@@ -34,14 +34,14 @@ SOCKET_VARIABLE = "BENCH_HOST_SOCKET"
 def embedder() -> MiniLMEmbedder:
     """The host's proxy: `batchproxy_server.py`'s (run with `--freeze-gc`: the model is
     then kept out of the garbage collector's full passes, as `Serving(freeze_gc=True)`
-    keeps a web worker's)."""
+    keeps a web worker's by default)."""
     return batchproxy_server.embedder()
 
 
 def create_app() -> FastAPI:
     """A web worker: its own tokenizer, the host's proxy behind `RemoteProxy`."""
     tokenizer = load_tokenizer()
-    serving = Serving(RemoteProxy(os.environ[SOCKET_VARIABLE], name="minilm"), freeze_gc=True)
+    serving = Serving(RemoteProxy(os.environ[SOCKET_VARIABLE], name="minilm"))
     app = FastAPI(lifespan=serving.lifespan)
     install(app, serving)
 

@@ -18,8 +18,8 @@ import time
 from typing import Any
 
 import _common  # noqa: F401  (first: it puts the repository and examples/ on sys.path)
-from _http import EmbedIn, EmbedOut, serve
-from fastapi import Depends, FastAPI
+from _http import serve
+from fastapi import FastAPI
 
 KINDS = ("regular", "batchproxy", "batchproxy-nofreeze", "batchproxy-nowatch")
 
@@ -66,22 +66,12 @@ def create_app(kind: str) -> FastAPI:
 
         app = regular_app()
     else:
-        from batchproxy_server import embedder
-        from minilm import MiniLMEmbedder
+        from batchproxy_server import create_app as batchproxy_app
 
-        from batchproxy.integrations.fastapi import Serving, install
-
-        serving = Serving(embedder(), freeze_gc=kind != "batchproxy-nofreeze")
-        app = FastAPI(lifespan=serving.lifespan)
-        install(app, serving, cancel_on_disconnect=kind != "batchproxy-nowatch")
-
-        @app.post("/embed")
-        async def embed(
-            body: EmbedIn,
-            proxy: MiniLMEmbedder = Depends(serving.provider(MiniLMEmbedder)),  # noqa: B008
-        ) -> EmbedOut:
-            vector = await proxy.inference(proxy.tokenize(body.text))
-            return EmbedOut(embedding=vector.tolist())
+        app = batchproxy_app(
+            freeze_gc=kind != "batchproxy-nofreeze",
+            cancel_on_disconnect=kind != "batchproxy-nowatch",
+        )
 
     @app.get("/gcstats")
     async def gcstats() -> dict[str, Any]:

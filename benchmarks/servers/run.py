@@ -7,9 +7,8 @@ The stacks, each a server in a child process of its own on a free port of 127.0.
 batches of BATCH_SIZE at most, a WINDOW_MS window where a stack has one):
 
 - batchproxy: the README's service, FastAPI with `Serving` and `install`, a
-  `TensorProxy` (length-aware, the adaptive window, `offload=True`), and
-  `Serving(freeze_gc=True)` as docs/serving.md advises; each handler tokenizes its
-  own text;
+  `TensorProxy` (length-aware, the adaptive window, `offload=True`), `Serving`
+  and `install` with their defaults; each handler tokenizes its own text;
 - host (only when named, `--stacks host,...`, or with gpu-sim): the same service split as
   docs/serving.md's "Several web workers" shows, two uvicorn workers (HTTP, JSON,
   tokenizing) in front of one model host process (`host_server.py`);
