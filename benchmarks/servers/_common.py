@@ -118,6 +118,25 @@ def reference(tokenizer: Any, model: Any, text: str) -> Any:
     return encode(model, item["input_ids"].unsqueeze(0), item["attention_mask"].unsqueeze(0))[0]
 
 
+def run_workers(factory: str, port: int, workers: int) -> None:
+    """uvicorn's supervisor and `workers` workers of the app `factory` ("module:function")
+    on `port`, as the multi-worker stacks (host, floor2) run them."""
+    import uvicorn
+
+    uvicorn.run(
+        factory,
+        factory=True,
+        host="127.0.0.1",
+        port=port,
+        workers=workers,
+        log_level="warning",
+        access_log=False,
+        timeout_keep_alive=300,
+        backlog=4096,
+        timeout_worker_healthcheck=WORKER_HEALTHCHECK_S,
+    )
+
+
 def announce_port() -> int:
     """For a server that binds its own socket: pick a free port on 127.0.0.1, print
     `PORT n` (the one line the driver reads), then send stdout to stderr. Watches stdin:

@@ -33,23 +33,10 @@ def create_app() -> FastAPI:
 def serve_workers(workers: int) -> None:
     """`workers` uvicorn workers, bound and run as `host_server.py` runs its own (this
     process leads its group: the supervisor and the workers go with it)."""
-    import uvicorn
-    from _common import WORKER_HEALTHCHECK_S, announce_port, log_to_file
+    from _common import announce_port, log_to_file, run_workers
 
     log_to_file()
-    port = announce_port()
-    uvicorn.run(
-        "floor_server:create_app",
-        factory=True,
-        host="127.0.0.1",
-        port=port,
-        workers=workers,
-        log_level="warning",
-        access_log=False,
-        timeout_keep_alive=300,
-        backlog=4096,
-        timeout_worker_healthcheck=WORKER_HEALTHCHECK_S,
-    )
+    run_workers("floor_server:create_app", announce_port(), workers)
 
 
 if __name__ == "__main__":

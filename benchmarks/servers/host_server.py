@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 import batchproxy_server
-from _common import HERE, WORKER_HEALTHCHECK_S, announce_port, log_to_file
+from _common import HERE, announce_port, log_to_file, run_workers
 from _http import EmbedIn, EmbedOut
 from fastapi import Depends, FastAPI
 from minilm import MiniLMEmbedder, load_tokenizer, tokenize
@@ -57,8 +57,6 @@ def create_app() -> FastAPI:
 
 
 def main() -> None:
-    import uvicorn
-
     log_to_file()
     port = announce_port()
     path = os.path.join(tempfile.mkdtemp(prefix="bench-host-"), "minilm.sock")
@@ -66,18 +64,7 @@ def main() -> None:
     host = [sys.executable, "-m", "batchproxy.host", "host_server:embedder", "--socket", path,
             "--freeze-gc"]  # fmt: skip
     subprocess.Popen(host, cwd=HERE, stdin=subprocess.DEVNULL)  # in this group: goes with it
-    uvicorn.run(
-        "host_server:create_app",
-        factory=True,
-        host="127.0.0.1",
-        port=port,
-        workers=WORKERS,
-        log_level="warning",
-        access_log=False,
-        timeout_keep_alive=300,
-        backlog=4096,
-        timeout_worker_healthcheck=WORKER_HEALTHCHECK_S,
-    )
+    run_workers("host_server:create_app", port, WORKERS)
 
 
 if __name__ == "__main__":
