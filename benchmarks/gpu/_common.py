@@ -1,4 +1,4 @@
-"""What the GPU sections `_gpu_generation.py` and `_gpu_graphs.py` share: the dtypes
+"""What the GPU sections `_generation.py` and `_graphs.py` share: the dtypes
 by name, the model's thread, cuDNN attention off, and running a section alone."""
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 `run(args)` (args: `.device` "cpu" or "cuda", `.quick`, `.dtype`, `.out`) measures
 `examples/generate.py`'s `Gpt2Generator` on `args.device`: GPT-2 small (12 layers,
 n_embd 768, 12 heads, random weights, the byte-level vocabulary; `--quick`: the
-2-layer model of `benchmarks/generation.py --quick`), its KV cache and step tensors
+2-layer model of `benchmarks/models/generation.py --quick`), its KV cache and step tensors
 on the device, in `args.dtype`. The workload and the measurement are
-`benchmarks/generation.py`'s (`workload`, `run`, `summary`, `make_proxy`,
+`benchmarks/models/generation.py`'s (`workload`, `run`, `summary`, `make_proxy`,
 `step_cost`), sized here: 128 prompts, 64 clients, `batch_size=64`.
 
 - no batching: `Gpt2Generator(batch_size=1)`, on the first `reference` prompts only
@@ -19,7 +19,7 @@ batching ran). In float32 every stream should (a mismatch is reported as an erro
 in the result, not raised); in float16 and bfloat16 the batched and unbatched
 arithmetic round differently, so only the match fraction is reported.
 
-    python benchmarks/_gpu_generation.py --device cpu --quick   # a test run
+    python -m benchmarks.gpu._generation --device cpu --quick   # a test run
 """
 
 from __future__ import annotations
@@ -34,22 +34,20 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import generation as gen  # benchmarks/generation.py (it puts examples/ on the path)
 import torch
-from _gpu_common import DTYPES, no_cudnn_attention, pyplot, run_alone, worker_thread
 from generate import Prompt, build_model
 from transformers import GPT2LMHeadModel
 
 from batchproxy import Proxy
+from benchmarks.gpu._common import DTYPES, no_cudnn_attention, pyplot, run_alone, worker_thread
+from benchmarks.models import generation as gen
 
 TARGET = 4.0  # continuous tokens/s over no batching tokens/s
 
 
 @dataclass(frozen=True)
 class Sizes:
-    """The section's sizes: the workload (`benchmarks/generation.py`'s `Config`), how
+    """The section's sizes: the workload (`benchmarks/models/generation.py`'s `Config`), how
     many prompts no batching runs, and the model's positions."""
 
     config: gen.Config

@@ -29,7 +29,7 @@ and the throughput of 150 concurrent coroutines, each sending `per_client` reque
 in turn (items/s, the best run); the two sides take turns, `repetitions` times. Also
 reported: the largest difference between the two sides' outputs for the same items.
 
-    python benchmarks/_gpu_graphs.py --device cpu --quick   # a test run
+    python -m benchmarks.gpu._graphs --device cpu --quick   # a test run
 """
 
 from __future__ import annotations
@@ -46,13 +46,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _gpu_common import DTYPES, no_cudnn_attention, pyplot, run_alone, worker_thread
 from transformers import BertConfig, BertModel
 from typing_extensions import override
 
 import batchproxy
 from batchproxy import TensorProxy
 from batchproxy.tensors import Collated
+from benchmarks.gpu._common import DTYPES, no_cudnn_attention, pyplot, run_alone, worker_thread
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 LENGTH = 128  # the longest item, and the fixed sequence length of the graphs

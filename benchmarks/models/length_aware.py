@@ -41,11 +41,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import torch
-from _load import drain
-from _report import arguments, environment, headline, write_report
+from benchmarks._harness.drain import drain
+from benchmarks._harness.report import arguments, environment, headline, write_report
 from minilm import MiniLMEmbedder, embed, load_minilm, reference_embedding
 from sample_text import MAX_WORDS, MIN_WORDS, make_sentences  # sets HF_HUB_OFFLINE
 from transformers import PreTrainedModel, PreTrainedTokenizerBase

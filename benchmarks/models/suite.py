@@ -45,12 +45,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from _load import drain
-from _report import arguments, environment, headline, no_targets, write_report
+from benchmarks._harness.drain import drain
+from benchmarks._harness.report import arguments, environment, headline, no_targets, write_report
 
 import batchproxy
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 BatchFn = Callable[[list[Any]], Awaitable[list[Any]]]
 DELAY_MS = 5.0

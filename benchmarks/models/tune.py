@@ -39,10 +39,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _report import arguments, environment, headline, write_report
-from _tune_models import MODELS, ModelUnderTest
+from benchmarks._harness.report import arguments, environment, headline, write_report
+from benchmarks.models._tune_models import MODELS, ModelUnderTest
 
 from batchproxy import simulation
 from batchproxy.tune import Analysis, Load, Outcome, Setting, analyse, fit, measure

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _report import arguments, environment, headline, write_report
+from benchmarks._harness.report import arguments, environment, headline, write_report
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from _report import arguments, environment, headline, no_targets, write_report
+from benchmarks._harness.report import arguments, environment, headline, no_targets, write_report
 
 FULL = {"rounds": 5, "latency_requests": 400, "clients": 32, "seconds": 2.0}
 QUICK = {"rounds": 2, "latency_requests": 100, "clients": 32, "seconds": 0.5}

@@ -68,11 +68,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-import _gil_model
-import _step_load
+from benchmarks.scaleout import _gil_model
+from benchmarks.scaleout import _step_load
 import numpy as np
-from _report import arguments, environment, headline, no_targets, write_report
-from overhead import identity
+from benchmarks._harness.report import arguments, environment, headline, no_targets, write_report
+from benchmarks.overhead.overhead import identity
 from typing_extensions import override
 
 from batchproxy import (

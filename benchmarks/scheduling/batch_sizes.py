@@ -27,7 +27,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from _report import arguments, environment, headline, no_targets, write_report
+from benchmarks._harness.report import arguments, environment, headline, no_targets, write_report
 
 from batchproxy import BatchSizes, batch, simulation
 

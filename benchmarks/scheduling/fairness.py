@@ -38,7 +38,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from _report import arguments, environment, headline, write_report
+from benchmarks._harness.report import arguments, environment, headline, write_report
 
 from batchproxy import Percentiles, QueueFull, batch, simulation
 

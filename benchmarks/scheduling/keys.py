@@ -29,7 +29,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from _report import arguments, environment, headline, no_targets, write_report
+from benchmarks._harness.report import arguments, environment, headline, no_targets, write_report
 
 import batchproxy
 from batchproxy import simulation

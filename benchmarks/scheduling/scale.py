@@ -28,7 +28,7 @@ import tracemalloc
 from collections.abc import Sequence
 from typing import Any
 
-from _report import arguments, environment, headline, no_targets, write_report
+from benchmarks._harness.report import arguments, environment, headline, no_targets, write_report
 
 import batchproxy
 

@@ -36,7 +36,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from _report import arguments, environment, headline, write_report
+from benchmarks._harness.report import arguments, environment, headline, write_report
 
 from batchproxy import Percentiles, batch, simulation
 from batchproxy._scheduling import lanes

@@ -27,8 +27,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from _gpu_sim import NAME as GPU_SIM
-from _gpu_sim import GpuSim
+from benchmarks.servers._gpu_sim import NAME as GPU_SIM
+from benchmarks.servers._gpu_sim import GpuSim
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent

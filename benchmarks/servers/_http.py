@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from _common import log_to_file
+from benchmarks.servers._common import log_to_file
 from pydantic import BaseModel
 
 

@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any
 
-from _common import BATCH_SIZE, encode_texts, load, reference
+from benchmarks.servers._common import BATCH_SIZE, encode_texts, load, reference
 
 
 def measure(config: dict[str, Any]) -> dict[str, Any]:

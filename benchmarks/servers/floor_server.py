@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from _http import EmbedIn, EmbedOut, serve
+from benchmarks.servers._http import EmbedIn, EmbedOut, serve
 from fastapi import FastAPI
 
 DIMENSION = 384
@@ -33,7 +33,7 @@ def create_app() -> FastAPI:
 def serve_workers(workers: int) -> None:
     """`workers` uvicorn workers, bound and run as `host_server.py` runs its own (this
     process leads its group: the supervisor and the workers go with it)."""
-    from _common import announce_port, log_to_file, run_workers
+    from benchmarks.servers._common import announce_port, log_to_file, run_workers
 
     log_to_file()
     run_workers("floor_server:create_app", announce_port(), workers)

@@ -18,9 +18,9 @@ import subprocess
 import sys
 import tempfile
 
-import batchproxy_server
-from _common import HERE, announce_port, log_to_file, run_workers
-from _http import EmbedIn, EmbedOut
+from benchmarks.servers import batchproxy_server
+from benchmarks.servers._common import HERE, announce_port, log_to_file, run_workers
+from benchmarks.servers._http import EmbedIn, EmbedOut
 from fastapi import Depends, FastAPI
 from minilm import MiniLMEmbedder, load_tokenizer, tokenize
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import _common
+from benchmarks.servers import _common
 import litserve as ls
 
 

@@ -17,8 +17,8 @@ import threading
 import time
 from typing import Any
 
-import _common  # noqa: F401  (first: it puts the repository and examples/ on sys.path)
-from _http import serve
+from benchmarks.servers import _common  # noqa: F401
+from benchmarks.servers._http import serve
 from fastapi import FastAPI
 
 KINDS = ("regular", "batchproxy", "batchproxy-nofreeze", "batchproxy-nowatch")
@@ -62,11 +62,11 @@ def _thread_cpu() -> dict[str, float]:
 
 def create_app(kind: str) -> FastAPI:
     if kind == "regular":
-        from regular_server import create_app as regular_app
+        from benchmarks.servers.regular_server import create_app as regular_app
 
         app = regular_app()
     else:
-        from batchproxy_server import create_app as batchproxy_app
+        from benchmarks.servers.batchproxy_server import create_app as batchproxy_app
 
         app = batchproxy_app(
             freeze_gc=kind != "batchproxy-nofreeze",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-import _common
+from benchmarks.servers import _common
 from mosec import Server, Worker
 
 

@@ -69,7 +69,7 @@ ROOT = HERE.parent.parent
 sys.path[:0] = [str(HERE), str(ROOT / "examples"), str(ROOT / "benchmarks")]
 
 import httpx  # noqa: E402
-from _common import (  # noqa: E402
+from benchmarks.servers._common import (  # noqa: E402
     BATCH_SIZE,
     LOG_VARIABLE,
     MODEL_VARIABLE,
@@ -77,9 +77,9 @@ from _common import (  # noqa: E402
     THREADS,
     WINDOW_MS,
 )
-from _gpu_http import Clients, percentile_ms  # noqa: E402
-from _gpu_sim import DESCRIPTION as GPU_SIM  # noqa: E402
-from _report import Run, arguments, environment, headline, write_report  # noqa: E402
+from benchmarks.gpu._http import Clients, percentile_ms  # noqa: E402
+from benchmarks.servers._gpu_sim import DESCRIPTION as GPU_SIM  # noqa: E402
+from benchmarks._harness.report import Run, arguments, environment, headline, write_report  # noqa: E402
 from demo import Service, client_axes, versions  # noqa: E402
 from sample_text import make_sentences  # noqa: E402
 

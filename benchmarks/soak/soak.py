@@ -68,7 +68,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from _report import arguments, environment, headline, write_report
+from benchmarks._harness.report import arguments, environment, headline, write_report
 from typing_extensions import override
 
 import batchproxy

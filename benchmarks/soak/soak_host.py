@@ -75,8 +75,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import soak
-from _report import arguments, environment, headline, write_report
+from benchmarks.soak import soak
+from benchmarks._harness.report import arguments, environment, headline, write_report
 from typing_extensions import override
 
 import batchproxy
