@@ -12,6 +12,7 @@ peer's virtual environment (benchmarks/servers) imports it without batchproxy's 
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -21,3 +22,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
+
+
+def pythonpath() -> str:
+    """`$PYTHONPATH` with the repository's root first: the environment variable for a
+    child that runs `python -m benchmarks...` (or imports a benchmark's module by name)
+    whatever its working directory."""
+    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))

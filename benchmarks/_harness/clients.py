@@ -32,6 +32,7 @@ def pin(cpus: Sequence[int] | None) -> None:
     if cpus:
         os.sched_setaffinity(0, set(cpus))
 
+
 # ------------------------------------------------------------------------- the clients
 
 
@@ -257,8 +258,6 @@ def percentile_ms(latencies: Sequence[float], which: str) -> float | None:
     from batchproxy import Percentiles
 
     return 1000 * float(getattr(Percentiles.of(latencies), which))
-
-
 
 
 if __name__ == "__main__":

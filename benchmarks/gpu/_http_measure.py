@@ -43,8 +43,11 @@ CHECK_TEXTS = 64
 TOLERANCE = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 3e-2}
 """Max |batched - regular| probability of label 1, per dtype (padding changes rounding)."""
 SHORT = {"regular": "reg", "batched": "batch", "floor": "floor"}
+
+
 def log(message: str) -> None:
     print(f"[gpu-http {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
 
 # ------------------------------------------------------------------------ GPU use
 
@@ -379,5 +382,3 @@ def run_model(
         "startup_s": servers[HEADLINE_OVERLAP].startup_seconds,
         "seconds": time.perf_counter() - started,
     }
-
-

@@ -1,5 +1,4 @@
-"""The BERT-over-HTTP section's Markdown table and plot.
-"""
+"""The BERT-over-HTTP section's Markdown table and plot."""
 
 from __future__ import annotations
 
@@ -131,5 +130,3 @@ def plot(result: dict[str, Any], output: Path, where: str | None = None) -> None
     output.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(output, dpi=110)
     plt.close(figure)
-
-

@@ -64,8 +64,6 @@ def batch_totals(service: Service) -> dict[str, tuple[float, float]]:
         return batch_size_totals(response.read().decode())
 
 
-
-
 class TimedApp:
     """An ASGI app wrapped: the seconds from each request's start to its response's
     last byte, summed per path; `GET /timings` answers them (as JSON) and starts

@@ -1,6 +1,6 @@
 """The ceiling: the same model in one process, no HTTP, fed full batches.
 
-`python benchmarks/servers/ceiling.py < config.json`, the config
+`python -m benchmarks.servers.ceiling < config.json`, the config
 `{"seconds": 10, "texts": [...], "check": [...]}` on stdin (`run.py` starts it, with
 the project's Python, in a child process of its own, as it starts each server): loads
 the model (`_common.load`: torch on THREADS threads), runs one batch to warm up, then

@@ -1,4 +1,4 @@
-"""A server of `lone.py`, instrumented: `python lone_server.py KIND THREADS`.
+"""A server of `lone.py`, instrumented: `python -m benchmarks.servers.lone_server KIND THREADS`.
 
 KIND is `regular` (`regular_server.py`'s app) or one of batchproxy's, built as the
 README shows its service (`Serving` with its defaults, `install`, a route awaiting
@@ -17,9 +17,10 @@ import threading
 import time
 from typing import Any
 
+from fastapi import FastAPI
+
 from benchmarks.servers import _common  # noqa: F401
 from benchmarks.servers._http import serve
-from fastapi import FastAPI
 
 KINDS = ("regular", "batchproxy", "batchproxy-nofreeze", "batchproxy-nowatch")
 
