@@ -1,6 +1,6 @@
 """The shared harness: every benchmark's arguments, and the JSON document it writes.
 
-Every benchmark in `benchmarks/*.py` parses its command line with `arguments()`
+Every benchmark in `benchmarks/` parses its command line with `arguments()`
 (`--quick`, `--output`, an optional mode flag and its own extra flags) and writes
 one JSON document with `write_report()`, whose top-level keys are the same for
 all of them: `environment` (date, versions, machine), `quick` (a smoke run),
@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import batchproxy
+from benchmarks import RESULTS
 
-RESULTS = Path(__file__).resolve().parent / "results"
 COMMON_KEYS = ("environment", "quick", "config", "targets")
 
 

@@ -28,9 +28,9 @@ The model (`--model`, `$BENCH_MODEL` in every server): `minilm` (the default), o
 on a GPU: a GIL-bound launch, then a device that takes no CPU), whose stacks default
 to all of them (host and floor2 included) and whose results are `servers-gpu-sim*`.
 
-The load: one aiohttp client process (`_harness.clients.Clients`, the load
-generator all the HTTP benchmarks share) running a closed loop: at each level (1, 8, 32 and 150 clients), every
-client sends its next sentence as soon as its last one is answered, for SECONDS; the
+The load: one aiohttp client process (`_harness.clients.Clients`, the load generator
+every HTTP benchmark shares) running a closed loop: at each level (1, 8, 32 and 150
+clients), every client sends its next sentence as soon as its last one is answered, for SECONDS; the
 sentences are seeded word salad of 5 to 60 words. Per level: throughput (answers in
 the time), p50 and p99 latency. Each stack is started, warmed up, checked (CHECK_TEXTS
 sentences sent at once: every vector must equal the sentence run alone, unpadded, in
