@@ -1,10 +1,11 @@
-"""The server processes of `benchmarks/host_cpu.py` (`make bench-host-cpu`), one role each:
+"""The server processes of `host_cpu.py` (`make bench-host-cpu`), one role each, run as
+`python -m benchmarks.host._cpu_roles ROLE ...`:
 
 - `--web LAYOUT PORT`: a uvicorn web process (on uvloop, as uvicorn's default) with its
   own listener on PORT (`SO_REUSEPORT`, made with `IPPROTO_TCP` so that asyncio sets
   `TCP_NODELAY`), serving LAYOUT's app (`create_app`) until its stdin closes;
-- `--host PATH`: the model host, `python -m batchproxy.host _host_cpu_roles:model
-  --socket PATH --freeze-gc`;
+- `--host PATH`: the model host, `python -m batchproxy.host
+  benchmarks.host._cpu_roles:model --socket PATH --freeze-gc`;
 - `--caller TARGET N SECONDS`: N closed loops of `inference` with no HTTP, on a
   `RemoteProxy` to the host at TARGET (or, for `local`, on the model in this process);
   prints the calls made and this process's CPU seconds.
@@ -27,13 +28,12 @@ import socket
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 PACKAGE_VARIABLE = "HOST_CPU_PACKAGE"
-sys.path[:0] = [os.environ.get(PACKAGE_VARIABLE, str(ROOT)), str(HERE), str(ROOT / "examples")]
+MODULE = "benchmarks.host._cpu_roles"  # (run as `python -m`; the host imports it by name)
+if os.environ.get(PACKAGE_VARIABLE):  # `host_cpu.py --base`: that package is the one measured
+    sys.path.insert(0, os.environ[PACKAGE_VARIABLE])
 
 import numpy as np  # noqa: E402
 from pydantic import BaseModel  # noqa: E402
@@ -65,7 +65,7 @@ class Device(batchproxy.Proxy[Any, Any]):
 
 
 def model() -> Device:
-    """The model host's factory (`python -m batchproxy.host _host_cpu_roles:model`)."""
+    """The model host's factory (`python -m batchproxy.host benchmarks.host._cpu_roles:model`)."""
     return Device()
 
 
@@ -133,7 +133,7 @@ def serve_web(layout: str, port: int) -> None:
 def serve_host(path: str) -> None:
     from batchproxy.host.__main__ import main
 
-    profiled("host-host", lambda: main(["_host_cpu_roles:model", "--socket", path, "--freeze-gc"]))
+    profiled("host-host", lambda: main([f"{MODULE}:model", "--socket", path, "--freeze-gc"]))
 
 
 def profiled(name: str, run: Any) -> None:

@@ -32,21 +32,21 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT), str(HERE)]
+from benchmarks import ROOT
+
+sys.path.insert(0, str(ROOT / "tests"))  # the host tests' model, `tests/_host_models.py`
+MODULE = "benchmarks.host.host"  # (its client and echo-host processes: `python -m`)
 
 from _host_models import Tagged  # noqa: E402
-from benchmarks._harness.report import arguments, environment, no_targets, write_report  # noqa: E402
 
 from batchproxy import Percentiles  # noqa: E402
 from batchproxy.host import RemoteProxy, _shm  # noqa: E402
 from batchproxy.host.__main__ import serve  # noqa: E402
+from benchmarks._harness.report import arguments, environment, no_targets, write_report  # noqa: E402
 
 LONE_CALLS = 2000
 QUICK_LONE_CALLS = 200
@@ -161,7 +161,7 @@ def _rates(counts: dict[str, Any], callers: int, seconds: float) -> dict[str, An
 
 def through_host(path: str, processes: int, seconds: float) -> dict[str, Any]:
     shares = [CALLERS // processes + (i < CALLERS % processes) for i in range(processes)]
-    command = [sys.executable, __file__, "--client", path]
+    command = [sys.executable, "-m", MODULE, "--client", path]
     clients = [
         subprocess.Popen(
             [*command, f"p{i}", str(share), str(seconds)],
@@ -223,7 +223,7 @@ async def large(paths: dict[str, str], calls: int) -> dict[str, Any]:
 
 def run_large(folder: str, calls: int) -> dict[str, Any]:
     paths = {way: os.path.join(folder, f"{way}.sock") for way in THRESHOLDS}
-    hosts = [Host(path, [__file__, "--echo-host", path, way]) for way, path in paths.items()]
+    hosts = [Host(path, ["-m", MODULE, "--echo-host", path, way]) for way, path in paths.items()]
     try:
         result = asyncio.run(large(paths, calls))
     finally:

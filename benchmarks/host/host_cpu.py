@@ -5,7 +5,7 @@ On a GPU the model's compute leaves the CPU, and what is left per request (HTTP,
 the proxy, the model host's transport) sets the pace. This measures it as CPU seconds,
 which a loaded machine does not skew as it skews wall time: the sum of `utime + stime`
 (`/proc/PID/stat`) of every server process over a closed loop, divided by the requests
-it answered. The model and the servers: `_host_cpu_roles.py` (the model sleeps 1 +
+it answered. The model and the servers: `_cpu_roles.py` (the model sleeps 1 +
 0.3·n ms per batch of n, the GIL released, and answers a fixed 384-float vector).
 
 The layouts, each a set of server processes on 127.0.0.1:
@@ -49,13 +49,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path[:0] = [str(HERE), str(ROOT / "examples")]
-
-from benchmarks.host._cpu_roles import (  # noqa: E402
+from benchmarks import ROOT
+from benchmarks.host._cpu_roles import (
     BATCH_SIZE,
     LAUNCH_S,
+    MODULE,
     PACKAGE_VARIABLE,
     PER_ITEM_S,
     PROFILE_VARIABLE,
@@ -63,7 +61,7 @@ from benchmarks.host._cpu_roles import (  # noqa: E402
     WINDOW_MS,
 )
 
-ROLES = str(HERE / "_host_cpu_roles.py")
+ROLES = [sys.executable, "-m", MODULE]  # a server or caller process, its role after
 LEVELS = (32, 150)
 QUICK_LEVELS = (32,)
 ROUNDS = 2
@@ -92,14 +90,14 @@ def transport(callers: int, seconds: float, rounds: int, base: str | None) -> di
         for name in names:
             if name.startswith("host"):
                 path = os.path.join(folder, f"{name}.sock")
-                hosts[name] = _started([sys.executable, ROLES, "--host", path], _env(name, base))
+                hosts[name] = _started([*ROLES, "--host", path], _env(name, base))
         for index in range(rounds):
             for name in names if index % 2 == 0 else names[::-1]:
                 host = hosts.get(name)
                 target = "local" if host is None else os.path.join(folder, f"{name}.sock")
                 before = 0.0 if host is None else _cpu_seconds(host.pid)
                 out = subprocess.run(
-                    [sys.executable, ROLES, "--caller", target, str(callers), str(seconds)],
+                    [*ROLES, "--caller", target, str(callers), str(seconds)],
                     env=_env(name, base), check=True, capture_output=True, text=True,
                 ).stdout  # fmt: skip
                 host_cpu = 0.0 if host is None else _cpu_seconds(host.pid) - before
@@ -130,8 +128,7 @@ def transport(callers: int, seconds: float, rounds: int, base: str | None) -> di
 def _env(name: str, base: str | None) -> dict[str, str]:
     """The environment of a server or caller process of layout `name` (`...@base`: the
     `base` package first on its path)."""
-    paths = [str(HERE), str(ROOT), str(ROOT / "examples")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop(PACKAGE_VARIABLE, None)
     if name.endswith("@base") and base:
         env[PACKAGE_VARIABLE] = base
@@ -174,7 +171,7 @@ class Layout:
 
     def _start(self, args: list[str], env: dict[str, str], wait_for: str | None = None) -> None:
         process = subprocess.Popen(
-            [sys.executable, ROLES, *args],
+            [*ROLES, *args],
             env=env,
             stdin=subprocess.PIPE,
             stderr=subprocess.PIPE if wait_for else None,
@@ -264,8 +261,9 @@ def measure(
 def run_rounds(
     names: list[str], levels: tuple[int, ...], rounds: int, seconds: float, base: str | None
 ) -> dict[str, Any]:
-    from benchmarks.gpu._http import Clients
     from sample_text import make_sentences
+
+    from benchmarks._harness.clients import Clients
 
     texts = make_sentences(2000, seed=0, min_words=5, max_words=60)
     folder = tempfile.mkdtemp(prefix="bp-host-cpu-", dir="/tmp")

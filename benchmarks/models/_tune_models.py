@@ -14,12 +14,9 @@ Also usable from the command line, e.g. from `benchmarks/`:
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-
 
 from sample_text import make_sentences  # sets HF_HUB_OFFLINE (examples/minilm.py does too)
 

@@ -29,20 +29,17 @@ import asyncio
 import functools
 import random
 import statistics
-import sys
 from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-
 import torch
-from benchmarks._harness.drain import drain
-from benchmarks._harness.report import arguments, environment, headline, write_report
 from minilm import MiniLMEmbedder, embed, load_minilm
 from sample_text import make_sentences  # sets HF_HUB_OFFLINE
 
 from batchproxy import Dedup, Percentiles
+from benchmarks._harness.drain import drain
+from benchmarks._harness.report import arguments, environment, headline, write_report
 
 BATCH_SIZE = 32
 REPEAT_SHARE = 0.2

@@ -46,17 +46,15 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-
 import torch
-from benchmarks._harness.drain import drain
-from benchmarks._harness.report import arguments, environment, headline, write_report
 from generate import Engine, Gpt2Generator, Prompt, StaticGenerator, build_model
 from transformers import GPT2LMHeadModel
 
 from batchproxy import Proxy, WorkerThread
+from benchmarks._harness.drain import drain
+from benchmarks._harness.report import arguments, environment, headline, write_report
 
 TARGET_RATIO = 1.5  # continuous tokens/s over static tokens/s
 NO_EOS = -1  # no token id is -1: every stream runs to its max_new_tokens

@@ -38,13 +38,9 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-
 import torch
-from benchmarks._harness.drain import drain
-from benchmarks._harness.report import arguments, environment, headline, write_report
 from minilm import MiniLMEmbedder, embed, load_minilm, reference_embedding
 from sample_text import MAX_WORDS, MIN_WORDS, make_sentences  # sets HF_HUB_OFFLINE
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -52,6 +48,8 @@ from typing_extensions import override
 
 from batchproxy import Percentiles
 from batchproxy.tensors import Collated
+from benchmarks._harness.drain import drain
+from benchmarks._harness.report import arguments, environment, headline, write_report
 
 BATCH_SIZE = 32
 TOLERANCE = 1e-4  # max abs difference from the single-sentence embedding

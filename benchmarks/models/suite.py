@@ -45,11 +45,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import batchproxy
 from benchmarks._harness.drain import drain
 from benchmarks._harness.report import arguments, environment, headline, no_targets, write_report
-
-import batchproxy
-
 
 BatchFn = Callable[[list[Any]], Awaitable[list[Any]]]
 DELAY_MS = 5.0

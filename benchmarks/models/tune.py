@@ -32,21 +32,17 @@ import contextlib
 import os
 import random
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
-
-
-from benchmarks._harness.report import arguments, environment, headline, write_report
-from benchmarks.models._tune_models import MODELS, ModelUnderTest
 
 from batchproxy import simulation
 from batchproxy.tune import Analysis, Load, Outcome, Setting, analyse, fit, measure
 from batchproxy.tune._choose import capacity
 from batchproxy.tune._sweep import outcome_of
+from benchmarks._harness.report import arguments, environment, headline, write_report
+from benchmarks.models._tune_models import MODELS, ModelUnderTest
 
 MIN_CALLS = 30
 CAPACITY_TARGET = 0.90

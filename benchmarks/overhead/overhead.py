@@ -33,10 +33,10 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from benchmarks._harness.report import arguments, environment, headline, write_report
 from typing_extensions import override
 
 from batchproxy import Percentiles, Proxy
+from benchmarks._harness.report import arguments, environment, headline, write_report
 
 CALLERS = 1_000
 BATCH_SIZE = 64

@@ -68,11 +68,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from benchmarks.scaleout import _gil_model
-from benchmarks.scaleout import _step_load
 import numpy as np
-from benchmarks._harness.report import arguments, environment, headline, no_targets, write_report
-from benchmarks.overhead.overhead import identity
 from typing_extensions import override
 
 from batchproxy import (
@@ -85,6 +81,9 @@ from batchproxy import (
     simulation,
 )
 from batchproxy._executors.base import LoopExecutor, ModelFn
+from benchmarks._harness.report import arguments, environment, headline, no_targets, write_report
+from benchmarks.overhead.overhead import identity
+from benchmarks.scaleout import _gil_model, _step_load
 
 if TYPE_CHECKING:
     from batchproxy.integrations.ray import RayActors

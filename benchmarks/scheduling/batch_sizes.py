@@ -27,9 +27,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks._harness.report import arguments, environment, headline, no_targets, write_report
-
 from batchproxy import BatchSizes, batch, simulation
+from benchmarks._harness.report import arguments, environment, headline, no_targets, write_report
 
 SIZES = (1, 2, 4, 8, 16, 32)
 BATCH = 32

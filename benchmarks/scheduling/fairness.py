@@ -38,9 +38,8 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from benchmarks._harness.report import arguments, environment, headline, write_report
-
 from batchproxy import Percentiles, QueueFull, batch, simulation
+from benchmarks._harness.report import arguments, environment, headline, write_report
 
 TENANTS = 4
 RATE = 150.0  # requests/s of each tenant, unloaded

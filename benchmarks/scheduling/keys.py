@@ -29,10 +29,9 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from benchmarks._harness.report import arguments, environment, headline, no_targets, write_report
-
 import batchproxy
 from batchproxy import simulation
+from benchmarks._harness.report import arguments, environment, headline, no_targets, write_report
 
 CALLERS = 64  # per adapter
 ADAPTERS = ("lora-a", "lora-b")

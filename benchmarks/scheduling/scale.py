@@ -28,9 +28,8 @@ import tracemalloc
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks._harness.report import arguments, environment, headline, no_targets, write_report
-
 import batchproxy
+from benchmarks._harness.report import arguments, environment, headline, no_targets, write_report
 
 BATCH_SIZE = 64
 MAX_DELAY_MS = 1.0

@@ -55,11 +55,11 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from benchmarks._harness.report import arguments, environment, headline, write_report
-from benchmarks.overhead.overhead import CALLERS, Identity, cpu_per_request, direct, identity
 from typing_extensions import Self, override
 
 from batchproxy import Batched, Listener, Percentiles, batch, simulation
+from benchmarks._harness.report import arguments, environment, headline, write_report
+from benchmarks.overhead.overhead import CALLERS, Identity, cpu_per_request, direct, identity
 
 # -- workloads and targets -------------------------------------------------------------
 

@@ -36,10 +36,9 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from benchmarks._harness.report import arguments, environment, headline, write_report
-
 from batchproxy import Percentiles, batch, simulation
 from batchproxy._scheduling import lanes
+from benchmarks._harness.report import arguments, environment, headline, write_report
 
 BATCH = 64
 FIXED, PER_ITEM = 0.010, 0.0002

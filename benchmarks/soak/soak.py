@@ -68,10 +68,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from benchmarks._harness.report import arguments, environment, headline, write_report
 from typing_extensions import override
 
 import batchproxy
+from benchmarks._harness.report import arguments, environment, headline, write_report
 
 TARGET_RSS_GROWTH_MB = 20.0
 STATS = [

@@ -75,14 +75,15 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.soak import soak
-from benchmarks._harness.report import arguments, environment, headline, write_report
 from typing_extensions import override
 
 import batchproxy
 from batchproxy.host import RemoteProxy
+from benchmarks import ROOT, pythonpath
+from benchmarks._harness.report import arguments, environment, headline, write_report
+from benchmarks.soak import soak
 
-HERE = Path(__file__).resolve().parent
+MODULE = "benchmarks.soak.soak_host"  # (its clients: `python -m`; its host imports it)
 TARGET_RSS_GROWTH_MB = soak.TARGET_RSS_GROWTH_MB
 
 
@@ -291,8 +292,7 @@ async def client(
 
 
 def environ() -> dict[str, str]:
-    paths = [str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    return {**os.environ, "PYTHONPATH": pythonpath()}
 
 
 @dataclass
@@ -366,7 +366,7 @@ class Run:
                     sys.executable,
                     "-m",
                     "batchproxy.host",
-                    "soak_host:host_proxy",
+                    f"{MODULE}:host_proxy",
                     "--socket",
                     self.path,
                     "--drain-timeout",
@@ -375,7 +375,7 @@ class Run:
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stderr=stderr,
-                cwd=HERE,
+                cwd=ROOT,
             )
         host = Process("host", number, popen, counters, final, issued, log=log)
         self.hosts.append(host)
@@ -398,7 +398,8 @@ class Run:
             popen = subprocess.Popen(
                 [
                     sys.executable,
-                    __file__,
+                    "-m",
+                    MODULE,
                     "--client",
                     self.path,
                     str(counters),
@@ -410,7 +411,7 @@ class Run:
                 env=environ(),
                 stdin=subprocess.DEVNULL,
                 stderr=stderr,
-                cwd=HERE,
+                cwd=ROOT,
             )
         process = Process("client", number, popen, counters, result, issued, log=log)
         self.clients.append(process)
