@@ -1,4 +1,4 @@
-"""The GPU headline's BERT-over-HTTP section: `run(args)`, called by `benchmarks/gpu.py`.
+"""The GPU headline's BERT-over-HTTP section: `run(args)`, called by `benchmarks/gpu/gpu.py`.
 
 Per model (`examples/bert_app.py`: BERT classification, random weights, seed 0):
 

@@ -1,4 +1,4 @@
-"""The GPU headline's lone-client section: `run(args)`, called by `benchmarks/gpu.py`.
+"""The GPU headline's lone-client section: `run(args)`, called by `benchmarks/gpu/gpu.py`.
 
 Where one client's request spends its time, in process (no HTTP), on the first of
 `args.models` (bert-base on the GPU; bert-tiny in a quick CPU run), three paths on one

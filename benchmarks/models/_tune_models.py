@@ -1,4 +1,4 @@
-"""The models `benchmarks/tune.py` checks the tuner on, each as the tuner sees one: a
+"""The models `benchmarks/models/tune.py` checks the tuner on, each as the tuner sees one: a
 factory of its proxy (given the options to try) and a sample of its items.
 
 - `minilm`: all-MiniLM-L6-v2 behind the demo's `TensorProxy` (length-aware, on its

@@ -1,6 +1,6 @@
 """Identical requests computed once: the MiniLM embedder with 20 % repeated sentences.
 
-Run: `python benchmarks/dedup.py` (or `make bench-dedup`); `--quick` for a smoke run.
+Run: `python -m benchmarks.models.dedup` (or `make bench-dedup`); `--quick` for a smoke run.
 Prints a Markdown table and writes the numbers as JSON to `benchmarks/results/`.
 Needs the `models` extra (all-MiniLM-L6-v2, loaded offline by `examples/minilm.py`).
 

@@ -1,6 +1,6 @@
 """Token generation: no batching, static batching and continuous batching, in the same run.
 
-Run: `python benchmarks/generation.py` (or `make bench-generation`); `--quick` for a
+Run: `python -m benchmarks.models.generation` (or `make bench-generation`); `--quick` for a
 smoke run. Prints Markdown tables and writes the numbers as JSON to
 `benchmarks/results/`. Needs torch and transformers; nothing is downloaded (the
 model is `examples/generate.py`'s GPT-2 with random weights, byte-level tokens).

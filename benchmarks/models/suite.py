@@ -1,6 +1,6 @@
 """The benchmark suite: batchproxy beside its peers, side by side in one run.
 
-Run: `python benchmarks/suite.py` (`--quick` for a smoke run). Writes Markdown,
+Run: `python -m benchmarks.models.suite` (`--quick` for a smoke run). Writes Markdown,
 JSON and a PNG to `benchmarks/results/suite.*`.
 
 Every workload runs through each batcher that is installed, one after another

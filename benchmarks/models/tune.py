@@ -1,4 +1,4 @@
-"""The tuner checked against the real thing: `python benchmarks/tune.py` (`make bench-tune`).
+"""The tuner checked against the real thing: `python -m benchmarks.models.tune` (`make bench-tune`).
 
 For each model (`--model`, repeatable: `minilm`, MiniLM on this machine, and `gpu-sim`,
 the GPU-shaped model of `benchmarks/servers`; default both):

@@ -1,7 +1,7 @@
 """The hot path against an earlier commit: `overhead.py` on both, side by side.
 
-Run: `python benchmarks/ab.py --base REF` (`make bench-ab BASE=REF`); `--quick` for
-a smoke run. The same script, `benchmarks/overhead.py` of this checkout (public API
+Run: `python -m benchmarks.overhead.ab --base REF` (`make bench-ab BASE=REF`); `--quick` for
+a smoke run. The same script, `benchmarks/overhead/overhead.py` of this checkout (public API
 only), runs in turns on this checkout's `batchproxy` and on REF's (a temporary git
 worktree), `--rounds` times each, in alternating order. Reported, as head / base
 ratios of the medians over the rounds:
@@ -27,10 +27,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import ROOT
 from benchmarks._harness.report import arguments, environment, headline, write_report
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 TARGET_RATIO = 1.05  # head / base: no slower than 5 % beyond the noise
 
 MEASURES = {
@@ -42,15 +41,24 @@ MEASURES = {
 }
 
 
-def _overhead(tree: Path, quick: bool, output: Path) -> dict[str, Any]:
-    """One run of this checkout's overhead.py on `tree`'s batchproxy."""
-    command = [sys.executable, str(HERE / "overhead.py"), "--output", str(output)]
+def _overhead(package: Path, quick: bool, output: Path) -> dict[str, Any]:
+    """One run of this checkout's overhead benchmark on the batchproxy in `package` (a
+    folder that holds only it: first on the path, and the working directory, so that
+    `benchmarks` is this checkout's and `batchproxy` the side's)."""
+    command = [sys.executable, "-m", "benchmarks.overhead.overhead", "--output", str(output)]
     if quick:
         command.append("--quick")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(HERE)])}
-    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(package), str(ROOT)])}
+    subprocess.run(command, check=True, env=env, cwd=package, stdout=subprocess.DEVNULL)
     document: dict[str, Any] = json.loads(output.read_text())
     return document
+
+
+def _package(tree: Path, folder: Path) -> Path:
+    """`folder`, holding a link to `tree`'s batchproxy and nothing else."""
+    folder.mkdir()
+    (folder / "batchproxy").symlink_to(tree / "batchproxy", target_is_directory=True)
+    return folder
 
 
 def _short(ref: str) -> str:
@@ -83,9 +91,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch)
         tree = _worktree(base, folder)
+        packages = {
+            "base": _package(tree, folder / "base-package"),
+            "head": _package(ROOT, folder / "head-package"),
+        }
         try:
             for index in range(rounds):
-                order = [("base", tree), ("head", ROOT)]
+                order = [("base", packages["base"]), ("head", packages["head"])]
                 for side, path in order if index % 2 == 0 else order[::-1]:
                     document = _overhead(path, run.quick, folder / f"{side}-{index}.json")
                     for name, (section, key) in MEASURES.items():

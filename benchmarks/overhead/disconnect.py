@@ -1,7 +1,7 @@
 """What cancelling on disconnect costs a request: the FastAPI and aiohttp helpers with
 `cancel_on_disconnect=True` (the default) against `False`, on real servers.
 
-Run: `python benchmarks/disconnect.py` (`--quick` for a smoke run). For each
+Run: `python -m benchmarks.overhead.disconnect` (`--quick` for a smoke run). For each
 framework two servers run side by side in child processes on 127.0.0.1, one with
 the watch on and one with it off (uvicorn with its default loop and HTTP parser
 for FastAPI; aiohttp's own). The model is the identity (`Proxy`, `batch_size=32`),

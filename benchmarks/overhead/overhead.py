@@ -1,6 +1,6 @@
 """What batchproxy itself costs, next to a no-batching baseline measured in the same run.
 
-Run: `python benchmarks/overhead.py` (or `make bench`); `--quick` for a smoke run.
+Run: `python -m benchmarks.overhead.overhead` (or `make bench`); `--quick` for a smoke run.
 Prints a Markdown table and writes the numbers as JSON to `benchmarks/results/`.
 
 The model is the identity (`return items`), so everything measured is overhead:

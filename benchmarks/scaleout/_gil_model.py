@@ -1,4 +1,4 @@
-"""The models `benchmarks/scaleout.py` runs in worker processes and Ray actors.
+"""The models `benchmarks/scaleout/scaleout.py` runs in worker processes and Ray actors.
 
 In a module of their own, not in the script: a spawned worker process unpickles a
 factory by importing its module by name (the parent's `sys.path` goes with it),

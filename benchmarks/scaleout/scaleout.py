@@ -1,10 +1,10 @@
 """Scale-out for a GIL-bound model: one thread, two worker processes, two Ray actors.
 
-Run: `python benchmarks/scaleout.py` (or `make bench-scaleout`); `--quick` for a
+Run: `python -m benchmarks.scaleout.scaleout` (or `make bench-scaleout`); `--quick` for a
 smoke run. Prints Markdown tables and writes the numbers as JSON to
 `benchmarks/results/`. Targets are printed next to the numbers, not asserted.
 
-The model (`benchmarks/_gil_model.py`, a module of its own so that worker
+The model (`benchmarks/scaleout/_gil_model.py`, a module of its own so that worker
 processes can import it and Ray can pickle it) is pure-Python integer arithmetic,
 about 1 ms per item, one result per item, a plain `def` that holds the GIL all
 the while: a second thread cannot speed it up, a second process can.
@@ -45,7 +45,7 @@ the while: a second thread cannot speed it up, a second process can.
    `ProcessWorkers` (pickle protocol 5, array buffers out of band) and back; the
    MB/s is the 32 MB moved (16 MB each way) over the median round trip. The same
    payload through the `RayActors` (Ray's object store) for comparison.
-3. Autoscaling (`--autoscale`, alone; needs Ray; `benchmarks/_step_load.py`): an
+3. Autoscaling (`--autoscale`, alone; needs Ray; `benchmarks/scaleout/_step_load.py`): an
    autoscaled `RayActors` pool of 1 to 8 replicas (0.25 CPU each) under a step
    load, from 1 replica's worth to 8 and back. Reports how long each step takes
    to be followed by a decision, by the replica count (asked for, then ready) and

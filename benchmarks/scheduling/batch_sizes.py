@@ -1,6 +1,6 @@
 """Preferred batch sizes on a static-shape model: padding vs cutting vs any size.
 
-Run: `python benchmarks/batch_sizes.py`; `--quick` for a smoke run. Prints a Markdown
+Run: `python -m benchmarks.scheduling.batch_sizes`; `--quick` for a smoke run. Prints a Markdown
 table and writes the numbers as JSON to `benchmarks/results/`. Virtual clock
 (`batchproxy.simulation`): deterministic, no timing noise.
 

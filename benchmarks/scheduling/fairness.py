@@ -1,6 +1,6 @@
 """Fair sharing between tenants: a 10x flood from one tenant, FIFO vs fair, side by side.
 
-Run: `python benchmarks/fairness.py` (or `make bench-fairness`); `--quick` for a smoke
+Run: `python -m benchmarks.scheduling.fairness` (or `make bench-fairness`); `--quick` for a smoke
 run. Prints Markdown tables and writes the numbers as JSON to `benchmarks/results/`.
 The target is printed next to the numbers, not asserted.
 

@@ -1,6 +1,6 @@
 """Batches by key: two adapters' calls interleaved, on one model thread.
 
-Run: `python benchmarks/keys.py` (or `make bench-keys`); `--quick` for a smoke run.
+Run: `python -m benchmarks.scheduling.keys` (or `make bench-keys`); `--quick` for a smoke run.
 Prints a Markdown table and writes the numbers as JSON to `benchmarks/results/`.
 
 The model stands for one GPU serving two LoRA adapters: a plain `def` on a

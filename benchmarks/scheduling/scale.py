@@ -1,6 +1,6 @@
 """Scale: 100,000 distinct tenants, batch keys and dedup keys in one burst.
 
-Run: `python benchmarks/scale.py` (or `make bench-scale`); `--quick` for 10,000.
+Run: `python -m benchmarks.scheduling.scale` (or `make bench-scale`); `--quick` for 10,000.
 Prints a Markdown table and writes the numbers as JSON to `benchmarks/results/`.
 
 Each side queues `N` calls at once on a proxy whose model answers at once

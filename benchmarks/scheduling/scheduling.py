@@ -1,6 +1,6 @@
 """Scheduling policies on a virtual clock, and what the scheduler costs on a real one.
 
-Run: `python benchmarks/scheduling.py` (or `make bench-scheduling`); `--quick` for a
+Run: `python -m benchmarks.scheduling.scheduling` (or `make bench-scheduling`); `--quick` for a
 smoke run. Prints Markdown tables and writes the numbers as JSON to
 `benchmarks/results/`. Targets are printed next to the numbers, not asserted.
 

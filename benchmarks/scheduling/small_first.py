@@ -1,6 +1,6 @@
 """Small calls ahead of a bulk call: one 10,000-item `inference_many` among steady queries.
 
-Run: `python benchmarks/small_first.py` (or `make bench-small-first`); `--quick` for
+Run: `python -m benchmarks.scheduling.small_first` (or `make bench-small-first`); `--quick` for
 a smoke run. Prints Markdown tables and writes the numbers as JSON to
 `benchmarks/results/`. The target is printed next to the numbers, not asserted.
 

@@ -1,6 +1,6 @@
 """A soak: a million requests through one proxy while everything goes wrong at random.
 
-Run: `python benchmarks/soak.py` (or `make bench-soak`); `--quick` for a smoke run
+Run: `python -m benchmarks.soak.soak` (or `make bench-soak`); `--quick` for a smoke run
 of 20,000 requests. Prints a Markdown table and writes `benchmarks/results/soak.json`
 and `soak.md` (`soak-quick.*` with `--quick`). `tests/failures/test_soak.py` runs the
 same code on 20,000 requests and asserts the accounting and the absence of leaks.

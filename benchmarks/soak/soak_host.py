@@ -1,7 +1,7 @@
 """The soak of `soak.py` through a model host: four client processes, the host killed and
 restarted twice and a client killed once while the calls run.
 
-Run: `python benchmarks/soak_host.py` (or `make bench-soak-host`); `--quick` for a smoke
+Run: `python -m benchmarks.soak.soak_host` (or `make bench-soak-host`); `--quick` for a smoke
 run of 20,000 calls. Prints a Markdown table and writes `benchmarks/results/soak-host.json`
 and `.md` (`soak-host-quick.*`). `tests/host/test_host_soak.py` runs it on 20,000 calls
 and asserts the accounting and that nothing is left.

@@ -1,4 +1,4 @@
-"""The soak of `benchmarks/soak.py`, short: 20,000 requests through one proxy with random
+"""The soak of `benchmarks/soak/soak.py`, short: 20,000 requests through one proxy with random
 cancellations, deadlines, per-item and batch errors and reconfigurations.
 
 Every call ends exactly once, the callers' count of each outcome equals

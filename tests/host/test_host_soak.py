@@ -1,4 +1,4 @@
-"""The soak through a model host of `benchmarks/soak_host.py`, short: 12,000 calls of
+"""The soak through a model host of `benchmarks/soak/soak_host.py`, short: 12,000 calls of
 `soak.py`'s mix from four client processes, the host killed and restarted twice and a
 client killed (and replaced) once while they run.
 

@@ -1,4 +1,4 @@
-"""The GPU benchmark's sections (`benchmarks/_gpu_generation.py`, `_gpu_graphs.py`,
+"""The GPU benchmark's sections (`benchmarks/gpu/_generation.py`, `_gpu_graphs.py`,
 `_gpu_lone.py`) run end to end in their quick CPU mode, so the one run on a rented GPU
 does not fail on something a CPU would have shown. Numbers are not checked, only that
 each section returns its result (the CPU has no graphs) and that float32 streams match."""
