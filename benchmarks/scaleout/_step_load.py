@@ -1,4 +1,4 @@
-"""Section 3 of benchmarks/scaleout/scaleout.py (`--autoscale`): an autoscaled pool under a step load.
+"""Section 3 of `scaleout.py` (`--autoscale`): an autoscaled pool under a step load.
 
 `Proxy(offload=RayActors(sleepy, 1, num_cpus=0.25, autoscaling=Autoscaling(...)),
 batch_size=8)` on `ray.init(num_cpus=2)` (8 replicas x 0.25 CPU fit). The model

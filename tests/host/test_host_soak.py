@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import soak_host
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # (the benchmarks package)
+from benchmarks.soak import soak_host
 
 pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="/proc, /dev/shm, Unix sockets"),

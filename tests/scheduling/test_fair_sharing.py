@@ -23,8 +23,8 @@ from batchproxy._scheduling.fair_queue import FairQueue
 from batchproxy._scheduling.placement import queued_by
 from batchproxy._scheduling.queue import Request, RequestQueue
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import fairness
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # (the benchmarks package)
+from benchmarks.scheduling import fairness
 
 
 def request(
