@@ -121,6 +121,11 @@ def arguments(
     return Run(quick, output, in_mode, args)
 
 
+def verdict(met: bool) -> str:
+    """A target's verdict in a Markdown report: `met`, or `**missed**`."""
+    return "met" if met else "**missed**"
+
+
 def headline(name: str, env: dict[str, Any], *, quick: bool) -> str:
     """The first line of a benchmark's report: what, when, on what."""
     return (

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     pass
 
+from benchmarks._harness.report import verdict
 from benchmarks.scaleout._dispatch import (
     DispatchResult,
     PayloadResult,
@@ -30,10 +31,6 @@ from benchmarks.scaleout._throughput import (
 )
 
 # -- report -----------------------------------------------------------------------------------
-
-
-def verdict(met: bool) -> str:
-    return "met" if met else "**missed**"
 
 
 def machine_table(machine: MachineResult, config: Config) -> str:

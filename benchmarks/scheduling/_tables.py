@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from benchmarks._harness.report import verdict
 from benchmarks.overhead.overhead import CALLERS
 from benchmarks.scheduling._real import (
     CpuResult,
@@ -35,10 +36,6 @@ from benchmarks.scheduling._virtual import (
 )
 
 # -- report ----------------------------------------------------------------------------
-
-
-def verdict(met: bool) -> str:
-    return "met" if met else "**missed**"
 
 
 def sweep_tables(setup: Setup, loads: list[LoadResult]) -> str:

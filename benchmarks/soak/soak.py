@@ -64,7 +64,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from benchmarks._harness.report import arguments, environment, headline, write_report
+from benchmarks._harness.report import arguments, environment, headline, verdict, write_report
 from benchmarks.soak._mix import (
     FULL,
     QUICK,
@@ -76,10 +76,6 @@ from benchmarks.soak._mix import (
 )
 
 # -- report ----------------------------------------------------------------------------
-
-
-def verdict(ok: bool) -> str:
-    return "met" if ok else "**missed**"
 
 
 def markdown(result: Result) -> str:
