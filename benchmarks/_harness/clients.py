@@ -20,10 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from typing import IO, TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    pass
+from typing import IO, Any
 
 REQUEST_TIMEOUT = 120.0
 

@@ -25,6 +25,10 @@ Per model (`examples/bert_app.py`: BERT classification, random weights, seed 0):
 Returns the numbers as a JSON-able dict, prints a Markdown table, writes
 `args.out / "gpu-http.png"`. Progress lines go to stdout as it runs.
 
+Its parts: the app's server process (`_server`), the measurements (`_http_measure`), the
+table and plot (`_http_report`), and the load generator every HTTP benchmark shares
+(`benchmarks/_harness/clients.py`).
+
 Standalone (for testing): `python -m benchmarks.gpu._http --device cpu --quick`.
 """
 
@@ -36,10 +40,7 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    pass
+from typing import Any
 
 from benchmarks import RESULTS
 from benchmarks._harness.clients import Clients

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    pass
+from typing import Any
 
 from benchmarks.gpu._http_measure import HEADLINE_OVERLAP, LEVELS, OVERLAP_CLIENTS, PATHS
 from benchmarks.gpu._server import BATCH_SIZE

@@ -9,7 +9,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -22,10 +22,6 @@ from batchproxy import (
 from batchproxy._executors.base import LoopExecutor, ModelFn
 from benchmarks.overhead.overhead import identity
 from benchmarks.scaleout import _gil_model
-
-if TYPE_CHECKING:
-    pass
-
 from benchmarks.scaleout._setup import (
     BATCH_SIZE,
     DISPATCH_ITEMS,

@@ -9,18 +9,9 @@ import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from benchmarks.scaleout import _gil_model
-
-if TYPE_CHECKING:
-    pass
-
-from benchmarks.scaleout._setup import (
-    BATCH_SIZE,
-    WORKERS,
-    Config,
-)
+from benchmarks.scaleout._setup import BATCH_SIZE, WORKERS, Config
 
 # -- 0. the machine ------------------------------------------------------------------------
 

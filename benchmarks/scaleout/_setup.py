@@ -9,9 +9,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from batchproxy import (
-    ModelFactory,
-)
+from batchproxy import ModelFactory
 from benchmarks.scaleout import _gil_model
 
 if TYPE_CHECKING:

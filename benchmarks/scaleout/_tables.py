@@ -5,19 +5,11 @@ verdicts.
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    pass
+from typing import Any
 
 from benchmarks._harness.report import verdict
-from benchmarks.scaleout._dispatch import (
-    DispatchResult,
-    PayloadResult,
-)
-from benchmarks.scaleout._machine import (
-    MachineResult,
-)
+from benchmarks.scaleout._dispatch import DispatchResult, PayloadResult
+from benchmarks.scaleout._machine import MachineResult
 from benchmarks.scaleout._setup import (
     BATCH_SIZE,
     CALLERS,
@@ -26,9 +18,7 @@ from benchmarks.scaleout._setup import (
     TARGET_PROCESSES_VS_THREAD,
     Config,
 )
-from benchmarks.scaleout._throughput import (
-    ThroughputResult,
-)
+from benchmarks.scaleout._throughput import ThroughputResult
 
 # -- report -----------------------------------------------------------------------------------
 

@@ -9,7 +9,6 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import TYPE_CHECKING
 
 from typing_extensions import override
 
@@ -20,10 +19,6 @@ from batchproxy import (
     simulation,
 )
 from benchmarks.scaleout import _gil_model
-
-if TYPE_CHECKING:
-    pass
-
 from benchmarks.scaleout._setup import (
     BATCH_SIZE,
     CALLERS,

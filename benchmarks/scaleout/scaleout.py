@@ -60,22 +60,14 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from benchmarks._harness.report import arguments, environment, headline, no_targets, write_report
 from benchmarks.scaleout import _gil_model, _step_load
-
-if TYPE_CHECKING:
-    pass
-
-from benchmarks.scaleout._dispatch import (
-    measure_overheads,
-)
-from benchmarks.scaleout._machine import (
-    measure_machine,
-)
+from benchmarks.scaleout._dispatch import measure_overheads
+from benchmarks.scaleout._machine import measure_machine
 from benchmarks.scaleout._setup import (
     BATCH_SIZE,
     CALLERS,
@@ -87,12 +79,8 @@ from benchmarks.scaleout._setup import (
     Config,
     import_ray,
 )
-from benchmarks.scaleout._tables import (
-    report,
-)
-from benchmarks.scaleout._throughput import (
-    measure_throughput,
-)
+from benchmarks.scaleout._tables import report
+from benchmarks.scaleout._throughput import measure_throughput
 
 
 async def run(config: Config, ray: ModuleType | None) -> dict[str, Any]:

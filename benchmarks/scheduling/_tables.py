@@ -8,10 +8,7 @@ from typing import Any
 
 from benchmarks._harness.report import verdict
 from benchmarks.overhead.overhead import CALLERS
-from benchmarks.scheduling._real import (
-    CpuResult,
-    IdleResult,
-)
+from benchmarks.scheduling._real import CpuResult, IdleResult
 from benchmarks.scheduling._setup import (
     CLOSED_BATCH,
     CLOSED_CALLERS,

@@ -52,10 +52,7 @@ from dataclasses import asdict
 from typing import Any
 
 from benchmarks._harness.report import arguments, environment, headline, write_report
-from benchmarks.scheduling._real import (
-    measure_cpu,
-    measure_idle,
-)
+from benchmarks.scheduling._real import measure_cpu, measure_idle
 from benchmarks.scheduling._setup import (
     FULL,
     QUICK,
@@ -65,14 +62,8 @@ from benchmarks.scheduling._setup import (
     TARGET_THROUGHPUT_VS_BEST,
     Config,
 )
-from benchmarks.scheduling._tables import (
-    report,
-)
-from benchmarks.scheduling._virtual import (
-    SETUPS,
-    closed,
-    sweep,
-)
+from benchmarks.scheduling._tables import report
+from benchmarks.scheduling._virtual import SETUPS, closed, sweep
 
 
 def run(config: Config) -> dict[str, Any]:

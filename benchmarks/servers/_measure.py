@@ -16,11 +16,7 @@ import httpx
 from demo import Service
 
 from benchmarks._harness.clients import Clients, percentile_ms
-from benchmarks.servers._common import (
-    LOG_VARIABLE,
-    MODEL_VARIABLE,
-    MODELS,
-)
+from benchmarks.servers._common import LOG_VARIABLE, MODEL_VARIABLE, MODELS
 from benchmarks.servers._stacks import (
     CEILING_TIMEOUT,
     LOGS,

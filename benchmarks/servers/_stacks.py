@@ -9,9 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import pythonpath
-from benchmarks.servers._common import (
-    THREADS,
-)
+from benchmarks.servers._common import THREADS
 from benchmarks.servers._gpu_sim import DESCRIPTION as GPU_SIM
 
 HERE = Path(__file__).resolve().parent

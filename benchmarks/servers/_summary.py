@@ -11,9 +11,7 @@ from typing import Any
 
 from demo import client_axes
 
-from benchmarks.servers._common import (
-    BATCH_SIZE,
-)
+from benchmarks.servers._common import BATCH_SIZE
 from benchmarks.servers._stacks import STACKS
 
 # ---------------------------------------------------------------------------- summary

@@ -13,14 +13,8 @@ from dataclasses import asdict, replace
 
 from batchproxy.host import RemoteProxy
 from benchmarks.soak import _mix
-from benchmarks.soak._counters import (
-    TALLY,
-    Counters,
-    SharedTally,
-)
-from benchmarks.soak._host import (
-    write_json,
-)
+from benchmarks.soak._counters import TALLY, Counters, SharedTally
+from benchmarks.soak._host import write_json
 
 # -- a client ------------------------------------------------------------------------------
 

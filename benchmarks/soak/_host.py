@@ -17,10 +17,7 @@ from typing_extensions import override
 
 import batchproxy
 from benchmarks.soak import _mix
-from benchmarks.soak._counters import (
-    HOST,
-    Counters,
-)
+from benchmarks.soak._counters import HOST, Counters
 
 # -- the host ------------------------------------------------------------------------------
 
