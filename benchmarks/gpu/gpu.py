@@ -45,7 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks import RESULTS, ROOT
+from benchmarks import RESULTS, ROOT, pythonpath
 
 SECTIONS = ("tests", "lone", "http", "generation", "graphs")
 MODULES = {
@@ -152,8 +152,7 @@ def run_tests(args: argparse.Namespace) -> dict[str, Any]:
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", "-q",
          "--timeout=300", *CUDA_TESTS],
         cwd=ROOT, capture_output=True, text=True, check=False,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
-            "PYTHONPATH", "")])},
+        env={**os.environ, "PYTHONPATH": pythonpath()},
     )  # fmt: skip
     output = completed.stdout + completed.stderr
     log.write_text(output)

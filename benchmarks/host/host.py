@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import ROOT
+from benchmarks import ROOT, pythonpath
 
 sys.path.insert(0, str(ROOT / "tests"))  # the host tests' model, `tests/_host_models.py`
 MODULE = "benchmarks.host.host"  # (its client and echo-host processes: `python -m`)
@@ -61,8 +61,7 @@ QUICK_LARGE_CALLS = 8
 
 
 def _env() -> dict[str, str]:
-    paths = [str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), pythonpath()])}
 
 
 class Host:
