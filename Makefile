@@ -73,115 +73,115 @@ docs-check: docs
 	$(BIN)/python docs/check_site.py
 
 bench: $(VENV)/.installed
-	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python -m benchmarks.overhead.overhead
 
 bench-tensors: $(VENV)/.installed-dev
-	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/length_aware.py
+	HF_HUB_OFFLINE=1 $(BIN)/python -m benchmarks.models.length_aware
 
 # batchproxy beside the peers that install here (batched), on every workload
 bench-suite: $(VENV)/.installed-dev
-	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/suite.py
+	HF_HUB_OFFLINE=1 $(BIN)/python -m benchmarks.models.suite
 
 # all-MiniLM-L6-v2 over HTTP: batchproxy's kind of service, the regular way, LitServe and mosec
 # (each in a virtualenv the script builds, torch pinned, in benchmarks/servers/.venvs/,
 # git-ignored), the HTTP floor and the in-process ceiling; servers.{json,png} in
-# benchmarks/results/ (`python benchmarks/servers/run.py --quick` by hand: a smoke run)
+# benchmarks/results/ (`python -m benchmarks.servers.run --quick` by hand: a smoke run)
 bench-servers: $(VENV)/.installed-dev
-	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/servers/run.py
+	HF_HUB_OFFLINE=1 $(BIN)/python -m benchmarks.servers.run
 
 # the same stacks in front of gpu-sim, a model shaped like bert-base on a GPU (MiniLM's
 # tokenizer, a GIL-bound launch, a device that takes no CPU): servers-gpu-sim.{json,png}
 bench-servers-gpu-sim: $(VENV)/.installed-dev
-	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/servers/run.py --model gpu-sim
+	HF_HUB_OFFLINE=1 $(BIN)/python -m benchmarks.servers.run --model gpu-sim
 
 # a lone client, interleaved across the regular way and batchproxy's service as the README
 # shows it (and variants): speed ratios with 95 % intervals, CPU and collector passes per request
 bench-lone: $(VENV)/.installed-dev
-	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/servers/lone.py --kinds regular,batchproxy,batchproxy-nofreeze,batchproxy-nowatch
+	HF_HUB_OFFLINE=1 $(BIN)/python -m benchmarks.servers.lone --kinds regular,batchproxy,batchproxy-nofreeze,batchproxy-nowatch
 
 # scheduling policies on a virtual clock, and the scheduler's cost on a real one
 bench-scheduling: $(VENV)/.installed-dev
-	$(BIN)/python benchmarks/scheduling.py
+	$(BIN)/python -m benchmarks.scheduling.scheduling
 
 # a GIL-bound model on one thread, two worker processes and two Ray actors; dispatch cost
 bench-scaleout: $(VENV)/.installed-dev
-	$(BIN)/python benchmarks/scaleout.py
+	$(BIN)/python -m benchmarks.scaleout.scaleout
 
 # an autoscaled Ray pool under a load stepping from one replica's worth to eight and back
 bench-autoscale: $(VENV)/.installed-dev
-	$(BIN)/python benchmarks/scaleout.py --autoscale
+	$(BIN)/python -m benchmarks.scaleout.scaleout --autoscale
 
 # the MiniLM embedder on a stream with 20 % repeats: batched, dedup, dedup + cache
 bench-dedup: $(VENV)/.installed-dev
-	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/dedup.py
+	HF_HUB_OFFLINE=1 $(BIN)/python -m benchmarks.models.dedup
 
 # a million requests with cancellations, deadlines, errors and reconfigurations: RSS, leaks, accounting
 bench-soak: $(VENV)/.installed
-	$(BIN)/python benchmarks/soak.py
+	$(BIN)/python -m benchmarks.soak.soak
 
 # every call with a deadline and a 10 KB result, the queue never empty (issue 16): live requests, RSS
 bench-soak-deadlines: $(VENV)/.installed
-	$(BIN)/python benchmarks/soak.py --deadlines
+	$(BIN)/python -m benchmarks.soak.soak --deadlines
 
 # the soak's mix through a model host from four client processes, the host killed and restarted
 # twice and a client killed once: accounting on both sides, RSS of each process, leftovers
 bench-soak-host: $(VENV)/.installed
-	$(BIN)/python benchmarks/soak_host.py
+	$(BIN)/python -m benchmarks.soak.soak_host
 
 # a GPT-2 (random weights) with no batching, static and continuous batching: tokens/s, TTFT
 bench-generation: $(VENV)/.installed-dev
-	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/generation.py
+	HF_HUB_OFFLINE=1 $(BIN)/python -m benchmarks.models.generation
 
 # two adapters' calls interleaved on one model thread: key= vs a proxy per adapter vs no batching
 bench-keys: $(VENV)/.installed
-	$(BIN)/python benchmarks/keys.py
+	$(BIN)/python -m benchmarks.scheduling.keys
 
 # a 10x flood from one of four tenants, FIFO vs fair sharing: the others' p99 latency
 bench-fairness: $(VENV)/.installed
-	$(BIN)/python benchmarks/fairness.py
+	$(BIN)/python -m benchmarks.scheduling.fairness
 
 # one 10,000-item inference_many among steady single calls: bulk_threshold off and on
 bench-small-first: $(VENV)/.installed
-	$(BIN)/python benchmarks/small_first.py
+	$(BIN)/python -m benchmarks.scheduling.small_first
 
 # a static-shape engine (sizes 1..32) on the virtual clock: padding vs cutting vs any size
 bench-sizes: $(VENV)/.installed
-	$(BIN)/python benchmarks/batch_sizes.py
+	$(BIN)/python -m benchmarks.scheduling.batch_sizes
 
 # 100,000 distinct tenants, keys and dedup keys: time per place, memory after the drain
 bench-scale: $(VENV)/.installed
-	$(BIN)/python benchmarks/scale.py
+	$(BIN)/python -m benchmarks.scheduling.scale
 
 bench-host: $(VENV)/.installed
-	$(BIN)/python benchmarks/host.py
+	$(BIN)/python -m benchmarks.host.host
 
 # server CPU per HTTP request in each layout (one process; a model host and 2 web workers;
 # the HTTP floor) on a model that uses no CPU, as on a GPU (issue 39); by hand:
-# `python benchmarks/host_cpu.py --transport` (no HTTP), `--base REF` (beside a commit)
+# `python -m benchmarks.host.host_cpu --transport` (no HTTP), `--base REF` (beside a commit)
 bench-host-cpu: $(VENV)/.installed-dev
-	$(BIN)/python benchmarks/host_cpu.py
+	$(BIN)/python -m benchmarks.host.host_cpu
 
 # python -m batchproxy.tune checked against the real thing: MiniLM and the GPU-shaped model
 # (gpu-sim) tuned, then every setting of each one's grid run for real over the same loads: the recommendation's capacity / the best's, predicted / measured p99
 bench-tune: $(VENV)/.installed-dev
-	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/tune.py
+	HF_HUB_OFFLINE=1 $(BIN)/python -m benchmarks.models.tune
 
 # the hot path (overhead.py: CPU per request, the lone request's latency) against an
 # earlier commit, side by side in one run: make bench-ab BASE=<git ref>
 BASE ?= HEAD~1
 bench-ab: $(VENV)/.installed
-	$(BIN)/python benchmarks/ab.py --base $(BASE)
+	$(BIN)/python -m benchmarks.overhead.ab --base $(BASE)
 
 # on a machine with an NVIDIA GPU: BERT over HTTP (regular vs batched, the HTTP floor, in
 # process), the overlap's gain, GPT-2 continuous batching, CUDA graphs, and the CUDA tests;
 # gpu.json and plots in benchmarks/results/runs/. A lent machine without network runs
-# benchmarks/gpu_device.sh instead (see benchmarks/gpu.py)
+# benchmarks/gpu/gpu_device.sh instead (see benchmarks/gpu/gpu.py)
 bench-gpu: $(VENV)/.installed-dev
-	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/gpu.py --device cuda
+	HF_HUB_OFFLINE=1 $(BIN)/python -m benchmarks.gpu.gpu --device cuda
 
 # the same script on this CPU with tiny models: a smoke run of its code
 bench-gpu-quick: $(VENV)/.installed-dev
-	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/gpu.py --device cpu --quick
+	HF_HUB_OFFLINE=1 $(BIN)/python -m benchmarks.gpu.gpu --device cpu --quick
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)

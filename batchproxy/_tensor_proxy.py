@@ -322,7 +322,7 @@ PIN_INPUTS = False
 """Whether `_move` copies a pageable CPU tensor into pinned memory before its copy to a
 CUDA device. Off: pinning on the fly is one more allocation and host copy, which costs
 more than the pageable copy it would speed up (PyTorch's `non_blocking` guide; measured
-in `benchmarks/_gpu_lone.py`). An item already in pinned memory is copied without one."""
+in `benchmarks/gpu/_lone.py`). An item already in pinned memory is copied without one."""
 
 
 def _move(data: Any, device: torch.device) -> Any:

@@ -4,7 +4,7 @@ A simulation runs the real proxy, unchanged, on an event loop whose clock jumps
 straight to the next timer instead of sleeping: a minute of traffic against a
 model that "takes" 10 ms per batch runs in the CPU time of the proxy alone, and
 the same seed gives the same numbers every time. The tests prove the scheduling
-claims with it, and `benchmarks/scheduling.py` sweeps policies with it.
+claims with it, and `benchmarks/scheduling/scheduling.py` sweeps policies with it.
 
     from batchproxy import batch, simulation
 

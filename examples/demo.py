@@ -62,10 +62,11 @@ from batchproxy import Percentiles
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
-sys.path[:0] = [str(EXAMPLES), str(ROOT / "benchmarks")]  # (also when imported, by a test)
+sys.path[:0] = [str(EXAMPLES), str(ROOT)]  # (also when imported, by a test)
 
-from _report import RESULTS, environment, write_json  # noqa: E402
 from sample_text import MAX_WORDS, MIN_WORDS, make_sentences  # noqa: E402
+
+from benchmarks._harness.report import RESULTS, environment, write_json  # noqa: E402
 
 LEVELS = (1, 5, 100, 150)
 # requests per concurrency level, per mode: enough for steady numbers, few enough that

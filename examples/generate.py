@@ -26,7 +26,7 @@ without the columns that are padding in every row (`KV.select`) when that pays.
 - `Gpt2Generator`: continuous batching. Its `_step` (a plain `def`, so it runs on
   the proxy's worker thread) advances every active sequence by one token; new
   requests join at the next step, finished ones leave at once.
-- `StaticGenerator`: static batching, for comparison (`benchmarks/generation.py`):
+- `StaticGenerator`: static batching, for comparison (`benchmarks/models/generation.py`):
   a `Proxy` whose `_inference` generator runs one batch to completion while new
   requests wait.
 - `create_app`: a FastAPI service; `POST /generate` `{"prompt": str,

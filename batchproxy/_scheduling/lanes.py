@@ -34,7 +34,7 @@ T = TypeVar("T")
 
 BULK_EVERY = 8
 """While small calls wait, a priority's bulk lane gets one of every `BULK_EVERY` places
-(chosen by `benchmarks/small_first.py`: see docs/benchmarks.md)."""
+(chosen by `benchmarks/scheduling/small_first.py`: see docs/benchmarks.md)."""
 
 
 class Level(Generic[T]):

@@ -3,9 +3,11 @@
 Each server module runs in a child process that `run.py` starts (with its stack's
 Python: the project's, or a peer's own virtual environment, which holds torch,
 transformers and the model package but not batchproxy's extras). It imports this
-module first: it puts the repository's root and `examples/` on `sys.path`, so every
-stack loads the model through `examples/minilm.py` (the same weights, tokenizer,
-pooling and normalisation), and sets torch to THREADS threads.
+module first. Every server runs as `python -m benchmarks.servers.<module>` with the
+repository's root on `$PYTHONPATH` (`run.py` sets it: this checkout's batchproxy, for a
+peer's environment too), and the package puts `examples/` on `sys.path`, so every stack
+loads the model through `examples/minilm.py` (the same weights, tokenizer, pooling and
+normalisation); `load` sets torch to THREADS threads.
 
 The model is `$BENCH_MODEL` (the driver's `--model`): `minilm` (the default), or
 `gpu-sim` (`_gpu_sim.py`: MiniLM's tokenizer in front of a model shaped like a GPU's).
@@ -22,19 +24,11 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import sys
 import threading
-from pathlib import Path
 from typing import Any
 
-from _gpu_sim import NAME as GPU_SIM
-from _gpu_sim import GpuSim
-
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
-for _path in (str(ROOT / "examples"), str(ROOT)):  # (this checkout's batchproxy first)
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+from benchmarks.servers._gpu_sim import NAME as GPU_SIM
+from benchmarks.servers._gpu_sim import GpuSim
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

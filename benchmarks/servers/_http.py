@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from _common import log_to_file
 from pydantic import BaseModel
+
+from benchmarks.servers._common import log_to_file
 
 
 class EmbedIn(BaseModel):

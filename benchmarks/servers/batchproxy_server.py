@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from _common import BATCH_SIZE, REQUEST_TIMEOUT_S, WINDOW_MS, encode, load
-from _http import EmbedIn, EmbedOut, serve
 from fastapi import Depends, FastAPI
 from minilm import MiniLMEmbedder
 from typing_extensions import override
 
 from batchproxy.integrations.fastapi import Serving, install
 from batchproxy.tensors import Collated
+from benchmarks.servers._common import BATCH_SIZE, REQUEST_TIMEOUT_S, WINDOW_MS, encode, load
+from benchmarks.servers._http import EmbedIn, EmbedOut, serve
 
 
 class Embedder(MiniLMEmbedder):

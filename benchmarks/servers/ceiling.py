@@ -1,6 +1,6 @@
 """The ceiling: the same model in one process, no HTTP, fed full batches.
 
-`python benchmarks/servers/ceiling.py < config.json`, the config
+`python -m benchmarks.servers.ceiling < config.json`, the config
 `{"seconds": 10, "texts": [...], "check": [...]}` on stdin (`run.py` starts it, with
 the project's Python, in a child process of its own, as it starts each server): loads
 the model (`_common.load`: torch on THREADS threads), runs one batch to warm up, then
@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any
 
-from _common import BATCH_SIZE, encode_texts, load, reference
+from benchmarks.servers._common import BATCH_SIZE, encode_texts, load, reference
 
 
 def measure(config: dict[str, Any]) -> dict[str, Any]:

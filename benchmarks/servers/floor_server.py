@@ -3,7 +3,7 @@
 Every request is parsed and answered with one constant 384-float vector: what HTTP,
 JSON and the client cost on this machine, the most any served stack could answer.
 
-`python floor_server.py` serves it in one process, as the one-process stacks are
+`python -m benchmarks.servers.floor_server` serves it in one process, as the one-process stacks are
 served (`_http.serve`); `--workers N` (N > 1) serves it from N uvicorn workers, as
 `host_server.py` serves its web workers: the floor of a layout with N web workers.
 """
@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import math
 
-from _http import EmbedIn, EmbedOut, serve
 from fastapi import FastAPI
+
+from benchmarks.servers._http import EmbedIn, EmbedOut, serve
 
 DIMENSION = 384
 CONSTANT = [1.0 / math.sqrt(DIMENSION) + 1e-9 * i for i in range(DIMENSION)]  # long floats
@@ -33,10 +34,10 @@ def create_app() -> FastAPI:
 def serve_workers(workers: int) -> None:
     """`workers` uvicorn workers, bound and run as `host_server.py` runs its own (this
     process leads its group: the supervisor and the workers go with it)."""
-    from _common import announce_port, log_to_file, run_workers
+    from benchmarks.servers._common import announce_port, log_to_file, run_workers
 
     log_to_file()
-    run_workers("floor_server:create_app", announce_port(), workers)
+    run_workers("benchmarks.servers.floor_server:create_app", announce_port(), workers)
 
 
 if __name__ == "__main__":

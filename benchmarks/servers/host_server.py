@@ -1,8 +1,9 @@
 """batchproxy with a model host: WORKERS uvicorn workers in front of one model host.
 
 The README's service split as `docs/serving.md` ("Several web workers") describes it:
-the model host process (`python -m batchproxy.host host_server:embedder`) holds the
-one model and its proxy, `batchproxy_server.py`'s; each uvicorn worker parses
+the model host process (`python -m batchproxy.host
+benchmarks.servers.host_server:embedder`) holds the one model and its proxy,
+`batchproxy_server.py`'s; each uvicorn worker parses
 HTTP and JSON and tokenizes in its own process, then sends the token ids to the host
 through `RemoteProxy`. So the model's thread no longer shares a GIL with the event
 loops that serve HTTP.
@@ -18,14 +19,15 @@ import subprocess
 import sys
 import tempfile
 
-import batchproxy_server
-from _common import HERE, announce_port, log_to_file, run_workers
-from _http import EmbedIn, EmbedOut
 from fastapi import Depends, FastAPI
 from minilm import MiniLMEmbedder, load_tokenizer, tokenize
 
 from batchproxy.host import RemoteProxy
 from batchproxy.integrations.fastapi import Serving, install
+from benchmarks import ROOT
+from benchmarks.servers import batchproxy_server
+from benchmarks.servers._common import announce_port, log_to_file, run_workers
+from benchmarks.servers._http import EmbedIn, EmbedOut
 
 WORKERS = 2  # uvicorn workers (one per core here)
 SOCKET_VARIABLE = "BENCH_HOST_SOCKET"
@@ -61,10 +63,10 @@ def main() -> None:
     port = announce_port()
     path = os.path.join(tempfile.mkdtemp(prefix="bench-host-"), "minilm.sock")
     os.environ[SOCKET_VARIABLE] = path
-    host = [sys.executable, "-m", "batchproxy.host", "host_server:embedder", "--socket", path,
-            "--freeze-gc"]  # fmt: skip
-    subprocess.Popen(host, cwd=HERE, stdin=subprocess.DEVNULL)  # in this group: goes with it
-    run_workers("host_server:create_app", port, WORKERS)
+    host = [sys.executable, "-m", "batchproxy.host", "benchmarks.servers.host_server:embedder",
+            "--socket", path, "--freeze-gc"]  # fmt: skip
+    subprocess.Popen(host, cwd=ROOT, stdin=subprocess.DEVNULL)  # in this group: goes with it
+    run_workers("benchmarks.servers.host_server:create_app", port, WORKERS)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import _common
 import litserve as ls
+
+from benchmarks.servers import _common
 
 
 class MiniLMAPI(ls.LitAPI):  # type: ignore[misc]

@@ -12,7 +12,7 @@ against the regular way (ratio of mean latencies, with a bootstrap 95 % interval
 paired geometric mean of the per-request ratios, with a 95 % interval) and the median
 ratio. The machine's load average is printed before and after.
 
-    python benchmarks/servers/lone.py --requests 500 --threads 1
+    python -m benchmarks.servers.lone --requests 500 --threads 1
 """
 
 from __future__ import annotations
@@ -30,18 +30,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
-sys.path.insert(0, str(ROOT / "examples"))
+from sample_text import make_sentences
 
-from sample_text import make_sentences  # noqa: E402
+from benchmarks import pythonpath
 
 WARMUP = 30
 
 
 def start(kind: str, threads: int, log: Path) -> tuple[subprocess.Popen[bytes], int]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), BENCH_SERVER_LOG=str(log))
-    command = [sys.executable, str(HERE / "lone_server.py"), kind, str(threads)]
+    env = dict(os.environ, PYTHONPATH=pythonpath(), BENCH_SERVER_LOG=str(log))
+    command = [sys.executable, "-m", "benchmarks.servers.lone_server", kind, str(threads)]
     process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
     assert process.stdout is not None
     port = int(process.stdout.readline().split()[1])

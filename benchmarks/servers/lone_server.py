@@ -1,4 +1,4 @@
-"""A server of `lone.py`, instrumented: `python lone_server.py KIND THREADS`.
+"""A server of `lone.py`, instrumented: `python -m benchmarks.servers.lone_server KIND THREADS`.
 
 KIND is `regular` (`regular_server.py`'s app) or one of batchproxy's, built as the
 README shows its service (`Serving` with its defaults, `install`, a route awaiting
@@ -17,9 +17,10 @@ import threading
 import time
 from typing import Any
 
-import _common  # noqa: F401  (first: it puts the repository and examples/ on sys.path)
-from _http import serve
 from fastapi import FastAPI
+
+from benchmarks.servers import _common  # noqa: F401
+from benchmarks.servers._http import serve
 
 KINDS = ("regular", "batchproxy", "batchproxy-nofreeze", "batchproxy-nowatch")
 
@@ -62,11 +63,11 @@ def _thread_cpu() -> dict[str, float]:
 
 def create_app(kind: str) -> FastAPI:
     if kind == "regular":
-        from regular_server import create_app as regular_app
+        from benchmarks.servers.regular_server import create_app as regular_app
 
         app = regular_app()
     else:
-        from batchproxy_server import create_app as batchproxy_app
+        from benchmarks.servers.batchproxy_server import create_app as batchproxy_app
 
         app = batchproxy_app(
             freeze_gc=kind != "batchproxy-nofreeze",

@@ -12,8 +12,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-import _common
 from mosec import Server, Worker
+
+from benchmarks.servers import _common
 
 
 class Embed(Worker):  # type: ignore[misc]

@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from _common import load, reference
-from _http import EmbedIn, EmbedOut, serve
 from embeddings import OneAtATime
 from fastapi import FastAPI
+
+from benchmarks.servers._common import load, reference
+from benchmarks.servers._http import EmbedIn, EmbedOut, serve
 
 
 def create_app() -> FastAPI:

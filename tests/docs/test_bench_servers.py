@@ -1,4 +1,4 @@
-"""`benchmarks/servers/run.py` without building anything: its command line, its summary
+"""`benchmarks.servers.run` without building anything: its command line, its summary
 and targets on made-up rounds, and the HTTP floor served and stopped as the driver does.
 (No peer's environment is built and no model's weights are loaded here.) And the
 GPU-shaped model of `--model gpu-sim` (`_gpu_sim.py`): its vectors through the paths the
@@ -6,7 +6,7 @@ stacks take (`_common`), and the time of a batch."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import sys
 import time
 from pathlib import Path
@@ -20,19 +20,22 @@ for _module in ("fastapi", "uvicorn", "httpx", "aiohttp", "torch", "transformers
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-SERVERS = Path(__file__).resolve().parents[2] / "benchmarks" / "servers"
-RUN = SERVERS / "run.py"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # (the benchmarks package)
 
 
 @pytest.fixture(scope="module")
 def run() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_servers_run", RUN)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (dataclasses look their module up)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("benchmarks.servers.run")
+
+
+@pytest.fixture(scope="module")
+def summary() -> ModuleType:
+    return importlib.import_module("benchmarks.servers._summary")
+
+
+@pytest.fixture(scope="module")
+def measure() -> ModuleType:
+    return importlib.import_module("benchmarks.servers._measure")
 
 
 def test_quick_is_levels_1_and_8_one_round(run: ModuleType, tmp_path: Path) -> None:
@@ -51,7 +54,9 @@ def test_quick_is_levels_1_and_8_one_round(run: ModuleType, tmp_path: Path) -> N
         run.parse_stacks("batchproxy,nginx")
 
 
-def test_rows_are_medians_and_fractions_and_the_targets_read_them(run: ModuleType) -> None:
+def test_rows_are_medians_and_fractions_and_the_targets_read_them(
+    run: ModuleType, summary: ModuleType
+) -> None:
     def rounds(*throughputs: float) -> list[dict[str, object]]:
         return [
             {
@@ -67,7 +72,7 @@ def test_rows_are_medians_and_fractions_and_the_targets_read_them(run: ModuleTyp
         "regular": rounds(50.0, 50.0, 50.0),
     }
     rows = run.summarize(measured, [90.0, 100.0, 110.0], (1,))
-    mine = run.row(rows, "batchproxy", 1)
+    mine = summary.row(rows, "batchproxy", 1)
     assert mine["throughput"] == {"median": 50.0, "min": 45.0, "max": 60.0, "rounds": [45, 50, 60]}
     assert mine["of_ceiling"] == pytest.approx(0.5)
     assert mine["of_floor"] == pytest.approx(0.1)
@@ -77,8 +82,10 @@ def test_rows_are_medians_and_fractions_and_the_targets_read_them(run: ModuleTyp
     assert "| HTTP floor (no model) | 1 | 500.0 (400.0-600.0) |" in run.table(rows, None)
 
 
-def test_the_floor_answers_a_vector_and_stops_with_its_group(run: ModuleType) -> None:
-    service = run.StackService(run.STACKS["floor"], Path(sys.executable))
+def test_the_floor_answers_a_vector_and_stops_with_its_group(
+    run: ModuleType, measure: ModuleType
+) -> None:
+    service = measure.StackService(run.STACKS["floor"], Path(sys.executable))
     try:
         service.start()
         answer = httpx.post(f"{service.base_url}/embed", json={"text": "Hello."}, timeout=10)
@@ -105,7 +112,9 @@ def test_gpu_sim_is_a_model_with_its_own_results_and_every_stack(run: ModuleType
         run.parse(["--model", "bert"])
 
 
-def test_a_stack_reads_against_the_floor_with_as_many_web_workers(run: ModuleType) -> None:
+def test_a_stack_reads_against_the_floor_with_as_many_web_workers(
+    run: ModuleType, summary: ModuleType
+) -> None:
     def rounds(throughput: float) -> list[dict[str, object]]:
         level = {"throughput": throughput, "p50_ms": 1.0, "p99_ms": 2.0, "errors": 0}
         return [{"levels": {8: level}, "check": {"ok": True}}]
@@ -117,14 +126,16 @@ def test_a_stack_reads_against_the_floor_with_as_many_web_workers(run: ModuleTyp
         "floor": rounds(1000.0),
     }
     rows = run.summarize(measured, [], (8,))
-    assert run.row(rows, "host", 8)["of_floor"] == pytest.approx(0.5)  # of floor2's
-    assert run.row(rows, "batchproxy", 8)["of_floor"] == pytest.approx(0.3)  # of floor's
+    assert summary.row(rows, "host", 8)["of_floor"] == pytest.approx(0.5)  # of floor2's
+    assert summary.row(rows, "batchproxy", 8)["of_floor"] == pytest.approx(0.3)  # of floor's
     without = run.summarize({"host": rounds(300.0), "floor": rounds(1000.0)}, [], (8,))
-    assert run.row(without, "host", 8)["of_floor"] == pytest.approx(0.3)  # no floor2: floor
+    assert summary.row(without, "host", 8)["of_floor"] == pytest.approx(0.3)  # no floor2: floor
 
 
-def test_the_floor_at_two_workers_answers_and_stops_with_its_group(run: ModuleType) -> None:
-    service = run.StackService(run.STACKS["floor2"], Path(sys.executable))
+def test_the_floor_at_two_workers_answers_and_stops_with_its_group(
+    run: ModuleType, measure: ModuleType
+) -> None:
+    service = measure.StackService(run.STACKS["floor2"], Path(sys.executable))
     try:
         service.start()
         for _ in range(4):
@@ -139,18 +150,13 @@ def test_the_floor_at_two_workers_answers_and_stops_with_its_group(run: ModuleTy
 
 @pytest.fixture(scope="module")
 def common(run: ModuleType) -> ModuleType:
-    """`_common`, as the servers import it (`run.py` put benchmarks/servers/ and
-    examples/ on the path)."""
-    import _common
-
-    return _common
+    """`_common`, as the servers import it (the package put examples/ on the path)."""
+    return importlib.import_module("benchmarks.servers._common")
 
 
 @pytest.fixture(scope="module")
 def gpu_sim(run: ModuleType) -> ModuleType:
-    import _gpu_sim
-
-    return _gpu_sim
+    return importlib.import_module("benchmarks.servers._gpu_sim")
 
 
 TEXTS = [

@@ -1,4 +1,4 @@
-"""The soak of `benchmarks/soak.py`, short: 20,000 requests through one proxy with random
+"""The soak of `benchmarks/soak/soak.py`, short: 20,000 requests through one proxy with random
 cancellations, deadlines, per-item and batch errors and reconfigurations.
 
 Every call ends exactly once, the callers' count of each outcome equals
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import soak
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # (the benchmarks package)
+from benchmarks.soak import _mix as soak  # (the load of soak.py)
 
 REQUESTS = 20_000
 

@@ -1,4 +1,4 @@
-"""The soak through a model host of `benchmarks/soak_host.py`, short: 12,000 calls of
+"""The soak through a model host of `benchmarks/soak/soak_host.py`, short: 12,000 calls of
 `soak.py`'s mix from four client processes, the host killed and restarted twice and a
 client killed (and replaced) once while they run.
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import soak_host
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # (the benchmarks package)
+from benchmarks.soak import soak_host
 
 pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="/proc, /dev/shm, Unix sockets"),

@@ -23,8 +23,8 @@ from batchproxy._scheduling.fair_queue import FairQueue
 from batchproxy._scheduling.placement import queued_by
 from batchproxy._scheduling.queue import Request, RequestQueue
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import fairness
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # (the benchmarks package)
+from benchmarks.scheduling import fairness
 
 
 def request(
@@ -595,7 +595,7 @@ async def test_an_unhashable_tenant_is_refused_with_a_clear_error() -> None:
 
 @pytest.mark.parametrize("cost", ["20 ms + 0.1 ms/item"])
 def test_a_10x_flood_leaves_the_others_p99_within_20_percent(cost: str) -> None:
-    """benchmarks/fairness.py's scenario: four tenants at 150 calls/s, one of them at
+    """benchmarks/scheduling/fairness.py's scenario: four tenants at 150 calls/s, one of them at
     10x, against a model the flood overloads. FIFO: the others wait behind the flood;
     fair sharing: their p99 stays within 20 % of their p99 with no flood, and only the
     flooder is refused."""

@@ -1,7 +1,7 @@
 """On a real GPU: the device thread, CUDA round trips, overlap, out of memory, graphs.
 
 Marked `cuda` and skipped with the reason "needs CUDA" on a machine without one
-(CI's); `benchmarks/gpu.py` runs them on the GPU machine and records the result.
+(CI's); `benchmarks/gpu/gpu.py` runs them on the GPU machine and records the result.
 The last test runs where there is no CUDA instead: a device thread there fails
 each batch with the reason.
 """

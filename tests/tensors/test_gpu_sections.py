@@ -1,5 +1,5 @@
-"""The GPU benchmark's sections (`benchmarks/_gpu_generation.py`, `_gpu_graphs.py`,
-`_gpu_lone.py`) run end to end in their quick CPU mode, so the one run on a rented GPU
+"""The GPU benchmark's sections (`benchmarks/gpu/_generation.py`, `_graphs.py`,
+`_lone.py`) run end to end in their quick CPU mode, so the one run on a rented GPU
 does not fail on something a CPU would have shown. Numbers are not checked, only that
 each section returns its result (the CPU has no graphs) and that float32 streams match."""
 
@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # (the benchmarks package)
 
 
 def arguments(tmp_path: Path, device: str = "cpu") -> argparse.Namespace:
@@ -24,7 +24,7 @@ def arguments(tmp_path: Path, device: str = "cpu") -> argparse.Namespace:
 
 
 def test_generation_section_runs_on_the_cpu(tmp_path: Path) -> None:
-    section = importlib.import_module("_gpu_generation")
+    section = importlib.import_module("benchmarks.gpu._generation")
     result = section.run(arguments(tmp_path))
     json.dumps(result)  # JSON-able
     assert result["error"] is None
@@ -35,7 +35,7 @@ def test_generation_section_runs_on_the_cpu(tmp_path: Path) -> None:
 
 
 def test_graphs_section_runs_on_the_cpu_without_graphs(tmp_path: Path) -> None:
-    section = importlib.import_module("_gpu_graphs")
+    section = importlib.import_module("benchmarks.gpu._graphs")
     result = section.run(arguments(tmp_path))
     json.dumps(result)
     assert result["graphs"] is False
@@ -47,7 +47,7 @@ def test_graphs_section_runs_on_the_cpu_without_graphs(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graphs_section_captures_on_cuda(tmp_path: Path) -> None:
-    section = importlib.import_module("_gpu_graphs")
+    section = importlib.import_module("benchmarks.gpu._graphs")
     result = section.run(arguments(tmp_path, "cuda"))
     assert result["graphs"] is True, result["capture_errors"]
 
@@ -57,7 +57,7 @@ def test_lone_section_runs_on_the_cpu(tmp_path: Path) -> None:
     process) included."""
     pytest.importorskip("fastapi")
     pytest.importorskip("aiohttp")
-    section = importlib.import_module("_gpu_lone")
+    section = importlib.import_module("benchmarks.gpu._lone")
     args = arguments(tmp_path)
     args.models = ["bert-tiny"]
     result = section.run(args)

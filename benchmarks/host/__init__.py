@@ -1,0 +1,2 @@
+"""The model host: its transport (`host`) and the CPU per request through it, HTTP
+included (`host_cpu`)."""

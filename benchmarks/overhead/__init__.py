@@ -1,0 +1,2 @@
+"""What batchproxy itself costs: per call on an identity model (`overhead`), against
+an earlier commit (`ab`), and watching for disconnected clients (`disconnect`)."""
