@@ -1,7 +1,9 @@
 """The model's time per batch, measured through the proxy as it is built.
 
-Each batch size (and, for a proxy that knows its items' lengths, each of three
-lengths: the sample's 10th, 50th and 90th percentile) is sent as one
+Each batch size (and, for a proxy that knows its items' lengths, each of four
+lengths: the sample's 10th, 50th and 90th percentile and its longest, so that the
+curve reaches every length the simulation draws: a model's time may grow faster than
+linearly in the length, as attention does) is sent as one
 `inference_many` of that many sample items, with `batch_size` set to it for the
 time (restored after): it runs on the proxy's own executor, and the proxy's
 listener hook (`batch_finished`) gives the model time of each batch. The first
@@ -29,7 +31,7 @@ __all__ = ["Measurement", "Point", "measure", "sizes_to_measure"]
 Progress = Callable[[int, int], None]
 """`progress(done, total)`: called after each batch measured."""
 
-QUANTILES = (0.1, 0.5, 0.9)
+QUANTILES = (0.1, 0.5, 0.9, 1.0)
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,16 @@ class Measurement:
     """Each sample item's length (by the proxy's `length`); None without one."""
     pads: bool
     """It fills batches up to `batch_sizes` (a `pad_item`, or a `TensorProxy`)."""
+
+    @property
+    def spread(self) -> tuple[float, ...]:
+        """Each kept batch's time over the median of its shape, every shape pooled,
+        sorted: how one batch's time varies around the curve (1.0 alone if nothing
+        varied). The simulation draws each batch's factor from it, so that a model
+        whose time varies gets the tail it shows (the median alone predicts a p99
+        as if every batch took its median time)."""
+        ratios = sorted(s / p.median for p in self.points for s in p.seconds if p.median > 0)
+        return tuple(ratios) or (1.0,)
 
 
 def sizes_to_measure(options: Options, largest: int | None = None) -> list[int]:

@@ -1,7 +1,8 @@
 """The settings x loads, simulated: the real scheduler, the measured cost, a virtual clock.
 
 Each run builds a fresh proxy with one `Setting` in front of a simulated model (an
-`asyncio.sleep` of the cost curve's time for the batch, on `lanes` parallel lanes:
+`asyncio.sleep` of the cost curve's time for the batch, times a factor drawn from
+the measured batches' spread around it, on `lanes` parallel lanes:
 the executor's capacity, 1 for a thread; batches beyond it wait for a lane, as they
 wait for a busy thread) and drives it with `batchproxy.simulation`: open loop
 (Poisson arrivals at a rate, whether or not earlier calls were answered) or closed
@@ -106,6 +107,8 @@ class Simulator:
     pads: bool = False
     requests: int = 2000
     seed: int = 0
+    spread: tuple[float, ...] = (1.0,)
+    """Factors each batch's time is drawn from (`Measurement.spread`)."""
 
     @classmethod
     def of(cls, measurement: Measurement, curve: CostCurve, **kw: Any) -> Simulator:
@@ -116,6 +119,7 @@ class Simulator:
             measurement.lengths,
             None if sizes is None else tuple(sizes.sizes),
             measurement.pads,
+            spread=measurement.spread,
             **kw,
         )
 
@@ -145,7 +149,7 @@ class Simulator:
     async def _drive(
         self, setting: Setting, load: Load, items: list[int]
     ) -> list[tuple[float, float | None]]:
-        proxy = batch(**self._options(setting))(self._model())
+        proxy = batch(**self._options(setting))(self._model(random.Random(self.seed)))
         loop = asyncio.get_running_loop()
         calls: list[tuple[float, float | None]] = []
 
@@ -183,12 +187,16 @@ class Simulator:
             )
         return options
 
-    def _model(self) -> Callable[[list[int]], Any]:
+    def _model(self, rng: random.Random) -> Callable[[list[int]], Any]:
+        """The simulated model: each batch takes the curve's time times a factor drawn
+        from `spread` (with `rng`: the same seed, the same run)."""
         lanes = asyncio.Semaphore(self.lanes)
-        curve, by_length = self.curve, self.lengths is not None
+        curve, by_length, spread = self.curve, self.lengths is not None, self.spread
 
         async def model(items: list[int]) -> list[int]:
             seconds = curve(len(items), max(items) if by_length else None)
+            if len(spread) > 1:
+                seconds *= rng.choice(spread)
             async with lanes:
                 await asyncio.sleep(seconds)
             return items

@@ -62,11 +62,13 @@ def _extra(parser: Any) -> None:
     )
 
 
-async def _measure(model: ModelUnderTest, sizes: Sequence[int], repeats: int) -> Any:
+async def _measure(model: ModelUnderTest, sizes: Sequence[int]) -> Any:
+    """The model measured as `python -m batchproxy.tune` measures it (its repeats and
+    warm-up: the spread the simulation draws from comes from those repeats)."""
     proxy = model.build()
     sample = model.sample()
     async with proxy:
-        return await measure(proxy, sample, sizes=sizes, repeats=repeats, warmup=1), sample
+        return await measure(proxy, sample, sizes=sizes), sample
 
 
 async def _real_sweep(
@@ -147,7 +149,7 @@ def check(
     torch.set_num_threads(1)
     sizes = (4, 16) if quick else (4, 8, 16, 32)
     started = time.perf_counter()
-    measurement, sample = asyncio.run(_measure(model, (1, *sizes), 3))
+    measurement, sample = asyncio.run(_measure(model, (1, *sizes)))
     lengths = sorted(measurement.lengths or [0])
     curve = fit(measurement)
     typical = lengths[len(lengths) // 2]

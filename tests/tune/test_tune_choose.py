@@ -91,3 +91,23 @@ def test_a_gpu_shaped_cost_recommends_the_flat_part_for_a_tight_target() -> None
 def test_an_impossible_target_is_refused_with_the_reason() -> None:
     with pytest.raises(TuneError, match=r"no setting serves even the lightest load .* 5 ms"):
         analyse(measured(), target=0.005, slots=(1,), **FAST)  # type: ignore[arg-type]
+
+
+def test_a_model_whose_time_varies_is_predicted_with_its_tail() -> None:
+    """The simulation draws each batch's time from the measured spread around the
+    curve: at the same light load, a model whose batches take twice their median one
+    time in ten gets a higher p99 than one that always takes its median (the p99 is
+    made of those slow batches), and the same seed gives the same prediction."""
+    factors = (1.0,) * 9 + (2.0,)  # one batch in ten takes twice the median
+    points = tuple(Point(size, None, tuple(f * cost(size) for f in factors)) for size in SIZES)
+    varied = Measurement("toy", points, batchproxy.Options(batch_size=64), 1, None, False)
+    assert varied.spread[-1] == pytest.approx(2.0)
+
+    def light_p99(measurement: Measurement) -> float:
+        analysis = analyse(measurement, slots=(1,), rates=4, **FAST)  # type: ignore[arg-type]
+        lightest = min(o.load.value for o in analysis.outcomes)
+        return max(o.p99 for o in analysis.outcomes if o.load.value == lightest)
+
+    steady, spread = light_p99(measured()), light_p99(varied)
+    assert spread >= 1.3 * steady  # (1.43x: deterministic, the seed is fixed)
+    assert light_p99(varied) == spread
