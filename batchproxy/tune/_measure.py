@@ -14,6 +14,7 @@ items with `dedup`) is kept under its own size.
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -67,6 +68,10 @@ class Measurement:
     """Each sample item's length (by the proxy's `length`); None without one."""
     pads: bool
     """It fills batches up to `batch_sizes` (a `pad_item`, or a `TensorProxy`)."""
+    handoff: float = 0.0
+    """Seconds a lone call takes beyond its batch's model time (the median): the
+    hand-offs to the model's executor and back, and waking the caller. A call pays it
+    on top of the model; with a model of a few milliseconds it is much of the wait."""
 
     @property
     def spread(self) -> tuple[float, ...]:
@@ -146,6 +151,7 @@ async def measure(
                     done += 1
                     if progress is not None:
                         progress(done, total)
+        handoff = await _handoff(proxy, groups[len(groups) // 2][0][0], timings, warmup, repeats)
     finally:
         proxy.remove_listener(timings)
         proxy.configure(batch_size=options.batch_size)
@@ -162,7 +168,25 @@ async def measure(
         lanes=proxy._executor.capacity,
         lengths=None if lengths is None else tuple(lengths),
         pads=proxy._pads_batch_axis or options.filler is not NO_ITEM,
+        handoff=handoff,
     )
+
+
+async def _handoff(
+    proxy: Proxy[Any, Any], item: Any, timings: _Timings, warmup: int, repeats: int
+) -> float:
+    """The median of a lone call's time less its batch's model time, over `repeats`
+    calls of `item` one after another (on the loop's clock, as the proxy's)."""
+    loop = asyncio.get_running_loop()
+    beyond: list[float] = []
+    for attempt in range(warmup + 2 * repeats):  # (cheap: twice the repeats)
+        timings.batches.clear()
+        began = loop.time()
+        await _run(proxy, [item])
+        took = loop.time() - began
+        if attempt >= warmup and len(timings.batches) == 1:
+            beyond.append(max(0.0, took - timings.batches[0][1]))
+    return statistics.median(beyond) if beyond else 0.0
 
 
 async def _run(proxy: Proxy[Any, Any], items: list[Any]) -> None:

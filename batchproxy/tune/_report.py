@@ -67,7 +67,8 @@ def summary(analysis: Analysis) -> str:
     choice = rec.choice
     lines = [
         f"{analysis.measurement.name}: model time {analysis.curve.describe()} "
-        f"({len(analysis.measurement.points)} batch shapes measured)",
+        f"({len(analysis.measurement.points)} batch shapes measured), "
+        f"and {analysis.measurement.handoff * 1e3:.2f} ms a call beyond its batch",
         f"for {_target(analysis)}: {choice.setting.label()}",
         f"  serves up to {choice.capacity:.0f} calls/s (simulated, open loop)",
     ]
@@ -158,6 +159,11 @@ def markdown(analysis: Analysis, plots: list[str]) -> str:
     out += ["", "## Every setting", "", "| setting | calls/s within the target |", "|---|---|"]
     out += [f"| {c.setting.label()} | {c.capacity:.0f} |" for c in rec.ranking]
     out += ["", "## The cost curve", "", f"Fitted: {curve.describe()}.", ""]
+    out += [
+        f"A lone call took {m.handoff * 1e3:.2f} ms beyond its batch's model time (the "
+        "hand-offs to the executor and back: each simulated call pays it too).",
+        "",
+    ]
     out += [
         "| batch | longest item | median (ms) | min (ms) | max (ms) | fitted (ms) | items/s |",
         "|---|---|---|---|---|---|---|",

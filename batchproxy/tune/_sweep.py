@@ -109,6 +109,8 @@ class Simulator:
     seed: int = 0
     spread: tuple[float, ...] = (1.0,)
     """Factors each batch's time is drawn from (`Measurement.spread`)."""
+    handoff: float = 0.0
+    """Seconds each call takes beyond its batch (`Measurement.handoff`)."""
 
     @classmethod
     def of(cls, measurement: Measurement, curve: CostCurve, **kw: Any) -> Simulator:
@@ -120,6 +122,7 @@ class Simulator:
             None if sizes is None else tuple(sizes.sizes),
             measurement.pads,
             spread=measurement.spread,
+            handoff=measurement.handoff,
             **kw,
         )
 
@@ -160,7 +163,7 @@ class Simulator:
             except Exception:
                 calls.append((started, None))
             else:
-                calls.append((started, loop.time()))
+                calls.append((started, loop.time() + self.handoff))
 
         async with proxy:
             if load.kind == "open":
