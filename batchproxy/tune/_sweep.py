@@ -143,16 +143,18 @@ class Simulator:
             if lengths is None
             else [rng.choice(lengths) for _ in range(self.requests)]
         )
-        calls = simulation.run(self._drive(setting, load, items))
+        # (the batches' factors go on drawing from `rng`, after the lengths: a second
+        # generator of the same seed would give batch k the draw of item k's length)
+        calls = simulation.run(self._drive(setting, load, items, rng))
         outcome = outcome_of(setting, load, calls, self.lanes)
         if load.kind == "open" and load.value > self.capacity(setting):
             outcome = replace(outcome, kept_up=False)  # beyond full batches back to back
         return outcome
 
     async def _drive(
-        self, setting: Setting, load: Load, items: list[int]
+        self, setting: Setting, load: Load, items: list[int], rng: random.Random
     ) -> list[tuple[float, float | None]]:
-        proxy = batch(**self._options(setting))(self._model(random.Random(self.seed)))
+        proxy = batch(**self._options(setting))(self._model(rng))
         loop = asyncio.get_running_loop()
         calls: list[tuple[float, float | None]] = []
 
