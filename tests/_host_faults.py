@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from _host_process import environment
+from _support import descriptors
 from hypothesis import strategies as st
 
 import batchproxy
@@ -193,13 +194,7 @@ def open_sockets() -> set[str]:
     with open("/proc/net/unix") as table:  # (the inode: the seventh column)
         for line in itertools.islice(table, 1, None):
             unix.add(f"socket:[{line.split()[6]}]")
-    found = set()
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/self/fd/{fd}")
-            if target in unix:
-                found.add(target)
-    return found
+    return {target for target in descriptors().values() if target in unix}
 
 
 def segments(pids: set[int]) -> list[str]:

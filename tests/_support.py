@@ -256,6 +256,16 @@ def blocked_in(thread: int, code: CodeType) -> bool:
     return frame is not None
 
 
+def descriptors() -> dict[str, str]:
+    """This process's open descriptors, and what each names (as /proc/self/fd's links
+    do: a path, `socket:[inode]`, `pipe:[inode]`); one closed meanwhile is left out."""
+    named = {}
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            named[fd] = os.readlink(f"/proc/self/fd/{fd}")
+    return named
+
+
 def threads_since(before: set[threading.Thread]) -> list[threading.Thread]:
     """The threads started since `before` that still run, but not a `_DummyThread`: a
     thread Python did not start (Ray's C++ threads) that called into Python stays

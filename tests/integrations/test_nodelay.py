@@ -11,14 +11,13 @@ what is checked is the socket's own option, whatever loop the suite runs on
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from _support import Recorder
+from _support import Recorder, descriptors
 
 from batchproxy.integrations._nodelay import nodelay_listeners
 from batchproxy.integrations._serving import Serving
@@ -116,12 +115,3 @@ def test_it_leaves_no_descriptor_behind() -> None:
     finally:
         os.close(reading)
         os.close(writing)
-
-
-def descriptors() -> dict[str, str]:
-    """This process's open descriptors, and what each names."""
-    named = {}
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            named[fd] = os.readlink(f"/proc/self/fd/{fd}")
-    return named
