@@ -143,16 +143,24 @@ class Simulator:
             if lengths is None
             else [rng.choice(lengths) for _ in range(self.requests)]
         )
-        # (the batches' factors go on drawing from `rng`, after the lengths: a second
-        # generator of the same seed would give batch k the draw of item k's length)
-        calls = simulation.run(self._drive(setting, load, items, rng))
+        # one generator per run, drawn in turn: the lengths, the arrivals' own seed, then
+        # the batches' factors (a second generator seeded with `seed` would repeat the
+        # lengths' draws: each arrival's gap and each batch's factor tied to an item's
+        # length)
+        arrivals_seed = rng.getrandbits(64)
+        calls = simulation.run(self._drive(setting, load, items, arrivals_seed, rng))
         outcome = outcome_of(setting, load, calls, self.lanes)
         if load.kind == "open" and load.value > self.capacity(setting):
             outcome = replace(outcome, kept_up=False)  # beyond full batches back to back
         return outcome
 
     async def _drive(
-        self, setting: Setting, load: Load, items: list[int], rng: random.Random
+        self,
+        setting: Setting,
+        load: Load,
+        items: list[int],
+        arrivals_seed: int,
+        rng: random.Random,
     ) -> list[tuple[float, float | None]]:
         proxy = batch(**self._options(setting))(self._model(rng))
         loop = asyncio.get_running_loop()
@@ -169,7 +177,8 @@ class Simulator:
 
         async with proxy:
             if load.kind == "open":
-                arrivals = simulation.poisson(load.value, len(items) / load.value, seed=self.seed)
+                duration = len(items) / load.value
+                arrivals = simulation.poisson(load.value, duration, seed=arrivals_seed)
                 await simulation.open_loop(call, arrivals)
             else:
                 served = min(self.capacity(setting), load.value / self.curve(1, self._typical()))
