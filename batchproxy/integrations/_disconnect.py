@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping
+from contextvars import Context, copy_context
 from typing import Any
 
 from .._client import Client, current_client
@@ -119,20 +120,23 @@ class _Schedule:
     running, in the order they came, which is the order they are due in (each
     `WATCH_AFTER` after it came), and one timer, armed for the first, in place of a
     timer per request. A watch whose response is complete is let go of as soon as
-    none before it is still running: the lone client's go at once."""
+    none before it is still running: the lone client's go at once. The timer runs in
+    an empty context of its own (armed in a request's, it would hold that request's
+    context for as long as it is armed anew), each waiter in its request's."""
 
-    __slots__ = ("_armed", "_watches", "loop")
+    __slots__ = ("_armed", "_context", "_watches", "loop")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self._watches: deque[_Watch] = deque()
         self._armed = False  # the timer is armed, for the first watch's time or sooner
+        self._context = Context()
 
     def add(self, watch: _Watch) -> None:
         self._watches.append(watch)
         if not self._armed:
             self._armed = True
-            self.loop.call_at(watch.due, self._on_time, watch.due)
+            self.loop.call_at(watch.due, self._on_time, watch.due, context=self._context)
 
     def prune(self) -> None:
         """Let go of the first watches, as long as their responses are complete."""
@@ -146,11 +150,11 @@ class _Schedule:
         while watches:
             watch = watches[0]
             if not watch.done and watch.due > now:
-                self.loop.call_at(watch.due, self._on_time, watch.due)
+                self.loop.call_at(watch.due, self._on_time, watch.due, context=self._context)
                 return
             watches.popleft()
             if not watch.done:
-                watch.on_time()
+                watch.context.run(watch.on_time)
         self._armed = False
 
 
@@ -177,6 +181,7 @@ class _Watch:
         "_waiting",
         "cancelled",
         "client",
+        "context",
         "done",
         "due",
     )
@@ -185,6 +190,7 @@ class _Watch:
         self.client = Client()
         self.cancelled = False  # the waiter cancelled the handling task
         self.due = due  # the loop's time the waiter starts at, if the response is not complete
+        self.context = copy_context()  # the request's, for the waiter its time starts
         self.done = False  # the response was sent whole, or the request is over
         self._receive = receive
         self._send = send

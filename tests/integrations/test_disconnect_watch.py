@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import weakref
 from contextlib import suppress
+from contextvars import ContextVar
 from typing import Any
 
 import pytest
@@ -189,6 +190,57 @@ async def test_a_watch_behind_one_still_waiting_is_let_go_of_at_that_ones_time()
     assert slow.read_at() == [pytest.approx(start + WATCH_AFTER, abs=1e-6)] * 2
     assert freed() is None
     await first
+
+
+class Tag:
+    """What an outer layer sets for its request (a tracer's span, say)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+REQUEST: ContextVar[Tag] = ContextVar("request")
+
+
+class Traced(Exchange):
+    """An exchange whose `receive()` notes whose request the context it runs in is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.contexts: list[str] = []
+
+    async def receive(self) -> Message:
+        self.contexts.append(REQUEST.get().name)
+        return await super().receive()
+
+
+@pytest.mark.looptime
+async def test_each_waiter_runs_in_its_own_requests_context() -> None:
+    """Each waiter its time starts runs in its own request's context (the server's
+    `receive()` sees that request's variables), and the timer that serves them all
+    holds none: the context of a request answered at once, which armed it, is let go
+    of while the requests after it wait for their time."""
+    middleware = CancelOnDisconnect(lambda scope, receive, send: answer_after(scope["s"], send))
+    exchanges = {name: Traced() for name in ("early", "a", "b")}
+
+    async def outer(tag: Tag, seconds: float) -> None:
+        REQUEST.set(tag)
+        exchange = exchanges[tag.name]
+        await middleware({"type": "http", "s": seconds}, exchange.receive, exchange.send)
+
+    tag = Tag("early")
+    freed = weakref.ref(tag)
+    early = asyncio.create_task(outer(tag, 0.001))  # it arms the timer, for its time
+    del tag
+    await early
+    del early
+    slow = [asyncio.create_task(outer(Tag("a"), 0.2))]
+    await asyncio.sleep(0.01)
+    slow.append(asyncio.create_task(outer(Tag("b"), 0.2)))
+    await asyncio.sleep(0.01)  # the timer early armed is still armed
+    assert freed() is None
+    await asyncio.gather(*slow)
+    assert [exchanges[name].contexts for name in ("early", "a", "b")] == [[], ["a"] * 2, ["b"] * 2]
 
 
 async def test_one_middleware_served_by_two_loops_at_once() -> None:
