@@ -7,14 +7,14 @@ to an app that calls `receive()` again, which a FastAPI route does not.
 `CancelOnDisconnect` does, once per request, in one waiter task: it starts
 `WATCH_AFTER` seconds after the request came, if the response is not complete by
 then, and waits on `receive()`, which costs nothing until the server wakes it. A
-request answered sooner never makes the task. What it pays: two small objects (its
-watch and its `Client`), `current_client` set and reset, an ASGI layer whose
-`receive` and `send` check a flag or two before the server's own, and a place in
-its loop's schedule of watches (one timer serves them all, armed for the oldest
-still short of its time; none per request). About 2.5 µs in process, on asyncio's
-loop and uvloop alike (docs/benchmarks.md): so the watch costs nothing measurable
-where requests are fast, and where they wait in a queue, which is where a client
-that leaves costs a model its time, it is there.
+request answered sooner never makes the task. What it pays: three small objects
+(its watch, its `Client`, a copy of its context), `current_client` set and reset,
+an ASGI layer whose `receive` and `send` check a flag or two before the server's
+own, and a place in its loop's schedule of watches (one timer serves them all,
+armed for the oldest still short of its time; none per request). About 2.5 µs in
+process, on asyncio's loop and uvloop alike (docs/benchmarks.md): so the watch
+costs nothing measurable where requests are fast, and where they wait in a queue,
+which is where a client that leaves costs a model its time, it is there.
 
 A body the app has not read by then (a route without a body parameter, or one that
 reads it after a call) stands before the disconnect: the waiter reads it ahead and
@@ -119,10 +119,12 @@ class _Schedule:
     """When one loop's disconnect waiters are due: the watches of the requests still
     running, in the order they came, which is the order they are due in (each
     `WATCH_AFTER` after it came), and one timer, armed for the first, in place of a
-    timer per request. A watch whose response is complete is let go of as soon as
-    none before it is still running: the lone client's go at once. The timer runs in
-    an empty context of its own (armed in a request's, it would hold that request's
-    context for as long as it is armed anew), each waiter in its request's."""
+    timer per request. The watches of complete responses are let go of from the
+    front, as each request ends (a lone client's at once) and when the timer goes
+    off: none is held past the time of the oldest one still waiting. The timer runs
+    in an empty context of its own (armed in a request's, it would hold that
+    request's context for as long as it is armed anew), each waiter in its
+    request's."""
 
     __slots__ = ("_armed", "_context", "_watches", "loop")
 
