@@ -143,6 +143,43 @@ async def test_a_streaming_response_is_completed_when_its_client_leaves() -> Non
     assert [len(e.reads) for e in (stream, whole)] == [2, 2]  # the body, then the disconnect
 
 
+@pytest.mark.looptime
+async def test_a_waiter_due_while_the_app_reads_its_body_starts_when_that_read_returns() -> None:
+    """A body still coming at the request's time: the app is reading it from the
+    server, so its waiter starts once that read returns, not before (two readers
+    would race for the server's messages), and still sees its client leave."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    body_at = round(1.6 * WATCH_AFTER, 6)
+
+    class Slow(Exchange):
+        async def receive(self) -> Message:
+            if not self.reads:
+                await asyncio.sleep(body_at)
+            return await super().receive()
+
+    got: list[Message] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        got.append(await receive())
+        await asyncio.sleep(60)  # (cancelled)
+
+    exchange = Slow()
+    served = asyncio.create_task(
+        CancelOnDisconnect(app)({"type": "http"}, exchange.receive, exchange.send)
+    )
+    await asyncio.sleep(4 * WATCH_AFTER)
+    exchange.leave()
+    await served
+    assert got == [{"type": "http.request", "body": b"", "more_body": False}]
+    reads = [(round(at - start, 6), task is served) for at, task in exchange.reads]
+    assert reads == [(body_at, True), (body_at, False)]  # the app's, then the waiter's
+    assert [(m["type"], m.get("status")) for m in exchange.sent] == [
+        ("http.response.start", 499),
+        ("http.response.body", None),
+    ]
+
+
 class Sink:
     """A server's `send` that can be watched for being freed."""
 
