@@ -16,6 +16,14 @@ so what is measured is the HTTP path. Rounds alternate on and off:
 
 The client is raw asyncio sockets in this process. On a small shared machine the
 numbers are noisy: compare on and off of the same run only.
+
+`--in-process`: the ASGI watch alone, without a server, which over HTTP drowns in
+the noise: a route that reads its body and sends its response, called as the server
+would (one task per request, a `receive` and a `send` that return at once), bare
+and through `CancelOnDisconnect`, in interleaved rounds on asyncio's loop and on
+uvloop; the CPU time per request (`time.process_time`), the median over rounds.
+Every request is answered at once, so no waiter starts: what is measured is what
+a fast request pays.
 """
 
 import asyncio
@@ -29,10 +37,19 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks._harness.report import arguments, environment, headline, no_targets, write_report
+from benchmarks._harness.report import (
+    Run,
+    arguments,
+    environment,
+    headline,
+    no_targets,
+    write_report,
+)
 
 FULL = {"rounds": 5, "latency_requests": 400, "clients": 32, "seconds": 2.0}
 QUICK = {"rounds": 2, "latency_requests": 100, "clients": 32, "seconds": 0.5}
+IN_PROCESS_FULL = {"rounds": 20, "requests": 4000}
+IN_PROCESS_QUICK = {"rounds": 4, "requests": 500}
 BODY = json.dumps({"x": "hello"}).encode()
 REQUEST = (
     b"POST /run HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
@@ -177,11 +194,81 @@ async def measure(
     }
 
 
+async def _in_process(config: dict[str, Any]) -> dict[str, Any]:
+    """CPU µs per request, bare and through the watch, on the running loop."""
+    from batchproxy.integrations._disconnect import CancelOnDisconnect
+
+    body = {"type": "http.request", "body": BODY, "more_body": False}
+    start = {"type": "http.response.start", "status": 200, "headers": []}
+    end = {"type": "http.response.body", "body": b"{}", "more_body": False}
+    scope = {"type": "http"}
+
+    async def receive() -> dict[str, Any]:
+        return body
+
+    async def send(message: Any) -> None:
+        pass
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send(start)
+        await send(end)
+
+    apps = {False: app, True: CancelOnDisconnect(app)}
+    loop = asyncio.get_running_loop()
+
+    async def rounds(on: bool, requests: int) -> float:
+        handler = apps[on]
+        used = time.process_time()
+        for _ in range(requests):
+            await loop.create_task(handler(scope, receive, send))
+        return (time.process_time() - used) / requests * 1e6
+
+    cpu: dict[bool, list[float]] = {True: [], False: []}
+    for on in (True, False):  # warm up
+        await rounds(on, config["requests"] // 4)
+    for round_ in range(config["rounds"]):
+        for on in (True, False) if round_ % 2 == 0 else (False, True):
+            cpu[on].append(await rounds(on, config["requests"]))
+    on_us, off_us = (statistics.median(cpu[on]) for on in (True, False))
+    return {
+        "cpu_us_per_request": {"on": round(on_us, 2), "off": round(off_us, 2)},
+        "added_cpu_us": round(on_us - off_us, 2),
+    }
+
+
+def in_process(cli: Run, env: dict[str, Any]) -> None:
+    config = IN_PROCESS_QUICK if cli.quick else IN_PROCESS_FULL
+    results: dict[str, Any] = {"asyncio": asyncio.run(_in_process(config))}
+    try:
+        import uvloop
+    except ImportError:
+        print("uvloop is not installed: asyncio's loop only")
+    else:
+        results["uvloop"] = uvloop.run(_in_process(config))
+    for loop, row in results.items():
+        cpu = row["cpu_us_per_request"]
+        print(f"{loop}: {cpu['off']} -> {cpu['on']} us of CPU per request (+{row['added_cpu_us']})")
+    write_report(
+        cli.output,
+        env,
+        quick=cli.quick,
+        config=config,
+        targets=no_targets("a cost to report next to the feature, not a pass mark"),
+        results=results,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    cli = arguments("disconnect", __doc__, argv)
-    config = QUICK if cli.quick else FULL
+    cli = arguments(
+        "disconnect", __doc__, argv, mode=("in-process", "the ASGI watch alone, no server")
+    )
     env = environment()
     print(headline("disconnect", env, quick=cli.quick))
+    if cli.mode:
+        in_process(cli, env)
+        return
+    config = QUICK if cli.quick else FULL
     results: dict[str, Any] = {}
     context = multiprocessing.get_context("spawn")
     for kind in ("fastapi", "aiohttp"):
