@@ -22,11 +22,19 @@ callback scheduled once per iteration, after every ready caller has queued. An
 arrival to an empty proxy, which goes at once anyway, skips that callback: it
 starts the batch task itself, and the task takes its batch when it first runs,
 so the model starts one iteration sooner with the same company. A
-freed slot is also filled from such a callback, so callers woken by the batch
-that just ended (and withdrawing requests, say) act before the next one forms;
-except that when the batch answered every caller with a result (so none
-withdraws anything) and a full batch is waiting, that batch starts at once,
-before those callers wake: the model does not sit idle while they run.
+freed slot is also filled from such a callback, one iteration later still, so
+callers woken by the batch that just ended (and withdrawing requests, say) act
+before the next one forms, and so do the requests the loop was handling as the
+batch ended: what came due in the same iteration (a socket's data, a timer) and
+the tasks it made for them, which queue their calls when they first run. A model
+that holds the GIL while it launches its batch stalls the loop, and the loop then
+handles what came meanwhile in the iteration that takes the batch's answer:
+filled an iteration sooner, the slot went without all of it, every time, and each
+call waited a whole batch more (`benchmarks/models/tune.py`, gpu-sim: the median
+call doubled from 716 calls/s on). Except that when the batch answered every
+caller with a result (so none withdraws anything) and a full batch is waiting,
+that batch starts at once, before those callers wake: the model does not sit
+idle while they run.
 
 The window (rule 3 and 4). Only arrivals that find the proxy busy (something
 queued or running) count as evidence that company comes: an arrival to an empty
@@ -191,6 +199,7 @@ class Scheduler(Generic[T]):
         self._running_until: list[float] = []  # predicted ends of the batches in flight
         self._decision_scheduled = False
         self._slot_freed = False
+        self._slot_held = False  # the freed slot's decision waits one iteration more
         self._draining = False
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
@@ -244,7 +253,7 @@ class Scheduler(Generic[T]):
         return batch
 
     def batch_finished(self) -> None:
-        """A batch slot is free again: waiting requests go, one loop iteration later
+        """A batch slot is free again: waiting requests go, two loop iterations later
         (at once while draining, so a batch always runs while requests remain). With
         none waiting there is nothing to decide: the next arrival finds the proxy idle."""
         self.in_flight -= 1
@@ -252,7 +261,7 @@ class Scheduler(Generic[T]):
         if self._draining:
             self._decide()
         elif self.queue.live:
-            self._slot_freed = True
+            self._slot_freed = self._slot_held = True
             self._schedule_decision()
 
     def batch_finished_early(self) -> bool:
@@ -267,7 +276,8 @@ class Scheduler(Generic[T]):
         while self.in_flight < self._max_concurrent and self._full():
             if not self._send("full"):
                 break  # (dead requests, counted a moment longer: see `_decide`)
-        self._slot_freed = True  # the rest, if a slot is left, go as after any batch
+        # the rest, if a slot is left, go as after any batch
+        self._slot_freed = self._slot_held = True
         self._schedule_decision()
         return True
 
@@ -317,6 +327,10 @@ class Scheduler(Generic[T]):
             self.loop.call_soon(self._decide)
 
     def _decide(self) -> None:
+        if self._slot_held and not self._draining:  # (the module docstring: a freed slot)
+            self._slot_held = False
+            self.loop.call_soon(self._decide)  # still the one decision scheduled
+            return
         self._decision_scheduled = False
         go_now = "drain" if self._draining else "slot freed" if self._slot_freed else None
         self._slot_freed = False

@@ -155,6 +155,34 @@ async def test_busy_model_accumulates_and_next_batch_leaves_when_slot_frees() ->
         assert [t - start for t in proxy.started_at] == pytest.approx([0.0, 10.0, 20.0])
 
 
+async def test_an_arrival_the_loop_handles_as_a_batch_ends_joins_the_next_one() -> None:
+    """Found by `make bench-tune` on the GPU-shaped model, whose launch holds the GIL:
+    the loop stalls while a batch launches, then handles what arrived meanwhile in the
+    iteration that takes the batch's answer. Such an arrival's task queues its call
+    when it first runs, an iteration later; the freed slot, filled one iteration
+    after the batch ended, went without it, every batch, and each call waited a
+    whole batch more (the median call doubled from 716 calls/s on)."""
+    loop = asyncio.get_running_loop()
+    arrivals: list[asyncio.Task[Any]] = []
+
+    def arrive() -> None:  # as a server does with a request's data: a task for it
+        arrivals.append(asyncio.create_task(proxy.inference("arrived")))
+
+    def respond(items: list[Any]) -> list[Any]:
+        if items == ["first"]:  # the first batch ends as the loop takes in an arrival
+            loop.call_soon(arrive)
+        return [("out", item) for item in items]
+
+    async with Recorder(respond, batch_size=64, max_delay_ms=5, delay=1.0) as proxy:
+        first = asyncio.create_task(proxy.inference("first"))
+        await asyncio.sleep(0.5)
+        waiting = asyncio.create_task(proxy.inference("waiting"))
+        await asyncio.gather(first, waiting)
+        assert await asyncio.gather(*arrivals) == [("out", "arrived")]
+        assert proxy.batches == [["first"], ["waiting", "arrived"]]
+        assert proxy.started_at[1] - proxy.started_at[0] == pytest.approx(1.0)
+
+
 async def test_burst_stragglers_go_when_slot_frees() -> None:
     loop = asyncio.get_running_loop()
     async with Recorder(batch_size=64, max_delay_ms=100, delay=0.002) as proxy:
