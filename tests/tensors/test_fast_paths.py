@@ -18,7 +18,10 @@ from hypothesis import strategies as st
 from batchproxy import tensors
 from batchproxy.tensors import Collated, _items
 
-torch = pytest.importorskip("torch")
+try:
+    import torch
+except ImportError:  # the core suite: NumPy alone (the torch cases skip)
+    torch = None
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DTYPES = ["float32", "float64", "int64", "int32", "bool", "float16", "uint8", "complex64"]
@@ -29,8 +32,10 @@ class Sub(np.ndarray):  # type: ignore[type-arg]
     """A NumPy subclass: valid, but not the exact type the fast path takes."""
 
 
-class TensorSub(torch.Tensor):  # type: ignore[misc]
-    """A torch subclass, likewise."""
+if torch is not None:
+
+    class TensorSub(torch.Tensor):  # type: ignore[misc]
+        """A torch subclass, likewise."""
 
 
 class OddKey(str):
@@ -55,13 +60,17 @@ def make_leaf(rng: np.random.Generator, shape: tuple[int, ...], dtype: str, lib:
     return torch.from_numpy(values) if lib == "torch" else values
 
 
+def is_tensor(value: object) -> bool:
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
 def other_library(leaf: Any) -> Any:
-    return leaf.numpy() if isinstance(leaf, torch.Tensor) else torch.from_numpy(leaf)
+    return leaf.numpy() if is_tensor(leaf) else torch.from_numpy(leaf)
 
 
 def non_contiguous(leaf: Any) -> Any:
     """The same values, seen through a strided view."""
-    if isinstance(leaf, torch.Tensor):
+    if is_tensor(leaf):
         return torch.stack([leaf, leaf], dim=-1)[..., 0] if leaf.ndim else leaf
     return np.stack([leaf, leaf], axis=-1)[..., 0] if leaf.ndim else leaf
 
@@ -69,7 +78,7 @@ def non_contiguous(leaf: Any) -> Any:
 def recast(leaf: Any, dtype: str) -> Any:
     if str(leaf.dtype).endswith("complex64") and dtype != "complex64":
         leaf = leaf.real  # (a cast would warn that it drops the imaginary part)
-    if isinstance(leaf, torch.Tensor):
+    if is_tensor(leaf):
         return leaf.to(getattr(torch, dtype))
     return leaf.astype(dtype)
 
@@ -101,14 +110,14 @@ DEFECTS = [
 
 def leaf_defect(leaf: Any, defect: str, draw: st.DrawFn) -> Any:
     """`leaf` with `defect`, if it is a leaf defect that applies to it."""
-    tensor = isinstance(leaf, torch.Tensor)
+    tensor = is_tensor(leaf)
     if defect == "dtype":
         return recast(leaf, draw(st.sampled_from(DTYPES)))
     if defect == "rank":
         return leaf[None]
     if defect == "rank-" and leaf.ndim:
         return leaf[0] if leaf.shape[0] else leaf.sum(0, dtype=leaf.dtype)
-    if defect == "library":
+    if defect == "library" and torch is not None:
         return other_library(leaf)
     if defect == "meta" and tensor:
         return leaf.to("meta")
@@ -136,7 +145,7 @@ def apply_defect(item: Any, defect: str, draw: st.DrawFn) -> Any:
         pairs = list(enumerate(item))
     else:
         pairs = [(None, item)]
-    if not pairs or not all(isinstance(leaf, (np.ndarray, torch.Tensor)) for _, leaf in pairs):
+    if not pairs or not all(isinstance(leaf, np.ndarray) or is_tensor(leaf) for _, leaf in pairs):
         return item
     j = draw(st.integers(0, len(pairs) - 1))
     pairs[j] = (pairs[j][0], leaf_defect(pairs[j][1], defect, draw))
@@ -172,7 +181,7 @@ def batches(draw: st.DrawFn) -> tuple[list[Any], dict[str, Any]]:
     """Items of one random structure, NumPy, torch or both, ragged on random axes, some
     with a defect; and random collate options."""
     kind = draw(st.sampled_from(["array", "dict", "tuple"]))
-    libraries = draw(st.sampled_from(["numpy", "torch", "mixed"]))
+    libraries = draw(st.sampled_from(["numpy", "torch", "mixed"] if torch else ["numpy"]))
     n_leaves = 1 if kind == "array" else draw(st.integers(1, 3))
     n_items = draw(st.integers(1, 6))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
@@ -354,18 +363,21 @@ def test_fast_paths_give_what_the_full_paths_gave(batch: tuple[list[Any], dict[s
 def test_tokenizer_batches_as_before(side: str, multiple: int | None) -> None:
     """The usual batch (MiniLM-like token dicts, int64, 5-40 tokens) and its variants."""
     rng = np.random.default_rng(1)
-
-    def item(n: int) -> dict[str, Any]:
-        ids = torch.from_numpy(rng.integers(0, 30_000, n))
-        return {"input_ids": ids, "attention_mask": torch.ones(n, dtype=torch.int64)}
-
-    items = [item(int(n)) for n in rng.integers(5, 41, 32)]
+    items = [
+        {"input_ids": rng.integers(0, 30_000, n), "attention_mask": np.ones(n, dtype=np.int64)}
+        for n in rng.integers(5, 41, 32)
+    ]
     options = {"pad_value": {"input_ids": 1}, "padding_side": side, "pad_to_multiple_of": multiple}
     assert_as_before(items, options)
     assert_as_before(items[:1], options)
-    assert_as_before([{key: leaf.numpy() for key, leaf in i.items()} for i in items], options)
-    hidden = [{"embeds": torch.ones(int(n), 4), "ids": torch.zeros(int(n))} for n in [3, 0, 7]]
+    hidden = [{"embeds": np.ones((n, 4)), "ids": np.zeros(n)} for n in [3, 0, 7]]
     assert_as_before(hidden, {**options, "pad_value": 0.5})
+    pytest.importorskip("torch")
+    tensor_items = [{key: torch.from_numpy(leaf) for key, leaf in i.items()} for i in items]
+    assert_as_before(tensor_items, options)
+    assert_as_before(tensor_items[:1], options)
+    tensor_hidden = [{key: torch.from_numpy(leaf) for key, leaf in i.items()} for i in hidden]
+    assert_as_before(tensor_hidden, {**options, "pad_value": 0.5})
 
 
 # -- the fast paths are the ones taken ----------------------------------------------------------
@@ -375,12 +387,16 @@ def test_an_alike_batch_is_validated_without_signatures(monkeypatch: pytest.Monk
     def no_signature(item: object) -> Any:
         raise AssertionError("the full check ran")
 
-    items = [{"ids": torch.zeros(n, dtype=torch.int64), "mask": np.ones(n)} for n in (3, 5, 0)]
+    items = [{"ids": np.zeros(n, dtype=np.int64), "mask": np.ones((n, 2))} for n in (3, 5, 0)]
     monkeypatch.setattr(_items, "_signature", no_signature)
     assert _items._problems(items) == [None, None, None]
     assert _items._problems([np.zeros(2)]) == [None]
+    assert _items._problems([(np.zeros(2), np.ones(())), (np.zeros(5), np.ones(()))]) == [None] * 2
     with pytest.raises(AssertionError, match="full check"):  # another key order: the full one
-        _items._problems([*items, {"mask": np.ones(1), "ids": torch.zeros(1, dtype=torch.int64)}])
+        _items._problems([*items, {"mask": np.ones((1, 2)), "ids": np.zeros(1, dtype=np.int64)}])
+    pytest.importorskip("torch")
+    mixed = [{"ids": torch.zeros(n, dtype=torch.int64), "mask": np.ones(n)} for n in (3, 5, 0)]
+    assert _items._problems(mixed) == [None, None, None]
 
 
 def test_ragged_axis_0_is_collated_in_one_copy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -394,10 +410,12 @@ def test_ragged_axis_0_is_collated_in_one_copy(monkeypatch: pytest.MonkeyPatch) 
         return region(*args)
 
     monkeypatch.setattr(tensors, "_region", counted)
-    tensors.collate([torch.ones(3, 2), torch.ones(1, 2)], padding_side="left")
     tensors.collate([np.ones((3, 2)), np.ones((1, 2))], pad_to_multiple_of=4)
     assert calls == []
     tensors.collate([np.ones((3, 2)), np.ones((3, 1))])
+    assert len(calls) == 2
+    pytest.importorskip("torch")
+    tensors.collate([torch.ones(3, 2), torch.ones(1, 2)], padding_side="left")
     assert len(calls) == 2
     tensors.collate([torch.ones(3, device="meta"), torch.ones(1, device="meta")])
     assert len(calls) == 4
