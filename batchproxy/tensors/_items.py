@@ -1,6 +1,7 @@
 """Items of a batch, one by one: their arrays (leaves), and whether each can join the
 others (the checks behind `tensors.validate`, whose messages describe the item
-itself, not its place in a batch)."""
+itself, not its place in a batch). The usual batch, items alike down to the exact
+types, is recognised cheaply first (`_alike`); any other goes through the full check."""
 
 from __future__ import annotations
 
