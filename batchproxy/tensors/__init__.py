@@ -169,21 +169,26 @@ def _region(own: _Shape, padded: _Shape, side: PaddingSide) -> tuple[slice, ...]
 
 
 def _collate_leaf(
-    leaves: list[Any], pad_value: float | int, side: PaddingSide, multiple: int | None
+    leaves: list[Any],
+    shapes: list[_Shape],
+    pad_value: float | int,
+    multiple: int | None,
+    real: _RealPositions,
 ) -> tuple[Any, _Shape, bool]:
-    """Stack one leaf across the items, padding ragged axes: (batch, padded shape, padded?)."""
-    shapes = [_shape(leaf) for leaf in leaves]
+    """Stack one leaf (of shapes `shapes`) across the items, padding ragged axes:
+    (batch, padded shape, padded?)."""
     first = leaves[0]
     tensor = _is_tensor(first)
-    if all(shape == shapes[0] for shape in shapes):
-        _check_size(len(leaves), shapes[0], first)
+    reference = shapes[0]
+    if all(shape == reference for shape in shapes):
+        _check_size(len(leaves), reference, first)
         if tensor:
             import torch
 
-            return torch.stack(leaves), shapes[0], False
-        return np.stack(leaves), shapes[0], False
+            return torch.stack(leaves), reference, False
+        return np.stack(leaves), reference, False
     padded: list[int] = []
-    for axis in range(len(shapes[0])):
+    for axis in range(len(reference)):
         sizes = {shape[axis] for shape in shapes}
         size = max(sizes)
         if len(sizes) > 1 and multiple is not None:
@@ -199,8 +204,19 @@ def _collate_leaf(
         batch = torch.full((len(leaves), *target), fill, dtype=first.dtype, device=first.device)
     else:
         batch = np.full((len(leaves), *target), pad_value, dtype=first.dtype)
+    axis_0_alone = len(reference) == 1 or all(shape[1:] == reference[1:] for shape in shapes)
+    if axis_0_alone and (not tensor or first.device.type == "cpu"):
+        # the batch's real positions (the mask of these sizes), in order, take the items'
+        # rows one after another: one copy for the whole batch, not one per item
+        positions = real([shape[0] for shape in shapes], target[0])
+        if tensor:
+            rows = torch.from_numpy(positions).view(*positions.shape, *[1] * (len(target) - 1))
+            batch.masked_scatter_(rows, torch.cat(leaves))
+        else:
+            batch[positions] = np.concatenate(leaves)
+        return batch, target, True
     for index, (leaf, shape) in enumerate(zip(leaves, shapes, strict=True)):
-        where = (index, *_region(shape, target, side))
+        where = (index, *_region(shape, target, real.side))
         batch[where] = leaf
     return batch, target, True
 
@@ -216,18 +232,44 @@ def _check_size(count: int, shape: _Shape, leaf: Any) -> None:
         )
 
 
-def _mask(lengths: list[int], padded_length: int, side: PaddingSide, like: Any) -> Any:
-    if _is_tensor(like):
-        import torch
+def _mask(lengths: list[int], padded_length: int, real: _RealPositions, like: Any) -> Any:
+    """The batch's mask, in `like`'s library and on its device."""
+    if not _is_tensor(like):
+        return real(lengths, padded_length)
+    import torch
 
-        positions: Any = torch.arange(padded_length, device=like.device)
-        sizes: Any = torch.tensor(lengths, device=like.device)
-    else:
-        positions = np.arange(padded_length)
-        sizes = np.asarray(lengths)
-    if side == "right":
+    if like.device.type == "cpu":
+        return torch.from_numpy(real(lengths, padded_length))
+    positions: Any = torch.arange(padded_length, device=like.device)
+    sizes: Any = torch.tensor(lengths, device=like.device)
+    if real.side == "right":
         return positions[None, :] < sizes[:, None]
     return positions[None, :] >= (padded_length - sizes)[:, None]
+
+
+class _RealPositions:
+    """`(n, padded_length)` NumPy bools, `True` on each item's real positions along a
+    padded axis, for one `collate` call: made once per (sizes, padded length), which a
+    batch's leaves and its mask often share. Only read, never written."""
+
+    __slots__ = ("_made", "side")
+
+    def __init__(self, side: PaddingSide) -> None:
+        self.side: PaddingSide = side
+        self._made: dict[tuple[tuple[int, ...], int], np.ndarray[Any, Any]] = {}
+
+    def __call__(self, sizes: list[int], padded_length: int) -> np.ndarray[Any, Any]:
+        key = (tuple(sizes), padded_length)
+        found = self._made.get(key)
+        if found is None:
+            positions = np.arange(padded_length)
+            counts = np.asarray(sizes)
+            if self.side == "right":
+                found = positions[None, :] < counts[:, None]
+            else:
+                found = positions[None, :] >= (padded_length - counts)[:, None]
+            self._made[key] = found
+        return found
 
 
 def collate(
@@ -271,20 +313,30 @@ def _collate_valid(
             f"a pad_value mapping needs dict items, got {type(first).__name__} items; "
             "pass one number"
         )
-    per_item = [[_leaf_at(item, path) for path in paths] for item in items]
+    if isinstance(first, Mapping):
+        keys = [path[0] for path in paths]
+        columns = [[item[key] for item in items] for key in keys]
+    elif isinstance(first, tuple):
+        columns = [[item[j] for item in items] for j in range(len(paths))]
+    else:
+        columns = [list(items)]
     batched: list[Any] = []
+    shapes: list[list[_Shape]] = []  # shapes[j][i]: item i's leaf at paths[j]
     padded_shapes: list[_Shape] = []
     any_padding = False
-    for j, path in enumerate(paths):
-        leaves = [leaves_of_item[j] for leaves_of_item in per_item]
+    real = _RealPositions(padding_side)
+    for path, leaves in zip(paths, columns, strict=True):
         value = pad_value.get(str(path[0]), 0) if isinstance(pad_value, Mapping) else pad_value
         _check_pad_value(value, leaves[0], path)
-        batch, padded, did_pad = _collate_leaf(leaves, value, padding_side, pad_to_multiple_of)
+        column = [_shape(leaf) for leaf in leaves]
+        batch, padded, did_pad = _collate_leaf(leaves, column, value, pad_to_multiple_of, real)
         batched.append(batch)
+        shapes.append(column)
         padded_shapes.append(padded)
         any_padding = any_padding or did_pad
-    item_shapes = tuple(tuple(_shape(leaf) for leaf in leaves) for leaves in per_item)
-    lengths = [max(shape[0] if shape else 1 for shape in shapes) for shapes in item_shapes]
+    item_shapes = tuple(zip(*shapes, strict=True))
+    sizes = [[shape[0] if shape else 1 for shape in column] for column in shapes]
+    lengths = sizes[0] if len(sizes) == 1 else list(map(max, *sizes))
     padded_length = max(shape[0] if shape else 1 for shape in padded_shapes)
     data: Any
     if isinstance(first, Mapping):
@@ -293,7 +345,7 @@ def _collate_valid(
         data = tuple(batched)
     else:
         data = batched[0]
-    mask = _mask(lengths, padded_length, padding_side, batched[0]) if any_padding else None
+    mask = _mask(lengths, padded_length, real, batched[0]) if any_padding else None
     return Collated(
         data=data,
         lengths=lengths,
@@ -304,10 +356,6 @@ def _collate_valid(
         _item_shapes=item_shapes,
         _padded_shapes=tuple(padded_shapes),
     )
-
-
-def _leaf_at(item: Any, path: _Path) -> Any:
-    return item[path[0]] if path else item
 
 
 # -- split ------------------------------------------------------------------------------------

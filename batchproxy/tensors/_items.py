@@ -1,6 +1,7 @@
 """Items of a batch, one by one: their arrays (leaves), and whether each can join the
 others (the checks behind `tensors.validate`, whose messages describe the item
-itself, not its place in a batch)."""
+itself, not its place in a batch). The usual batch, items alike down to the exact
+types, is recognised cheaply first (`_alike`); any other goes through the full check."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
+from operator import attrgetter, eq, is_
 from typing import TYPE_CHECKING, Any, Literal, TypeGuard
 
 import numpy as np
@@ -24,9 +27,22 @@ _Shape = tuple[int, ...]
 # -- leaves -----------------------------------------------------------------------------------
 
 
+_tensor_types: list[type] = []
+"""`[torch.Tensor]` once torch has been imported (by the user: never here), else empty."""
+
+
+def _tensor_type() -> type | None:
+    """`torch.Tensor` if torch is imported: no tensor exists before it is."""
+    if not _tensor_types:
+        found = getattr(sys.modules.get("torch"), "Tensor", None)
+        if not isinstance(found, type):
+            return None
+        _tensor_types.append(found)
+    return _tensor_types[0]
+
+
 def _is_tensor(value: object) -> TypeGuard[torch.Tensor]:
-    torch_module = sys.modules.get("torch")  # no tensor exists before torch is imported
-    tensor_type = getattr(torch_module, "Tensor", None)
+    tensor_type = _tensor_types[0] if _tensor_types else _tensor_type()
     return tensor_type is not None and isinstance(value, tensor_type)
 
 
@@ -35,7 +51,7 @@ def _is_leaf(value: object) -> bool:
 
 
 def _shape(leaf: Any) -> _Shape:
-    return tuple(int(size) for size in leaf.shape)
+    return tuple(map(int, leaf.shape))
 
 
 def _library(leaf: Any) -> str:
@@ -229,6 +245,8 @@ def _mismatch(
 def _problems(items: Sequence[Any]) -> list[Exception | None]:
     """`validate` without the positions: each error describes the item alone, for a
     caller that sent that one item (`TensorProxy`)."""
+    if items and _alike(items):  # the usual batch, without building signatures
+        return [None] * len(items)
     signatures: list[_Signature | Exception] = []
     for item in items:
         try:
@@ -250,3 +268,74 @@ def _problems(items: Sequence[Any]) -> list[Exception | None]:
         else:
             errors.append(_mismatch(item, signature, reference, expected))
     return errors
+
+
+# -- the usual batch, cheaply -----------------------------------------------------------------
+
+_Spec = tuple[Any, int, Any, Any]
+"""A leaf's exact type, rank, dtype object and device (None for a NumPy array)."""
+
+
+def _spec(leaf: Any) -> _Spec | None:
+    """What `_alike` compares of a leaf of exactly `np.ndarray` or `torch.Tensor`; None for
+    anything else (a subclass, or not a leaf), which `_alike` leaves to the full check."""
+    kind = type(leaf)
+    if kind is np.ndarray:
+        return kind, leaf.ndim, leaf.dtype, None
+    if kind is _tensor_type():
+        return kind, leaf.ndim, leaf.dtype, leaf.device
+    return None
+
+
+def _alike(items: Sequence[Any]) -> bool:
+    """Whether every item is a valid item alike the first, shown cheaply: each is of the
+    first's exact type (an exact `np.ndarray` or `torch.Tensor`, a `dict` with exactly
+    `str` keys in the same order, or a `tuple` of as many leaves), and each leaf has the
+    exact type, rank, dtype (the same object) and device of the first item's.
+
+    True implies every `_signature` is valid and equal to the first's; False says
+    nothing (a subclass, another key order, any difference, an invalid item): the full
+    check then decides, so its verdicts and messages are the only ones.
+    """
+    first = items[0]
+    kind = type(first)
+    if not all(map(is_, map(type, items), repeat(kind))):
+        return False
+    columns: list[Sequence[Any]]  # columns[j][i]: item i's j-th leaf
+    if kind is dict:
+        keys = tuple(first)
+        if any(type(key) is not str for key in keys):
+            return False
+        for item in items:
+            if len(item) != len(keys) or not (
+                all(map(is_, item, keys)) or all(map(_same_key, item, keys))
+            ):
+                return False
+        columns = [[item[key] for item in items] for key in keys]
+    elif kind is tuple:
+        if any(len(item) != len(first) for item in items):
+            return False
+        columns = [[item[j] for item in items] for j in range(len(first))]
+    else:
+        columns = [items]
+    for column in columns:
+        spec = _spec(column[0])
+        if spec is None:
+            return False
+        leaf_type, ndim, dtype, device = spec
+        if len(column) > 1 and not (  # (a lone item is alike itself)
+            all(map(is_, map(type, column), repeat(leaf_type)))
+            and all(map(is_, map(_dtype, column), repeat(dtype)))
+            and all(map(eq, map(_ndim, column), repeat(ndim)))
+            and (device is None or all(map(eq, map(_device_of, column), repeat(device))))
+        ):
+            return False
+    return bool(columns)  # (an empty dict or tuple is not valid)
+
+
+_dtype, _ndim, _device_of = attrgetter("dtype"), attrgetter("ndim"), attrgetter("device")
+
+
+def _same_key(key: object, want: str) -> bool:
+    """`key` is the str `want` (an exact str: a subclass may show itself otherwise)."""
+    return type(key) is str and key == want
