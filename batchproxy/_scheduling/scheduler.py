@@ -333,7 +333,7 @@ class Scheduler(Generic[T]):
             return
         self._decision_scheduled = False
         go_now = "drain" if self._draining else "slot freed" if self._slot_freed else None
-        self._slot_freed = False
+        self._slot_freed = self._slot_held = False
         queue = self.queue
         while self.in_flight < self._max_concurrent and queue.live:
             why = go_now or self._full_reason()
