@@ -22,19 +22,17 @@ callback scheduled once per iteration, after every ready caller has queued. An
 arrival to an empty proxy, which goes at once anyway, skips that callback: it
 starts the batch task itself, and the task takes its batch when it first runs,
 so the model starts one iteration sooner with the same company. A
-freed slot is also filled from such a callback, one iteration later still, so
-callers woken by the batch that just ended (and withdrawing requests, say) act
-before the next one forms, and so do the requests the loop was handling as the
-batch ended: what came due in the same iteration (a socket's data, a timer) and
-the tasks it made for them, which queue their calls when they first run. A model
-that holds the GIL while it launches its batch stalls the loop, and the loop then
-handles what came meanwhile in the iteration that takes the batch's answer:
-filled an iteration sooner, the slot went without all of it, every time, and each
-call waited a whole batch more (`benchmarks/models/tune.py`, gpu-sim: the median
-call doubled from 716 calls/s on). Except that when the batch answered every
-caller with a result (so none withdraws anything) and a full batch is waiting,
-that batch starts at once, before those callers wake: the model does not sit
-idle while they run.
+freed slot is also filled from such a callback, two iterations after its batch
+ended: callers woken by that batch (withdrawing requests, say) act first, and so
+do the calls the loop was taking in as it ended (data that came with the batch's
+answer, and the tasks made for it, which queue their calls when they first run).
+One iteration was not enough beside a model that holds the GIL while it launches:
+the loop stalls during the launch, then handles what came meanwhile together
+with the answer, and every such call missed the next batch by one iteration (the
+median call doubled: docs/benchmarks.md, the tuner against real runs). Except
+that when the batch answered every caller with a result (so none withdraws
+anything) and a full batch is waiting, that batch starts at once, before those
+callers wake: the model does not sit idle while they run.
 
 The window (rule 3 and 4). Only arrivals that find the proxy busy (something
 queued or running) count as evidence that company comes: an arrival to an empty
