@@ -21,18 +21,12 @@ Arrivals within one event-loop iteration always coalesce: a decision runs in a
 callback scheduled once per iteration, after every ready caller has queued. An
 arrival to an empty proxy, which goes at once anyway, skips that callback: it
 starts the batch task itself, and the task takes its batch when it first runs,
-so the model starts one iteration sooner with the same company. A
-freed slot is also filled from such a callback, two iterations after its batch
-ended: callers woken by that batch (withdrawing requests, say) act first, and so
-do the calls the loop was taking in as it ended (data that came with the batch's
-answer, and the tasks made for it, which queue their calls when they first run).
-One iteration was not enough beside a model that holds the GIL while it launches:
-the loop stalls during the launch, then handles what came meanwhile together
-with the answer, and every such call missed the next batch by one iteration (the
-median call doubled: docs/benchmarks.md, the tuner against real runs). Except
-that when the batch answered every caller with a result (so none withdraws
-anything) and a full batch is waiting, that batch starts at once, before those
-callers wake: the model does not sit idle while they run.
+so the model starts one iteration sooner with the same company. A freed slot is
+also filled from such a callback, two iterations after its batch ended, so that
+callers woken by that batch (withdrawing requests, say) and the calls the loop
+was taking in as it ended act first (docs/scheduling.md says why). Except when
+the batch answered every caller with a result (so none withdraws anything) and a
+full batch is waiting: that batch starts at once, before those callers wake.
 
 The window (rule 3 and 4). Only arrivals that find the proxy busy (something
 queued or running) count as evidence that company comes: an arrival to an empty
@@ -92,24 +86,21 @@ Why a batch left, as the DEBUG line on the `batchproxy` logger says (one per
 batch, with its size and how long its oldest request waited; nothing is logged
 at INFO or above on this path, and nothing at all unless DEBUG is on):
 
-- `idle`: it arrived to an idle proxy (or no arrival suggested company), so it
-  went at once;
+- `idle`: it arrived to an idle proxy (or nothing suggested company): at once;
 - `full`: `batch_size` requests were queued; `token budget`: their padded cost
   reached `max_batch_tokens`;
-- `slot freed`: a batch ended while requests waited for its slot;
-- `window`: the oldest request waited `max_delay_ms`;
+- `slot freed`: a batch ended while requests waited for its slot; `window`: the
+  oldest request waited `max_delay_ms`;
 - `no company in time`, `stagger`, `quiet`: the adaptive window's three rules
   (the next arrival is not expected before the window closes; a slot frees
   next for batches staggered over several slots; the stream paused);
-- `deadline`: waiting longer would leave the earliest deadline in the queue
-  less than twice the batch's model time, as the cost model predicts it (no
-  prediction yet: no such rule);
-- `drain`: the proxy is closing.
+- `deadline`: rule 5 (none before the cost model predicts); `drain`: the proxy is
+  closing.
 
-Failure modes handled here: a cancelled or expired request is never sent (the
-queue drops requests whose future is done); a decision is never lost (each
-path that can make a batch ready, arrival, slot freed, timer, drain, schedules
-one); the timer is re-armed only when the decision moves earlier.
+Failure modes handled here: a cancelled or expired request is never sent (the queue
+drops requests whose future is done); a decision is never lost (each path that can make
+a batch ready, arrival, slot freed, timer, drain, schedules one); the timer is re-armed
+only when the decision moves earlier.
 """
 
 from __future__ import annotations
@@ -274,8 +265,7 @@ class Scheduler(Generic[T]):
         while self.in_flight < self._max_concurrent and self._full():
             if not self._send("full"):
                 break  # (dead requests, counted a moment longer: see `_decide`)
-        # the rest, if a slot is left, go as after any batch
-        self._slot_freed = self._slot_held = True
+        self._slot_freed = self._slot_held = True  # the rest go as after any batch
         self._schedule_decision()
         return True
 
