@@ -4,13 +4,16 @@ than the regular way at one client, and whether the garbage collector is why.
 Starts each server of `lone_server.py` (the regular way and batchproxy's service as
 the README shows it, with variants) on 127.0.0.1, then sends one request at a time on
 one keep-alive connection per server, in rotating order, so the machine's changing
-load falls on every server alike. Per server: latency mean and median, the process's
-CPU per request (and its event loop's, its model thread's and its other threads'),
-the collector's passes per generation during the run (and their time, and what they
-collected), and what is frozen. Per batchproxy server: its speed
-against the regular way (ratio of mean latencies, with a bootstrap 95 % interval; the
-paired geometric mean of the per-request ratios, with a 95 % interval) and the median
-ratio. The machine's load average is printed before and after.
+load falls on every server alike. With `--run K`, K requests in a row go to each
+server in turn (the same texts to each): back to back, as one client of one server
+sends them, where a server's work after its answer delays the next request. Per
+server: latency mean and median, the process's CPU per request (and its event loop's,
+its model thread's and its other threads'), the collector's passes per generation
+during the run (and their time, and what they collected), and what is frozen. Per
+batchproxy server: its speed against the regular way (ratio of mean latencies, with a
+bootstrap 95 % interval; the paired geometric mean of the per-request ratios, with a
+95 % interval) and the median ratio. The machine's load average is printed before and
+after.
 
     python -m benchmarks.servers.lone --requests 500 --threads 1
 """
@@ -102,6 +105,13 @@ def main() -> None:
     parser.add_argument("--kinds", default="regular,batchproxy,batchproxy-nofreeze")
     parser.add_argument("--requests", type=int, default=500, help="per server")
     parser.add_argument("--threads", type=int, default=1, help="torch's threads per server")
+    parser.add_argument(
+        "--run",
+        type=int,
+        default=1,
+        help="requests in a row to one server before the next (default 1: interleaved "
+        "request by request; more: back to back, as one client of one server sends them)",
+    )
     parser.add_argument("--output", type=Path, default=None, help="a JSON file")
     args = parser.parse_args()
     kinds = args.kinds.split(",")
@@ -117,14 +127,20 @@ def main() -> None:
         before = {kind: call(connections[kind], "GET", "/gcstats") for kind in kinds}
         load_before = os.getloadavg()
         times: dict[str, list[float]] = {kind: [] for kind in kinds}
-        for i in range(args.requests):
-            shift = i % len(kinds)
+        run = max(1, args.run)
+        for block in range(-(-args.requests // run)):
+            shift = block % len(kinds)
             order = kinds[shift:] + kinds[:shift]
-            text = texts[(WARMUP + i) % len(texts)]
-            for kind in order if (i // len(kinds)) % 2 == 0 else order[::-1]:
-                began = time.perf_counter()
-                call(connections[kind], "POST", "/embed", {"text": text})
-                times[kind].append(time.perf_counter() - began)
+            first = block * run
+            block_texts = [
+                texts[(WARMUP + i) % len(texts)]
+                for i in range(first, min(first + run, args.requests))
+            ]
+            for kind in order if (block // len(kinds)) % 2 == 0 else order[::-1]:
+                for text in block_texts:  # the same texts, in the same order, to each
+                    began = time.perf_counter()
+                    call(connections[kind], "POST", "/embed", {"text": text})
+                    times[kind].append(time.perf_counter() - began)
         after = {kind: call(connections[kind], "GET", "/gcstats") for kind in kinds}
         load_after = os.getloadavg()
     finally:
@@ -135,7 +151,7 @@ def main() -> None:
             process.wait(timeout=60)
     n = args.requests
     report: dict[str, Any] = {
-        "config": {"requests": n, "threads": args.threads, "kinds": kinds},
+        "config": {"requests": n, "threads": args.threads, "kinds": kinds, "run": run},
         "load_average": {"before": load_before, "after": load_after},
         "servers": {},
     }
