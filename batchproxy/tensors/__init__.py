@@ -204,8 +204,7 @@ def _collate_leaf(
         batch = torch.full((len(leaves), *target), fill, dtype=first.dtype, device=first.device)
     else:
         batch = np.full((len(leaves), *target), pad_value, dtype=first.dtype)
-    axis_0_alone = len(reference) == 1 or all(shape[1:] == reference[1:] for shape in shapes)
-    if axis_0_alone and (not tensor or first.device.type == "cpu"):
+    if _fits_one_copy(first, tensor, shapes):
         # the batch's real positions (the mask of these sizes), in order, take the items'
         # rows one after another: one copy for the whole batch, not one per item
         positions = real([shape[0] for shape in shapes], target[0])
@@ -219,6 +218,15 @@ def _collate_leaf(
         where = (index, *_region(shape, target, real.side))
         batch[where] = leaf
     return batch, target, True
+
+
+def _fits_one_copy(first: Any, tensor: bool, shapes: list[_Shape]) -> bool:
+    """Whether a ragged leaf can take its items' rows in one copy: ragged on axis 0
+    alone, and on the CPU. (Otherwise each item is placed in its region; the tests
+    compare the two ways by turning this one off.)"""
+    reference = shapes[0]
+    axis_0_alone = len(reference) == 1 or all(shape[1:] == reference[1:] for shape in shapes)
+    return axis_0_alone and (not tensor or first.device.type == "cpu")
 
 
 def _check_size(count: int, shape: _Shape, leaf: Any) -> None:

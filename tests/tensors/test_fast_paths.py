@@ -1,15 +1,15 @@
 """The fast paths of `tensors` (validating a batch of alike items without signatures,
-collating leaves ragged on axis 0 with one masked copy) give exactly what the code before
-them gave (`_tensors_before`): the same arrays, dtypes, devices, masks, lengths and shapes,
-and the same errors with the same messages, over random batches of every kind."""
+collating leaves ragged on axis 0 with one masked copy) give exactly what the full paths
+give with them turned off (`full_paths`): the same arrays, dtypes, devices, masks, lengths
+and shapes, and the same errors with the same messages, over random batches of every kind."""
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-import _tensors_before as before
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -304,12 +304,28 @@ def assert_errors_same(got: list[Exception | None], want: list[Exception | None]
         assert str(g) == str(w)
 
 
-def old_collate(items: list[Any], options: dict[str, Any]) -> Collated:
-    """`collate` before: validate's first error, else the collation."""
-    for index, error in enumerate(before.problems(items)):
-        if error is not None:
-            raise type(error)(f"item {index}: {error}")
-    return before.collate_valid(items, **options)
+@contextlib.contextmanager
+def full_paths() -> Iterator[None]:
+    """Validation by signatures and collation item by item, as before the fast paths:
+    the two checks that choose them answer no. (Not `monkeypatch`: hypothesis runs many
+    examples in one test.)"""
+    alike, fits = _items._alike, tensors._fits_one_copy
+    _items._alike = lambda items: False
+    tensors._fits_one_copy = lambda first, tensor, shapes: False
+    try:
+        yield
+    finally:
+        _items._alike, tensors._fits_one_copy = alike, fits
+
+
+def everything(items: list[Any], options: dict[str, Any]) -> dict[str, Any]:
+    """What each public and internal entry makes of a batch."""
+    return {
+        "problems": _items._problems(items),
+        "validate": tensors.validate(items),
+        "prepared": prepared(_items._problems, tensors._collate_valid, items, options),
+        "collate": outcome(lambda: tensors.collate(items, **options)),
+    }
 
 
 def prepared(
@@ -328,24 +344,29 @@ def prepared(
 
 
 def assert_as_before(items: list[Any], options: dict[str, Any]) -> None:
-    assert_errors_same(_items._problems(items), before.problems(items))
-    assert_errors_same(
-        tensors.validate(items),
-        [
-            None if e is None else type(e)(f"item {i}: {e}")
-            for i, e in enumerate(before.problems(items))
-        ],
-    )
-    new_errors, new_collated = prepared(_items._problems, tensors._collate_valid, items, options)
-    old_errors, old_collated = prepared(before.problems, before.collate_valid, items, options)
+    got = everything(items, options)
+    with full_paths():
+        want = everything(items, options)
+    assert_errors_same(got["problems"], want["problems"])
+    assert_errors_same(got["validate"], want["validate"])
+    new_errors, new_collated = got["prepared"]
+    old_errors, old_collated = want["prepared"]
     assert_errors_same(new_errors, old_errors)
     assert (new_collated is None) == (old_collated is None)
     if new_collated is not None and old_collated is not None:
         assert_same_outcome(new_collated, old_collated)
-    assert_same_outcome(
-        outcome(lambda: tensors.collate(items, **options)),
-        outcome(lambda: old_collate(items, options)),
-    )
+    assert_same_outcome(got["collate"], want["collate"])
+
+
+def test_full_paths_are_the_other_paths() -> None:
+    """The oracle is not the code under test: with the fast paths off, neither runs."""
+    items = [np.ones(3), np.ones(1)]
+    assert _items._alike(items)
+    assert tensors._fits_one_copy(items[0], False, [(3,), (1,)])
+    with full_paths():
+        assert not _items._alike(items)
+        assert not tensors._fits_one_copy(items[0], False, [(3,), (1,)])
+    assert _items._alike(items)
 
 
 # -- the property -------------------------------------------------------------------------------
