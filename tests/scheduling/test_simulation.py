@@ -84,6 +84,23 @@ def test_open_loop_traces_every_call() -> None:
     assert trace.throughput == pytest.approx(4 / 0.510)
 
 
+def test_open_loop_times_a_late_call_from_when_it_was_due() -> None:
+    """On a real clock, a loop something holds (here a blocking sleep of 60 ms, as a
+    GIL-bound launch holds it) starts the overdue arrival late: its latency counts the
+    wait from its arrival time, as a client's would, not from its late start."""
+
+    async def instant(index: int) -> None:
+        return None
+
+    async def main() -> simulation.Trace:
+        asyncio.get_running_loop().call_soon(time.sleep, 0.06)  # from 0, before 0.01
+        return await simulation.open_loop(instant, [0.0, 0.01])
+
+    trace = asyncio.run(main())
+    assert trace.succeeded == 2
+    assert max(trace.latencies) >= 0.045  # due at 0.01, started after 0.06
+
+
 def test_a_serial_model_runs_one_batch_at_a_time() -> None:
     async def main(serial: bool) -> float:
         model = simulation.simulated_model(lambda n: 0.010, serial=serial)
