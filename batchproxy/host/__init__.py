@@ -19,7 +19,8 @@ tensor) travels in POSIX shared memory instead (`_shm`): copied once, received a
 view of the segment, which is unlinked as soon as it is read, or when its
 connection closes unread.
 
-May import: `_errors`, `_executors`, `_factory`, `_loops`, `_option_values`, `_stats`, `_validate`.
+May import: `_collector`, `_errors`, `_executors`, `_factory`, `_loops`, `_option_values`,
+`_stats`, `_validate`.
 """
 
 from ._host import ModelHost

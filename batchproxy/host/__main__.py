@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import inspect
 import os
 import signal
@@ -45,6 +44,7 @@ import traceback
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
+from .._collector import freezes
 from .._factory import load_factory
 from ._host import ModelHost
 from ._launch import LOAD_FAILED, hold_lock
@@ -65,8 +65,7 @@ async def serve(
     if inspect.isawaitable(proxy):
         proxy = await proxy
     if freeze_gc:
-        gc.collect()  # (what loading left as garbage is not frozen for good)
-        gc.freeze()
+        freezes.hold()  # (for the process's life: it ends when serving does)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

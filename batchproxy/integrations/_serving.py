@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import gc
 import inspect
 import logging
 import math
@@ -55,6 +54,7 @@ from .. import (
     QueueFull,
     WorkerDied,
 )
+from .._collector import freezes
 from .._reachable import check_callers
 from .._validate import flag
 from ..host import RemoteProxy
@@ -212,7 +212,7 @@ class Serving:
         self._draining: asyncio.Task[None] | None = None  # the drain, once begun
         self._signal_handler: Any = None  # ours, while installed, and the one it chains to
         self._chained: Any = None
-        self._frozen = False  # this service holds a freeze (`_freezes`) until its drain ends
+        self._frozen = False  # this service holds a freeze (`freezes`) until its drain ends
 
     # -- the owner's side: startup and shutdown ---------------------------------------------
 
@@ -254,7 +254,7 @@ class Serving:
         else:
             if self.state is State.LOADING:
                 if self.freeze_gc:
-                    _freezes.hold()
+                    freezes.hold()
                     self._frozen = True
                 self.state = State.READY
 
@@ -316,7 +316,7 @@ class Serving:
                     )
             if self._frozen:
                 self._frozen = False
-                _freezes.release()
+                freezes.release()
             self.state = State.CLOSED
 
     def _drain_on_sigterm(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -428,34 +428,6 @@ class Serving:
             body["error"] = f"{type(self.error).__name__}: {self.error}"
         body["proxies"] = {proxy.name: _proxy_report(proxy) for proxy in self.proxies}
         return body
-
-
-class _Freezes:
-    """The process's garbage-collector freeze, held by the services that made it.
-
-    `hold()` collects once (what loading left as garbage is freed, not frozen), then
-    freezes what is alive; `release()` by the last holder unfreezes (every frozen
-    object, as `gc.unfreeze()` does), so a process that outlives its services keeps
-    nothing frozen. Services may start and close on several threads' loops: a lock."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.holders = 0  # changed by hold() and release() only
-
-    def hold(self) -> None:
-        gc.collect()  # (outside the lock: the finalizers it runs are user code)
-        with self._lock:
-            gc.freeze()
-            self.holders += 1
-
-    def release(self) -> None:
-        with self._lock:
-            self.holders -= 1
-            if self.holders == 0:
-                gc.unfreeze()
-
-
-_freezes = _Freezes()
 
 
 def _proxy_report(proxy: Served) -> dict[str, Any]:

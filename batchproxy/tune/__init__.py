@@ -19,8 +19,8 @@ the most traffic within a p99 target (or the most traffic at all):
 The library prints nothing: the command line (`__main__`) prints the summary and
 the progress bars (on stderr). The functions are importable for scripts and tests.
 
-May import: `_decorator`, `_factory`, `_listeners`, `_option_values`, `_options`, `_proxy`,
-`_scheduling`, `_stats`, `simulation`.
+May import: `_collector`, `_decorator`, `_factory`, `_listeners`, `_option_values`, `_options`,
+`_proxy`, `_scheduling`, `_stats`, `simulation`.
 """
 
 from ._analysis import Analysis, analyse

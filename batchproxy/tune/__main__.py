@@ -11,6 +11,10 @@ a `length`) on the proxy's own executor, simulates the real scheduler with that 
 over a range of loads and settings, prints the settings that serve the most within
 `--p99` (or the most throughput, without it) and what to expect, and writes a report
 into `--out` (report.md, options.py, and plots when matplotlib is installed).
+It measures with what loading left alive frozen out of the collector's passes, as
+`Serving` and the host run by default (a full pass over an unfrozen heap with torch
+loaded takes 100-200 ms, an outlier in the measured batches that the service does not
+have); `--no-freeze-gc` measures a service that does not freeze.
 Exit status 2, with the reason on stderr, for a bad factory or sample, a model that
 fails on the sample, or a target no setting meets.
 """
@@ -26,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, cast
 
+from .._collector import freezes
 from .._factory import load_factory
 from ._analysis import Analysis, analyse
 from ._errors import TuneError
@@ -83,6 +88,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--windows", default="adaptive", help="adaptive, fixed or both (a,b)")
     parser.add_argument("--requests", type=int, default=2000, help="calls per simulated run")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--freeze-gc",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure with what is alive gc.freeze()d once loaded, as a service that "
+        "freezes it runs (Serving's and the host's default; default: on)",
+    )
     parser.add_argument("--no-plots", action="store_true", help="write no plots")
     return parser
 
@@ -149,14 +161,20 @@ async def _measure(
             from ._measure import proxy_of, sizes_to_measure
 
             sizes = sizes_to_measure(proxy_of(made).options, args.max_batch)
-        return await measure(
-            made,
-            sample,
-            sizes=sizes,
-            repeats=args.repeats,
-            warmup=args.warmup,
-            progress=Bar("measuring"),
-        )
+        if args.freeze_gc:  # (the model and the sample loaded: what a service freezes)
+            freezes.hold()
+        try:
+            return await measure(
+                made,
+                sample,
+                sizes=sizes,
+                repeats=args.repeats,
+                warmup=args.warmup,
+                progress=Bar("measuring"),
+            )
+        finally:
+            if args.freeze_gc:
+                freezes.release()
     finally:
         close = getattr(made, "aclose", None)
         if close is not None:

@@ -66,3 +66,20 @@ def numbers(proxy: object) -> Iterator[int]:
 
 def nothing() -> list[int]:
     return []
+
+
+FREEZE_COUNTS: list[int] = []
+"""`gc.get_freeze_count()` at each batch of `freeze_counting`'s model."""
+
+
+def freeze_counting() -> batchproxy.Batched[Any, Any]:
+    """`sleeping`, noting how many objects are frozen out of the collector's passes."""
+    import gc
+
+    @batchproxy.batch(batch_size=16)
+    async def model(items: list[Any]) -> list[Any]:
+        FREEZE_COUNTS.append(gc.get_freeze_count())
+        await asyncio.sleep(cost(len(items)))
+        return items
+
+    return model

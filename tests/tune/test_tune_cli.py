@@ -111,6 +111,29 @@ def test_no_plots_and_a_sample_callable_given_the_proxy(
     assert "No plots" in (in_tmp / "out" / "report.md").read_text()
 
 
+@pytest.mark.parametrize("freeze", [True, False])
+def test_it_measures_with_the_heap_frozen_as_a_service_runs_then_unfreezes(
+    in_tmp: Path, capsys: pytest.CaptureFixture[str], freeze: bool
+) -> None:
+    """A full collection over an unfrozen heap with torch loaded takes 100-200 ms, a slow
+    batch in the measurement that a service (which freezes by default) never has."""
+    import gc
+
+    import _toy
+
+    _toy.FREEZE_COUNTS.clear()
+    assert gc.get_freeze_count() == 0
+    flag = [] if freeze else ["--no-freeze-gc"]
+    main(["_toy:freeze_counting", "--sample", "sample.txt", "--out", "out", *QUICK, *flag])
+    assert _toy.FREEZE_COUNTS
+    if freeze:
+        assert min(_toy.FREEZE_COUNTS) > 1_000  # what loading left alive: the interpreter's
+    else:
+        assert max(_toy.FREEZE_COUNTS) == 0
+    assert gc.get_freeze_count() == 0  # the process is left as it was
+    capsys.readouterr()
+
+
 @pytest.mark.parametrize(
     ("factory", "message"),
     [
