@@ -132,6 +132,18 @@ async def _real_sweep(
     return results
 
 
+def _quantiles(spread: Sequence[float]) -> dict[str, float]:
+    """The measured batches' times over their shape's median (`Measurement.spread`, what
+    the simulation draws each batch's factor from): one slow batch in a hundred sets
+    the simulated tail, so the report shows it."""
+    n = len(spread)
+    return {
+        "batches": n,
+        **{f"p{q}": spread[min(n - 1, int(q / 100 * n))] for q in (50, 90, 99)},
+        "max": spread[-1],
+    }
+
+
 def p99_interval(latencies: Sequence[float]) -> tuple[float, float]:
     """A 95 % interval of the p99 of the population `latencies` (sorted) were drawn
     from, distribution-free: the order statistics around rank 0.99 n, 1.96 binomial
@@ -223,6 +235,7 @@ def check(
         "model": model.name,
         "target_p99_ms": target * 1e3,
         "cost_curve": curve.describe(),
+        "measured_spread": _quantiles(measurement.spread),
         "rates": rates,
         "recommended": chosen.label(),
         "recommended_predicted_capacity": analysis.recommendation.choice.capacity,
