@@ -142,7 +142,7 @@ def same_length(simulator: Simulator, setting: Setting, rate: float, calls: int)
     prediction is one run of 2,000 calls, and near capacity that is not the real
     run's: a longer run meets bigger bursts (on MiniLM at 73 calls/s, 10 paths of 2,000
     calls had a median p99 of 389 ms, of 585 calls 282), and one run is one path
-    (297-542 ms over those 10)."""
+    (304-542 ms over those 10)."""
     load = Load("open", rate)
     return statistics.median(
         replace(simulator, requests=calls, seed=seed).run(setting, load).p99
