@@ -10,8 +10,10 @@ as it will be served) hold the freeze here, and only here.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
+from collections.abc import Iterator
 
 __all__ = ["freezes"]
 
@@ -39,6 +41,15 @@ class _Freezes:
             self.holders -= 1
             if self.holders == 0:
                 gc.unfreeze()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Hold the freeze for a block (`hold()`, then `release()` however it ends)."""
+        self.hold()
+        try:
+            yield
+        finally:
+            self.release()
 
 
 freezes = _Freezes()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import inspect
 import re
 import sys
@@ -161,9 +162,8 @@ async def _measure(
             from ._measure import proxy_of, sizes_to_measure
 
             sizes = sizes_to_measure(proxy_of(made).options, args.max_batch)
-        if args.freeze_gc:  # (the model and the sample loaded: what a service freezes)
-            freezes.hold()
-        try:
+        # the model and the sample are loaded: what a service freezes
+        with freezes.held() if args.freeze_gc else contextlib.nullcontext():
             return await measure(
                 made,
                 sample,
@@ -172,9 +172,6 @@ async def _measure(
                 warmup=args.warmup,
                 progress=Bar("measuring"),
             )
-        finally:
-            if args.freeze_gc:
-                freezes.release()
     finally:
         close = getattr(made, "aclose", None)
         if close is not None:

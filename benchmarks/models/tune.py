@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import math
 import os
 import random
@@ -49,6 +48,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from batchproxy import simulation
+from batchproxy._collector import freezes
 from batchproxy.tune import Analysis, Load, Outcome, Setting, Simulator, analyse, fit, measure
 from batchproxy.tune._choose import capacity
 from batchproxy.tune._sweep import outcome_of
@@ -83,11 +83,11 @@ async def _measure(model: ModelUnderTest, sizes: Sequence[int]) -> Any:
 
 def _as_served() -> None:
     """Collect once and freeze what is alive (the model, torch, transformers), as the
-    service does once loaded (`Serving`'s `freeze_gc`, on by default): unfrozen, a
-    full collection walks all of it, and takes 170 ms here in one run in a few at
-    2,000 calls/s, a pause the served model does not have."""
-    gc.collect()
-    gc.freeze()
+    service does once loaded (`Serving`'s `freeze_gc`, on by default), through the same
+    holder, for the process's life: unfrozen, a full collection walks all of it, and
+    takes 170 ms here in one run in a few at 2,000 calls/s, a pause the served model
+    does not have."""
+    freezes.hold()
 
 
 async def _real_sweep(
