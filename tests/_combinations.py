@@ -759,7 +759,15 @@ async def one_call(
 def check(result: Run) -> None:
     """Every promise, for one run (see the test module's docstring)."""
     # unsure: maybe never accepted; cancelled: callers who saw CancelledError
-    counts = {"rejected": 0, "refused": 0, "unsure": 0, "cancelled": 0, "timed_out": 0}
+    # guarded: a thread's call that its own wait ended (DeadlineExceeded), maybe refused
+    counts = {
+        "rejected": 0,
+        "refused": 0,
+        "unsure": 0,
+        "cancelled": 0,
+        "timed_out": 0,
+        "guarded": 0,
+    }
     problems = [
         *model_calls_problems(result),
         *callers_problems(result, counts),
@@ -846,8 +854,9 @@ def stats_problems(result: Run, counts: dict[str, int]) -> Iterator[str]:
         yield f"stats: requests {stats.requests} != ended {ended}: {stats}"
     if stats.queue_depth or stats.in_flight:
         yield f"stats: still queued or running: {stats}"
-    # (through a host, a caller cancelled on its way may miss the refusal it caused)
-    slack = counts["cancelled"] if result.config.remote else 0
+    # (through a host, a caller cancelled on its way may miss the refusal it caused; a
+    # thread's guard may end its wait inside the very step that refuses its call)
+    slack = counts["guarded"] + (counts["cancelled"] if result.config.remote else 0)
     if not counts["rejected"] <= stats.rejected <= counts["rejected"] + slack:
         yield f"stats: rejected {stats.rejected}, callers saw {counts['rejected']}"
     items = sum(1 for c in log.calls for i in c.items if i != PAD)
@@ -923,7 +932,9 @@ def explain(
         # its deadline may pass on the way to a host; a thread's own wait (its timeout
         # + 0.5 s, `inference_sync`'s guard against a loop too busy to answer) may end
         # before that busy loop admitted the call
-        counts["unsure"] += config.remote or call.form in ("sync", "many_sync")
+        guarded = call.form in ("sync", "many_sync")
+        counts["unsure"] += config.remote or guarded
+        counts["guarded"] += guarded
         return None if call.timeout is not None else f"timed out: {outcome!r}"
     if isinstance(outcome, asyncio.CancelledError):
         # a caller cancelled as it called, on a closed proxy, may not have been accepted;

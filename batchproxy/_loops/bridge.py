@@ -194,18 +194,36 @@ class LoopBridge:
         with self._lock:
             if call not in self._open:
                 return
-            task = call.task = self.loop.create_task(make())
+            task = call.task = self.loop.create_task(self._run(call, make))
         task.add_done_callback(lambda _: self._finished(call, task))
 
+    async def _run(self, call: _Routed, make: Callable[[], Coroutine[Any, Any, Any]]) -> None:
+        """The call's task: make the call, and settle it in the step that ends it.
+
+        Both races here are with a caller that gives up from its own thread (a blocking
+        call's guard, `LoopBridge.wait`). A call withdrawn between `_start` and this
+        first step is never made: the proxy would count a call its caller never saw.
+        An outcome settled here, not by `_finished` one loop iteration later, reaches
+        its caller before the loop can stall between the proxy counting it and the
+        caller hearing of it (a refusal counted, a `DeadlineExceeded` seen)."""
+        with self._lock:
+            if call not in self._open:
+                return
+        try:
+            result = await make()
+        except Exception as error:  # (not raised again: the task would keep the error,
+            self._settle(call, error=error)  # whose traceback keeps this frame's `call`,
+            return  # which keeps the task: a cycle per failed call)
+        self._settle(call, result=result)
+
     def _finished(self, call: _Routed, task: asyncio.Task[Any]) -> None:
-        """On the loop: the call's task ended; settle the call with its outcome."""
+        """On the loop: the call's task ended; settle the call if `_run` did not (the
+        loop cancelled it, or a `BaseException` such as `KeyboardInterrupt` ended it)."""
         if task.cancelled():
             # not by its caller (a withdrawn call is no longer open): by the loop, ending
             self._settle(call, error=call.ended_error())
         elif (error := task.exception()) is not None:
             self._settle(call, error=error)
-        else:
-            self._settle(call, result=task.result())
 
     def _withdraw(self, call: _Routed, future: concurrent.futures.Future[Any]) -> None:
         """The call's future is done: if its caller cancelled it, stop its task."""

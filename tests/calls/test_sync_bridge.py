@@ -111,6 +111,67 @@ def test_timeout_raises_deadline_exceeded_and_leaves_nothing_queued(
     assert proxy.batches == [[0]]
 
 
+class _RefusalThenStall(batchproxy.Listener):
+    """On a refusal, queue a second's stall on the loop: it runs before anything the
+    loop schedules after the refusing step (the step's own done callbacks)."""
+
+    @override
+    def request_rejected(self, proxy: str, count: int) -> None:
+        asyncio.get_running_loop().call_soon(time.sleep, 1.0)
+
+
+def test_a_refusal_reaches_a_thread_whose_guard_ends_just_after(
+    background: BackgroundLoop,
+) -> None:
+    """The proxy refuses a thread's call, then its loop stalls past the thread's own
+    guard (timeout + 0.5 s): the thread still gets the `QueueFull` the proxy counted,
+    not a `DeadlineExceeded` of its own (the outcome leaves in the refusing step)."""
+    gate = threading.Event()
+    proxy = ThreadRecorder(gate=gate, batch_size=1, max_queue_size=1)
+    busy = proxy.submit(0, timeout=30)
+    try:
+        assert proxy.entered.wait(10)
+        queued = proxy.submit(1, timeout=30)
+        wait_for(lambda: proxy.stats.queue_depth == 1)
+        proxy.add_listener(_RefusalThenStall())
+        with pytest.raises(batchproxy.QueueFull):
+            proxy.inference_sync(2, timeout=0.05)
+        assert (proxy.stats.rejected, proxy.stats.timed_out) == (1, 0)
+    finally:
+        gate.set()
+    assert (busy.result(10), queued.result(10)) == (("out", 0), ("out", 1))
+
+
+def test_a_call_its_thread_gave_up_on_before_it_started_is_never_made(
+    background: BackgroundLoop,
+) -> None:
+    """The loop stalls between taking a thread's call and its first step, past the
+    thread's guard: the thread gets `DeadlineExceeded`, and the call is never made
+    (not accepted, then cancelled: the proxy counts nothing its caller did not see)."""
+    gate = threading.Event()
+    proxy = ThreadRecorder(gate=gate, batch_size=1)
+    busy = proxy.submit(0, timeout=30)
+
+    def stall_once_routed() -> None:  # on the loop, ahead of the call's start
+        wait_for(lambda: bool(binding.bridge._open))
+        binding.loop.call_soon(time.sleep, 1.0)  # after the start, before the first step
+
+    try:
+        assert proxy.entered.wait(10)
+        binding = proxy._binder.current
+        assert binding is not None
+        binding.loop.call_soon_threadsafe(stall_once_routed)
+        with pytest.raises(DeadlineExceeded):
+            proxy.inference_sync(1, timeout=0.05)
+        assert background.run(asyncio.sleep(0, "the loop's next step"), timeout=10)
+        assert (proxy.stats.requests, proxy.stats.cancelled) == (1, 0)  # the busy one
+        assert proxy.stats.queue_depth == 0
+    finally:
+        gate.set()
+    assert busy.result(10) == ("out", 0)
+    assert proxy.batches == [[0]]
+
+
 @pytest.mark.usefixtures("python_sigint")
 def test_an_interrupted_wait_withdraws_the_call(background: BackgroundLoop) -> None:
     """Ctrl-C in a thread blocked in inference_sync takes its request out of the queue."""
