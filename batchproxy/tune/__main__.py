@@ -88,6 +88,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--windows", default="adaptive", help="adaptive, fixed or both (a,b)")
     parser.add_argument("--requests", type=int, default=2000, help="calls per simulated run")
+    parser.add_argument(
+        "--paths",
+        type=int,
+        default=10,
+        help="simulated runs behind each figure of what to expect: their median, and the "
+        "p99's range (default: %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--freeze-gc",
@@ -120,6 +127,8 @@ def run(args: argparse.Namespace) -> Analysis:
         raise TuneError(f"--windows {args.windows!r}: adaptive, fixed or adaptive,fixed")
     if args.requests < 100:
         raise TuneError(f"--requests {args.requests}: at least 100 calls a run")
+    if args.paths < 1:
+        raise TuneError(f"--paths {args.paths}: at least 1 run")
     sizes = _numbers(args.sizes, int)
     if args.max_batch is not None and args.max_batch < 1:
         raise TuneError(f"--max-batch {args.max_batch}: at least 1")
@@ -132,6 +141,7 @@ def run(args: argparse.Namespace) -> Analysis:
         target=target,
         requests=args.requests,
         seed=args.seed,
+        paths=args.paths,
         slots=_numbers(args.slots, int),
         delays_ms=_numbers(args.delays, float) or (5.0,),
         windows=cast("list[Literal['adaptive', 'fixed']]", windows),

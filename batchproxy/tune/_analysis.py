@@ -51,11 +51,13 @@ def analyse(
     delays_ms: Sequence[float] = (2.0, 5.0, 20.0),
     windows: Sequence[Literal["adaptive", "fixed"]] = ("adaptive",),
     rates: int = 12,
+    paths: int = 10,
     progress: Callable[[int, int], None] | None = None,
 ) -> Analysis:
     """Fit the measured cost, simulate each setting over `rates` open-loop loads (each
-    run `requests` calls), and recommend for the p99 `target` (seconds; None: the most
-    throughput)."""
+    run `requests` calls, one path each), and recommend for the p99 `target` (seconds;
+    None: the most throughput); what to expect of the recommendation is the median of
+    `paths` runs at each load."""
     curve = fit(measurement)
     simulator = Simulator.of(measurement, curve, requests=requests, seed=seed)
     settings = settings_for(
@@ -65,5 +67,5 @@ def analyse(
     give_up = None if target is None else 4 * target
     outcomes = sweep(simulator, settings, loads, give_up_at=give_up, progress=progress)
     callers = closed_callers(settings, measurement.lanes)
-    recommendation = recommend(simulator, outcomes, target, callers=callers)
+    recommendation = recommend(simulator, outcomes, target, callers=callers, paths=paths)
     return Analysis(measurement, curve, simulator, tuple(settings), tuple(outcomes), recommendation)

@@ -51,10 +51,14 @@ class Recommendation:
     choice: Choice
     ranking: tuple[Choice, ...]
     """Every setting, best first."""
+    expected: tuple[Outcome, ...]
+    """What to expect of the recommended setting at each open-loop load of its choice:
+    typical runs (`Simulator.typical`: the median of `paths` runs), lightest first."""
     knee: Outcome | None
-    """The heaviest load before the p99 passes twice its value at the lightest."""
+    """The heaviest load of `expected` before the p99 passes twice its value at the
+    lightest."""
     closed: tuple[Outcome, ...]
-    """The recommended setting under closed-loop loads (N callers)."""
+    """The recommended setting under closed-loop loads (N callers), typical runs."""
     extras: tuple[Extra, ...]
 
 
@@ -132,13 +136,16 @@ def recommend(
     target: float | None,
     *,
     callers: Sequence[int] = (),
+    paths: int = 1,
 ) -> Recommendation:
-    """The best setting of `outcomes`, its knee, its closed-loop runs (`callers`), and
-    its capacity with one more batch slot and with another replica (twice the lanes)."""
+    """The best setting of `outcomes`, what to expect of it (each of its open-loop loads
+    and `callers`, the median of `paths` runs), its knee, and its capacity with one more
+    batch slot and with another replica (twice the lanes)."""
     ranking = rank(outcomes, target)
     chosen = ranking[0]
     setting = chosen.setting
-    closed = sweep(simulator, [setting], [Load("closed", n) for n in callers])
+    expected = [simulator.typical(setting, o.load, paths) for o in chosen.outcomes]
+    closed = [simulator.typical(setting, Load("closed", n), paths) for n in callers]
     more_slots = replace(setting, max_concurrent_batches=setting.max_concurrent_batches + 1)
     replica = replace(setting, max_concurrent_batches=2 * setting.max_concurrent_batches)
     extras = []
@@ -153,7 +160,8 @@ def recommend(
         target,
         chosen,
         tuple(ranking),
-        knee(chosen.outcomes),
+        tuple(expected),
+        knee(expected),
         tuple(closed),
         tuple(extras),
     )

@@ -80,17 +80,34 @@ def summary(analysis: Analysis) -> str:
         lines.append(
             f"  {extra.what}: {extra.capacity:.0f} calls/s ({_gain(choice, extra.capacity)})"
         )
-    lines.append("  load        throughput   p50 ms   p99 ms")
-    for outcome in choice.outcomes:
+    lines.append(f"  what to expect (each row {_runs(analysis)}; the p99 range is theirs):")
+    lines.append("  load        throughput   p50 ms   p99 ms   p99 range")
+    for outcome in analysis.recommendation.expected:
         lines.append(_row_text(outcome))
     for outcome in rec.closed:
         lines.append(_row_text(outcome))
     return "\n".join(lines)
 
 
+def _runs(analysis: Analysis) -> str:
+    """What each figure of what to expect is: the median of how many runs, how long."""
+    paths = max((o.paths for o in analysis.recommendation.expected), default=1)
+    calls = f"{analysis.simulator.requests:,} calls"
+    if paths == 1:
+        return f"one simulated run of {calls}, from an idle start"
+    return f"the median of {paths} simulated runs of {calls} each, from an idle start"
+
+
+def _range(o: Outcome) -> str:
+    return "" if o.p99_range is None else f"{_ms(o.p99_range[0])}-{_ms(o.p99_range[1])}"
+
+
 def _row_text(o: Outcome) -> str:
     late = "" if o.sustained else "  (falls behind)"
-    return f"  {o.load.label():<11} {o.throughput:>8.0f}/s {_ms(o.p50):>8} {_ms(o.p99):>8}{late}"
+    return (
+        f"  {o.load.label():<11} {o.throughput:>8.0f}/s {_ms(o.p50):>8} {_ms(o.p99):>8}"
+        f"   {_range(o):<11}{late}"
+    ).rstrip()
 
 
 def _gain(choice: Choice, capacity: float) -> str:
@@ -101,13 +118,13 @@ def _gain(choice: Choice, capacity: float) -> str:
 
 def _table(outcomes: tuple[Outcome, ...] | list[Outcome], first: str) -> list[str]:
     rows = [
-        f"| {first} | throughput (calls/s) | p50 (ms) | p99 (ms) | keeps up |",
-        "|---|---|---|---|---|",
+        f"| {first} | throughput (calls/s) | p50 (ms) | p99 (ms) | p99 range (ms) | keeps up |",
+        "|---|---|---|---|---|---|",
     ]
     for o in outcomes:
         rows.append(
             f"| {o.load.label()} | {o.throughput:.0f} | {_ms(o.p50)} | {_ms(o.p99)} | "
-            f"{'yes' if o.sustained else 'no'} |"
+            f"{_range(o)} | {'yes' if o.sustained else 'no'} |"
         )
     return rows
 
@@ -151,8 +168,16 @@ def markdown(analysis: Analysis, plots: list[str]) -> str:
             f"lane{'s' if extra.lanes > 1 else ''}) | "
             f"{extra.capacity:.0f} | {_gain(choice, extra.capacity)} |"
         )
-    out += ["", "## Latency against load (the recommendation)", "", "Open loop:", ""]
-    out += _table(list(choice.outcomes), "arrivals")
+    out += [
+        "",
+        "## Latency against load (the recommendation)",
+        "",
+        f"Each row is {_runs(analysis)}, and the p99 range is the lowest and highest p99 "
+        "among them: a longer run meets bigger bursts of arrivals, and near capacity "
+        "its p99 is higher. Open loop:",
+        "",
+    ]
+    out += _table(list(analysis.recommendation.expected), "arrivals")
     if rec.closed:
         out += ["", "Closed loop (each caller calls again once answered):", ""]
         out += _table(list(rec.closed), "callers")

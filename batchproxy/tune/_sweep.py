@@ -19,6 +19,7 @@ import asyncio
 import itertools
 import math
 import random
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -90,6 +91,10 @@ class Outcome:
     kept_up: bool = True
     """Open loop: the rate is within the setting's capacity (full batches back to back)
     and, past the first tenth of the run, answers came as fast as calls (`_kept_up`)."""
+    paths: int = 1
+    """Simulated runs behind it: more than one, each figure is their median
+    (`Simulator.typical`) and `p99_range` the lowest and highest p99 among them."""
+    p99_range: tuple[float, float] | None = None
 
     @property
     def sustained(self) -> bool:
@@ -153,6 +158,27 @@ class Simulator:
         if load.kind == "open" and load.value > self.capacity(setting):
             outcome = replace(outcome, kept_up=False)  # beyond full batches back to back
         return outcome
+
+    def typical(self, setting: Setting, load: Load, paths: int) -> Outcome:
+        """A typical run of `requests` calls: the median throughput, p50 and p99 of
+        `paths` runs (seeds `seed`, `seed + 1`, ...), kept up if most of them kept up.
+        One run is one path: near capacity its p99 rests on a few bursts of arrivals,
+        and another seed's can be half again as high."""
+        if paths < 1:
+            raise ValueError(f"paths must be >= 1, got {paths}")
+        runs = [replace(self, seed=self.seed + k).run(setting, load) for k in range(paths)]
+        if paths == 1:
+            return runs[0]
+        p99s = [o.p99 for o in runs]
+        return replace(
+            runs[0],
+            throughput=statistics.median(o.throughput for o in runs),
+            p50=statistics.median(o.p50 for o in runs),
+            p99=statistics.median(p99s),
+            kept_up=2 * sum(o.kept_up for o in runs) > paths,
+            paths=paths,
+            p99_range=(min(p99s), max(p99s)),
+        )
 
     async def _drive(
         self,

@@ -22,8 +22,9 @@ the GPU-shaped model of `benchmarks/servers`; default both):
    within the target, as the tuner computes it) over the best real setting's (target:
    >= 0.90), and the predicted p99 over the measured one at each load both keep up with
    (target: within 20 %). The prediction compared is the tuner's model of a run as long
-   as the real one (`same_length`: the median over 10 simulated runs of as many
-   calls); the tuner's own, for one run of 2,000 calls, is printed beside it.
+   as the real one (`same_length`: its typical run, the median of 10 simulated runs
+   of as many calls); the tuner's own, a typical run of 2,000 calls, is printed
+   beside it.
 
 torch runs on one thread (`torch.set_num_threads(1)`): on a shared 2-core machine two
 threads fight the other processes for the cores and the times swing by x3. Once the
@@ -137,17 +138,12 @@ async def _real_sweep(
 
 
 def same_length(simulator: Simulator, setting: Setting, rate: float, calls: int) -> float:
-    """The tuner's model of a real run as long as the real one: the median p99 of
-    `PATHS` simulated runs of `calls` calls (seeds 0, 1, ...). The tuner's own
-    prediction is one run of 2,000 calls, and near capacity that is not the real
-    run's: a longer run meets bigger bursts (on MiniLM at 73 calls/s, 10 paths of 2,000
-    calls had a median p99 of 389 ms, of 585 calls 282), and one run is one path
-    (304-542 ms over those 10)."""
-    load = Load("open", rate)
-    return statistics.median(
-        replace(simulator, requests=calls, seed=seed).run(setting, load).p99
-        for seed in range(PATHS)
-    )
+    """The tuner's model of a real run as long as the real one: its typical run
+    (`Simulator.typical`, the median of `PATHS` runs) of `calls` calls. The tuner's
+    own is a typical run of 2,000 calls, and near capacity that is not the real run's:
+    a longer run meets bigger bursts (on MiniLM at 73 calls/s, 10 paths of 2,000 calls
+    had a median p99 of 389 ms, of 585 calls 282)."""
+    return replace(simulator, requests=calls).typical(setting, Load("open", rate), PATHS).p99
 
 
 def _quantiles(spread: Sequence[float]) -> dict[str, float]:
@@ -228,6 +224,7 @@ def check(
         delays_ms=(5.0,),
         rates=6 if quick else 10,
         requests=2000,
+        paths=PATHS,
     )
     rates = sorted({o.load.value for o in analysis.outcomes})
     print(f"{model.name}: {curve.describe()}; p99 target {target * 1e3:.0f} ms", flush=True)
@@ -240,7 +237,7 @@ def check(
     chosen = analysis.recommendation.choice.setting
     best = max(real_capacity, key=lambda s: real_capacity[s])
     share = real_capacity[chosen] / real_capacity[best] if real_capacity[best] > 0 else 0.0
-    predicted = {o.load.value: o for o in analysis.recommendation.choice.outcomes}
+    predicted = {o.load.value: o for o in analysis.recommendation.expected}
     compared = [
         o
         for o in real[chosen]

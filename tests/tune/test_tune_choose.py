@@ -22,7 +22,7 @@ def measured(lanes: int = 1, shape=cost) -> Measurement:  # type: ignore[no-unty
     return Measurement("toy", points, batchproxy.Options(batch_size=64), lanes, None, False)
 
 
-FAST = {"requests": 400, "sizes": (8, 16, 32, 64), "delays_ms": (5.0,)}
+FAST = {"requests": 400, "sizes": (8, 16, 32, 64), "delays_ms": (5.0,), "paths": 1}
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -146,3 +146,47 @@ def test_a_runs_arrivals_do_not_repeat_its_lengths_draws(monkeypatch: pytest.Mon
     assert seen[0] == seen[1]  # the same seed, the same run
     assert first == again
     assert seen[0] != simulation.poisson(500.0, 50 / 500.0, seed=simulator.seed)
+
+
+def test_a_typical_run_is_the_median_of_several_and_says_their_range() -> None:
+    """One simulated run is one path of arrivals: near capacity its p99 rests on a few
+    bursts. `Simulator.typical` runs `paths` seeds and keeps their medians, and the
+    lowest and highest p99; one path is the run itself."""
+    from batchproxy.tune import Setting, fit
+    from batchproxy.tune._sweep import Load, Simulator
+
+    measurement = measured()
+    simulator = Simulator.of(measurement, fit(measurement), requests=400, seed=7)
+    setting, load = Setting(16, 1), Load("open", 0.8 * simulator.capacity(Setting(16, 1)))
+    runs = [
+        simulator.run(setting, load)
+        for simulator in (
+            Simulator.of(measurement, fit(measurement), requests=400, seed=7 + k) for k in range(5)
+        )
+    ]
+    typical = simulator.typical(setting, load, 5)
+    p99s = sorted(o.p99 for o in runs)
+    assert len(set(p99s)) > 1  # the paths differ
+    assert typical.p99 == p99s[2]
+    assert typical.p50 == sorted(o.p50 for o in runs)[2]
+    assert typical.throughput == sorted(o.throughput for o in runs)[2]
+    assert typical.p99_range == (p99s[0], p99s[-1])
+    assert (typical.paths, typical.sustained) == (5, True)
+    assert simulator.typical(setting, load, 1) == runs[0]
+    with pytest.raises(ValueError, match="paths must be >= 1"):
+        simulator.typical(setting, load, 0)
+
+
+def test_what_to_expect_of_the_recommendation_is_typical_runs() -> None:
+    """The sweep ranks the settings on one run each; what the report says to expect of
+    the one chosen is the median of `paths` runs at each of its loads (and each closed
+    loop), and its knee is found among them."""
+    analysis = analyse(measured(), slots=(1,), **{**FAST, "paths": 3})  # type: ignore[arg-type]
+    rec = analysis.recommendation
+    assert [o.load for o in rec.expected] == [o.load for o in rec.choice.outcomes]
+    assert all(o.paths == 3 and o.p99_range is not None for o in rec.expected)
+    assert all(o.p99_range[0] <= o.p99 <= o.p99_range[1] for o in rec.expected)  # type: ignore[index]
+    assert all(o.paths == 3 for o in rec.closed)
+    assert rec.knee in rec.expected
+    single = analyse(measured(), slots=(1,), **FAST).recommendation  # type: ignore[arg-type]
+    assert single.expected == single.choice.outcomes  # one path: the sweep's own runs

@@ -76,10 +76,13 @@ def test_the_command_line_measures_recommends_and_writes_the_report(tmp_path: Pa
     assert "for p99 ≤ 200 ms: batch_size=" in done.stdout
     assert "serves up to" in done.stdout
     assert "another replica" in done.stdout
+    # what to expect: typical runs, and how long each is
+    assert "the median of 10 simulated runs of 300 calls each, from an idle start" in done.stdout
     assert "measuring [" in done.stderr
     assert "simulating [" in done.stderr
     report = (tmp_path / "report" / "report.md").read_text()
     assert "## Recommendation" in report
+    assert "| arrivals | throughput (calls/s) | p50 (ms) | p99 (ms) | p99 range (ms) |" in report
     assert "## The cost curve" in report
     code = (tmp_path / "report" / "options.py").read_text()
     namespace: dict[str, object] = {}
@@ -189,6 +192,9 @@ def test_bad_options_are_said(in_tmp: Path, capsys: pytest.CaptureFixture[str]) 
     )
     assert "numbers > 0" in _fails(
         ["_toy:sleeping", "--sample", "sample.txt", "--sizes", "0,4"], capsys
+    )
+    assert "--paths 0: at least 1 run" in _fails(
+        ["_toy:sleeping", "--sample", "sample.txt", "--paths", "0"], capsys
     )
 
 
