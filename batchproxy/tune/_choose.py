@@ -50,10 +50,13 @@ class Recommendation:
     """The p99 target in seconds; None: the most throughput."""
     choice: Choice
     ranking: tuple[Choice, ...]
-    """Every setting, best first."""
+    """Every setting, best first (on one run each, the same arrivals for every one)."""
     expected: tuple[Outcome, ...]
     """What to expect of the recommended setting at each open-loop load of its choice:
     typical runs (`Simulator.typical`: the median of `paths` runs), lightest first."""
+    capacity: float
+    """Calls a second the recommended setting serves within the target, by `expected`
+    (its `choice.capacity` is by the one run it was ranked on)."""
     knee: Outcome | None
     """The heaviest load of `expected` before the p99 passes twice its value at the
     lightest."""
@@ -139,13 +142,14 @@ def recommend(
     paths: int = 1,
 ) -> Recommendation:
     """The best setting of `outcomes`, what to expect of it (each of its open-loop loads
-    and `callers`, the median of `paths` runs), its knee, and its capacity with one more
-    batch slot and with another replica (twice the lanes)."""
+    and `callers`, the median of `paths` runs), the capacity and knee those show, and
+    its capacity with one more batch slot and with another replica (twice the lanes),
+    by `paths` runs too."""
     ranking = rank(outcomes, target)
     chosen = ranking[0]
     setting = chosen.setting
-    expected = [simulator.typical(setting, o.load, paths) for o in chosen.outcomes]
-    closed = [simulator.typical(setting, Load("closed", n), paths) for n in callers]
+    expected = sweep(simulator, [setting], [o.load for o in chosen.outcomes], paths=paths)
+    closed = sweep(simulator, [setting], [Load("closed", n) for n in callers], paths=paths)
     more_slots = replace(setting, max_concurrent_batches=setting.max_concurrent_batches + 1)
     replica = replace(setting, max_concurrent_batches=2 * setting.max_concurrent_batches)
     extras = []
@@ -154,13 +158,15 @@ def recommend(
         ("another replica", replica, simulator.with_lanes(2 * simulator.lanes)),
     ):
         rates = open_rates(sim, [changed])
-        runs = sweep(sim, [changed], [Load("open", r) for r in rates], give_up_at=_give_up(target))
+        loads = [Load("open", r) for r in rates]
+        runs = sweep(sim, [changed], loads, give_up_at=_give_up(target), paths=paths)
         extras.append(Extra(what, changed, sim.lanes, capacity(runs, target)))
     return Recommendation(
         target,
         chosen,
         tuple(ranking),
         tuple(expected),
+        capacity(expected, target),
         knee(expected),
         tuple(closed),
         tuple(extras),

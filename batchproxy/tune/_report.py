@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ._analysis import Analysis
-from ._choose import Choice
+from ._choose import Recommendation
 from ._sweep import Outcome
 
 __all__ = ["options_code", "summary", "write_report"]
@@ -70,16 +70,14 @@ def summary(analysis: Analysis) -> str:
         f"({len(analysis.measurement.points)} batch shapes measured), "
         f"and {analysis.measurement.handoff * 1e3:.2f} ms a call beyond its batch",
         f"for {_target(analysis)}: {choice.setting.label()}",
-        f"  serves up to {choice.capacity:.0f} calls/s (simulated, open loop)",
+        f"  serves up to {rec.capacity:.0f} calls/s (simulated, open loop)",
     ]
     if rec.knee is not None:
         lines.append(
             f"  knee: {rec.knee.load.label()} (p99 {_ms(rec.knee.p99)} ms; beyond it p99 climbs)"
         )
     for extra in rec.extras:
-        lines.append(
-            f"  {extra.what}: {extra.capacity:.0f} calls/s ({_gain(choice, extra.capacity)})"
-        )
+        lines.append(f"  {extra.what}: {extra.capacity:.0f} calls/s ({_gain(rec, extra.capacity)})")
     lines.append(f"  what to expect (each row {_runs(analysis)}; the p99 range is theirs):")
     lines.append("  load        throughput   p50 ms   p99 ms   p99 range")
     for outcome in analysis.recommendation.expected:
@@ -110,10 +108,10 @@ def _row_text(o: Outcome) -> str:
     ).rstrip()
 
 
-def _gain(choice: Choice, capacity: float) -> str:
-    if choice.capacity <= 0:
+def _gain(rec: Recommendation, capacity: float) -> str:
+    if rec.capacity <= 0:
         return "n/a"
-    return f"{(capacity / choice.capacity - 1) * 100:+.0f} %"
+    return f"{(capacity / rec.capacity - 1) * 100:+.0f} %"
 
 
 def _table(outcomes: tuple[Outcome, ...] | list[Outcome], first: str) -> list[str]:
@@ -142,7 +140,7 @@ def markdown(analysis: Analysis, plots: list[str]) -> str:
         "",
         "## Recommendation",
         "",
-        f"**{choice.setting.label()}**: serves up to **{choice.capacity:.0f} calls/s** "
+        f"**{choice.setting.label()}**: serves up to **{rec.capacity:.0f} calls/s** "
         f"within the target (open loop, Poisson arrivals).",
         "",
         "```python",
@@ -166,7 +164,7 @@ def markdown(analysis: Analysis, plots: list[str]) -> str:
         out.append(
             f"| {extra.what} ({extra.setting.label()}, {extra.lanes} "
             f"lane{'s' if extra.lanes > 1 else ''}) | "
-            f"{extra.capacity:.0f} | {_gain(choice, extra.capacity)} |"
+            f"{extra.capacity:.0f} | {_gain(rec, extra.capacity)} |"
         )
     out += [
         "",
@@ -181,7 +179,16 @@ def markdown(analysis: Analysis, plots: list[str]) -> str:
     if rec.closed:
         out += ["", "Closed loop (each caller calls again once answered):", ""]
         out += _table(list(rec.closed), "callers")
-    out += ["", "## Every setting", "", "| setting | calls/s within the target |", "|---|---|"]
+    out += [
+        "",
+        "## Every setting",
+        "",
+        "Ranked on one simulated run each, every setting on the same arrivals (the "
+        "recommendation's capacity above is by its typical runs).",
+        "",
+        "| setting | calls/s within the target |",
+        "|---|---|",
+    ]
     out += [f"| {c.setting.label()} | {c.capacity:.0f} |" for c in rec.ranking]
     out += ["", "## The cost curve", "", f"Fitted: {curve.describe()}.", ""]
     out += [
@@ -264,7 +271,7 @@ def _plots(folder: Path, analysis: Analysis) -> list[str]:
         )
     if rec.target is not None:
         axes.axhline(rec.target * 1e3, color="grey", linestyle="--", label="p99 target")
-        axes.plot([rec.choice.capacity], [rec.target * 1e3], "k*", markersize=14)
+        axes.plot([rec.capacity], [rec.target * 1e3], "k*", markersize=14)
     axes.set_xlabel("throughput (calls/s)")
     axes.set_ylabel("p99 latency (ms)")
     axes.set_yscale("log")

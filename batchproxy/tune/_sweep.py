@@ -342,9 +342,11 @@ def sweep(
     *,
     give_up_at: float | None = None,
     progress: Progress | None = None,
+    paths: int = 1,
 ) -> list[Outcome]:
-    """Each setting under each load, lightest first. An open-loop setting that no longer
-    keeps up (or whose p99 passes `give_up_at` seconds) is not run at heavier loads."""
+    """Each setting under each load, lightest first (with `paths` > 1, typical runs:
+    `Simulator.typical`). An open-loop setting that no longer keeps up (or whose p99
+    passes `give_up_at` seconds) is not run at heavier loads."""
     ordered = sorted(loads, key=lambda load: (load.kind, load.value))
     outcomes: list[Outcome] = []
     total, done = len(settings) * len(ordered), 0
@@ -353,7 +355,7 @@ def sweep(
         for load in ordered:
             done += 1
             if not (stopped and load.kind == "open"):
-                outcome = simulator.run(setting, load)
+                outcome = simulator.typical(setting, load, paths)
                 outcomes.append(outcome)
                 over = give_up_at is not None and outcome.p99 > give_up_at
                 stopped = load.kind == "open" and (not outcome.sustained or over)

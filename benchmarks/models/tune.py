@@ -251,7 +251,7 @@ def check(
         errors.append((o.load.value, predicted[o.load.value].p99, alike, o.p99))
     ratios = [alike / meas - 1 for _, _, alike, meas in errors if meas > 0]
     intervals = [p99_interval(latencies[chosen, rate]) for rate, _, _, _ in errors]
-    served = analysis.recommendation.choice.capacity
+    served = analysis.recommendation.capacity
     return {
         "model": model.name,
         "target_p99_ms": target * 1e3,
@@ -259,7 +259,7 @@ def check(
         "measured_spread": _quantiles(measurement.spread),
         "rates": rates,
         "recommended": chosen.label(),
-        "recommended_predicted_capacity": analysis.recommendation.choice.capacity,
+        "recommended_predicted_capacity": analysis.recommendation.capacity,
         "real_capacity": {s.label(): c for s, c in real_capacity.items()},
         "best_real": best.label(),
         "capacity_share": share,
