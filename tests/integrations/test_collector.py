@@ -97,11 +97,12 @@ async def test_with_freeze_gc_false_or_after_a_failed_load_nothing_is_frozen() -
     async def fails() -> None:
         raise OSError("weights not found")
 
+    before = gc.get_freeze_count()  # (0, but 375 at CPython 3.12.1's start)
     for serving in (Serving(Recorder(), freeze_gc=False), Serving(Recorder(), load=fails)):
         async with serving.running():
             with contextlib.suppress(NotReady):
                 await serving.wait_ready()
-            assert gc.get_freeze_count() == 0
+            assert gc.get_freeze_count() == before
 
 
 def test_freeze_gc_must_be_a_bool() -> None:
