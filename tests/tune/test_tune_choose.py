@@ -17,8 +17,9 @@ def cost(size: int) -> float:
     return 0.010 + 0.001 * size
 
 
-def measured(lanes: int = 1, shape=cost) -> Measurement:  # type: ignore[no-untyped-def]
-    points = tuple(Point(size, None, (shape(size),)) for size in SIZES)
+def measured(lanes: int = 1, shape=cost, factors=(1.0,)) -> Measurement:  # type: ignore[no-untyped-def]
+    """Each batch size measured at `shape`'s time, once per factor (times the factor)."""
+    points = tuple(Point(size, None, tuple(f * shape(size) for f in factors)) for size in SIZES)
     return Measurement("toy", points, batchproxy.Options(batch_size=64), lanes, None, False)
 
 
@@ -106,9 +107,7 @@ def test_a_model_whose_time_varies_is_predicted_with_its_tail() -> None:
     curve: at the same light load, a model whose batches take twice their median one
     time in ten gets a higher p99 than one that always takes its median (the p99 is
     made of those slow batches), and the same seed gives the same prediction."""
-    factors = (1.0,) * 9 + (2.0,)  # one batch in ten takes twice the median
-    points = tuple(Point(size, None, tuple(f * cost(size) for f in factors)) for size in SIZES)
-    varied = Measurement("toy", points, batchproxy.Options(batch_size=64), 1, None, False)
+    varied = measured(factors=(1.0,) * 9 + (2.0,))  # one batch in ten takes twice the median
     assert varied.spread[-1] == pytest.approx(2.0)
 
     def light_p99(measurement: Measurement) -> float:
@@ -198,9 +197,7 @@ def test_the_capacity_it_states_is_the_one_its_typical_runs_keep() -> None:
     median, seed 1) the ranking's one run kept p99 within 80 ms up to 693 calls/s, and
     the typical run at 672 calls/s did not: stated from the ranking's run, the
     capacity and the table beneath it disagreed."""
-    factors = (1.0,) * 9 + (1.6,)
-    points = tuple(Point(size, None, tuple(f * cost(size) for f in factors)) for size in SIZES)
-    varied = Measurement("toy", points, batchproxy.Options(batch_size=64), 1, None, False)
+    varied = measured(factors=(1.0,) * 9 + (1.6,))
     target = 0.080
     fast = {**FAST, "paths": 5}
     rec = analyse(varied, target=target, slots=(1,), seed=1, **fast).recommendation  # type: ignore[arg-type]
