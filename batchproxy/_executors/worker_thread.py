@@ -262,9 +262,9 @@ class WorkerThread(Executor):
             self._closed = True  # (no batch is put after this: `_start_locked` refuses)
             loop, thread, looping = self._loop, self._thread, self._looping
             self._inbox.put(None)  # after every batch submitted before the stop
-        if looping:  # (not looping: the thread finds the None, in the queue or its loop)
+        if looping and loop is not None:  # (else the thread finds the None: queue or loop)
             with contextlib.suppress(RuntimeError):  # already closed
-                loop.call_soon_threadsafe(loop.stop)  # type: ignore[union-attr]
+                loop.call_soon_threadsafe(loop.stop)
         return thread
 
     def __enter__(self) -> Self:
