@@ -138,3 +138,19 @@ async def test_a_close_from_an_async_batch_answers_the_batch_queued_behind_it() 
         await asyncio.wait_for(first, 10)
     outcome = await asyncio.wait_for(asyncio.gather(second, return_exceptions=True), 10)
     assert outcome == [[("sync", 1)]] or isinstance(outcome[0], RuntimeError)
+
+
+async def test_a_plain_def_model_runs_outside_any_event_loop() -> None:
+    """As on a thread pool: it may start an event loop of its own (`asyncio.run`), which
+    a model run from inside the thread's running loop could not."""
+
+    def runs_its_own_loop(items: list[int]) -> list[int]:
+        return asyncio.run(_async_double(items))
+
+    async with WorkerThread(name="no-running-loop") as worker:
+        assert await asyncio.wait_for(worker.run(runs_its_own_loop, [1, 2]), 10) == [2, 4]
+
+
+async def _async_double(items: list[int]) -> list[int]:
+    await asyncio.sleep(0)
+    return [2 * item for item in items]
