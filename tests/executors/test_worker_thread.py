@@ -142,7 +142,8 @@ async def test_a_close_from_an_async_batch_answers_the_batch_queued_behind_it() 
 
 async def test_a_plain_def_model_runs_outside_any_event_loop() -> None:
     """As on a thread pool: it may start an event loop of its own (`asyncio.run`), which
-    a model run from inside the thread's running loop could not."""
+    a model run from inside the thread's running loop could not (as it still is while
+    an async model's batch is in flight on the same thread)."""
 
     def runs_its_own_loop(items: list[int]) -> list[int]:
         return asyncio.run(_async_double(items))
