@@ -41,7 +41,7 @@ import contextvars
 import inspect
 import queue
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from typing_extensions import Self
@@ -385,16 +385,20 @@ class WorkerThread(Executor):
         """Start the batches queued (on the loop, while it runs); a None stops the loop.
         A wake-up may come late, after the loop has stopped and run again: then it finds
         the queue empty, or batches that no wake-up was sent for, which are due anyway."""
-        while True:
-            try:
-                job = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for job in self._queued():
             if job is None:
                 asyncio.get_running_loop().stop()
                 return
             self._start_job(job)
-            del job
+            del job  # (an error's traceback keeps this frame: not the job through it)
+
+    def _queued(self) -> Iterator[_Job | None]:
+        """What the queue holds, taken out in order until it is empty."""
+        while True:
+            try:
+                yield self._inbox.get_nowait()
+            except queue.Empty:
+                return
 
     def _start_job(self, job: _Job) -> None:
         if job.future.cancelled():  # its batch was abandoned before it started
@@ -442,12 +446,7 @@ class WorkerThread(Executor):
     def _shut_down(self, loop: asyncio.AbstractEventLoop) -> None:
         with self._lock:
             self._closed = True
-        jobs: list[_Job] = []
-        with contextlib.suppress(queue.Empty):  # (nothing is put once closed)
-            while True:
-                job = self._inbox.get_nowait()
-                if job is not None:
-                    jobs.append(job)
+        jobs = [job for job in self._queued() if job is not None]  # (none put once closed)
         running = list(self._running.values())
         jobs.extend(job for job, _ in running)
         error = _Raised(RuntimeError(f"WorkerThread {self.name!r} was closed before the batch ran"))
