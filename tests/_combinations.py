@@ -932,8 +932,8 @@ def explain(
         # its deadline may pass on the way to a host; a thread's own wait (its timeout
         # + 0.5 s, `inference_sync`'s guard against a loop too busy to answer) may end
         # before that busy loop admitted the call
-        counts["guarded"] += call.form in ("sync", "many_sync")
-        counts["unsure"] += config.remote or call.form in ("sync", "many_sync")
+        counts["guarded"] += (guarded := call.form in ("sync", "many_sync"))
+        counts["unsure"] += config.remote or guarded
         return None if call.timeout is not None else f"timed out: {outcome!r}"
     if isinstance(outcome, asyncio.CancelledError):
         # a caller cancelled as it called, on a closed proxy, may not have been accepted;
