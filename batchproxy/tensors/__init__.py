@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -465,16 +465,21 @@ def length(item: Any) -> int:
     For a dict or tuple, the largest over its leaves (not the number of keys);
     1 for a 0-d array or a plain number; 0 for an empty dict or tuple.
     """
-    if _is_leaf(item):
-        shape = _shape(item)
-        return shape[0] if shape else 1
-    if isinstance(item, (int, float, complex, np.generic)):
+    values: Iterable[Any]
+    if type(item) is dict:  # the usual item, a tokenizer's output (every call measures it)
+        values = item.values()
+    elif _is_leaf(item):
+        shape = item.shape
+        return int(shape[0]) if len(shape) else 1
+    elif isinstance(item, (int, float, complex, np.generic)):
         return 1
-    if isinstance(item, Mapping):
-        return max((length(value) for value in item.values()), default=0)
-    if isinstance(item, tuple):
-        return max((length(value) for value in item), default=0)
-    raise TypeError(
-        f"cannot measure a {_type_name(item)}: items must be NumPy arrays, torch tensors, "
-        "dict[str, array] or tuples of arrays"
-    )
+    elif isinstance(item, Mapping):
+        values = item.values()
+    elif isinstance(item, tuple):
+        values = item
+    else:
+        raise TypeError(
+            f"cannot measure a {_type_name(item)}: items must be NumPy arrays, torch tensors, "
+            "dict[str, array] or tuples of arrays"
+        )
+    return max(map(length, values), default=0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import types
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -544,8 +546,16 @@ def test_length() -> None:
     assert length(many_keys) == 2  # the longest leaf, not the number of keys
     assert length({"ids": np.zeros(12), "mask": np.zeros(12), "pixels": np.zeros((3, 5))}) == 12
     assert length((np.zeros(4), np.zeros(9))) == 9
+    assert length({}) == length(()) == 0
+    nested = ({"ids": np.zeros(3)}, (np.zeros(8), np.zeros(())))
+    assert length(nested) == 8
+    assert length(collections.UserDict(ids=np.zeros(5))) == 5  # a mapping, not a dict
+    assert length(types.MappingProxyType({"ids": np.zeros(4)})) == 4
+    assert type(length({"ids": np.zeros(6)})) is int
     with pytest.raises(TypeError, match="str"):
         length("text")
+    with pytest.raises(TypeError, match="str"):
+        length({"ids": np.zeros(2), "text": "a leaf that is no array"})
 
 
 def test_length_torch() -> None:
