@@ -202,6 +202,8 @@ class RequestQueue(Generic[T]):
     ) -> list[Request[T]]:
         """Up to `limit` requests of similar cost, so a padded batch wastes little
         (see `pick_similar`); `cut` as for `pop_batch`."""
+        if self.live == 1:  # nothing to compare: the one request goes (as `pick_similar`'s
+            return self.pop_batch(1, now)  # first always does), without ranking anyone
         limit = cut_limit(limit, self.live, cut)
         return pick_similar(self, limit, budget, window, now, group, max_passes)
 

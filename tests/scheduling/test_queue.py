@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import Any
 
 import pytest
 
 from batchproxy._scheduling.fair_queue import FairQueue
 from batchproxy._scheduling.keyed_queue import KeyedQueue
-from batchproxy._scheduling.queue import Request, RequestQueue
+from batchproxy._scheduling.queue import Request, RequestQueue, pick_similar
 
 
 def _request(loop: asyncio.AbstractEventLoop, item: int, priority: int, at: float) -> Request[int]:
@@ -145,5 +146,77 @@ def test_reading_the_pop_order_with_aging_changes_no_queue() -> None:
         assert queue.live == sum(t.queue.live for t in queue._tenants.values())
         assert queue.oldest_enqueued_at() is None  # retired here, and counted
         assert queue.live == 0
+    finally:
+        loop.close()
+
+
+def _one_left(
+    loop: asyncio.AbstractEventLoop, seed: int
+) -> tuple[RequestQueue[int], Request[int], float]:
+    """A queue that has seen `seed`'s random traffic (priorities, bulk calls, deadlines,
+    costs, aging or not, calls served in either order, then withdrawn), one request left."""
+    rng = random.Random(seed)
+    queue: RequestQueue[int] = RequestQueue(aging=rng.choice([None, 0.5]))
+    now = 0.0
+    for item in range(rng.randrange(1, 200)):
+        now += rng.random() / 10
+        deadline = now + rng.random() * 5 if rng.random() < 0.5 else float("inf")
+        request = Request(
+            item,
+            loop.create_future(),
+            rng.choice([0, 0, 1, -2]),
+            now,
+            rng.randrange(1, 300),
+            deadline,
+        )
+        request.bulk = rng.random() < 0.3
+        queue.push(request)
+        if rng.random() < 0.3:  # served on the way, in deadline order or not
+            queue.pop_batch(rng.randrange(1, 8), now)
+    if not queue.live:  # all served: one more arrives
+        queue.push(Request(-1, loop.create_future(), 0, now, 1))
+    live = list(queue.in_pop_order(now))
+    kept = rng.choice(live)
+    rng.shuffle(live)
+    for request in live:  # the others' callers leave, in random order
+        if request is not kept:
+            request.future.cancel()
+            queue.discard(request)
+    return queue, kept, now
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_one_live_request_is_popped_as_the_general_path_pops_it(seed: int) -> None:
+    """`pop_similar` with one live request takes it without ranking (the lone caller's
+    path): the batch, and the queue left behind, are what `pick_similar` gives."""
+    loop = asyncio.new_event_loop()
+    try:
+        fast, kept, now = _one_left(loop, seed)
+        general, general_kept, _ = _one_left(loop, seed)
+        assert fast.live == general.live == 1
+        budget = random.Random(seed).choice([None, 100, 1])  # 1: it goes alone even so
+        got = fast.pop_similar(64, budget, 256, now=now)
+        want = pick_similar(general, 64, budget, 256, now, True, 3)
+        assert [r.item for r in got] == [r.item for r in want] == [kept.item]
+        assert general_kept.item == kept.item
+        assert (fast.live, fast.live_cost) == (general.live, general.live_cost) == (0, 0)
+        assert not kept.queued
+        assert fast.pop_batch(10, now) == general.pop_batch(10, now) == []
+    finally:
+        loop.close()
+
+
+def test_one_live_request_whose_caller_left_leaves_unsent() -> None:
+    """The one live request's caller left (its cancellation on its way): `pop_similar`
+    sends nothing, and the request leaves the queue, counted."""
+    loop = asyncio.new_event_loop()
+    try:
+        queue: RequestQueue[int] = RequestQueue()
+        request = Request(1, loop.create_future(), 0, 0.0, 7, 5.0)
+        queue.push(request)
+        request.future.cancel()
+        assert queue.pop_similar(64, None, 256) == []
+        assert (queue.live, queue.live_cost, request.queued) == (0, 0, False)
+        assert queue.discard(request) is False  # its cancellation finds it gone
     finally:
         loop.close()
