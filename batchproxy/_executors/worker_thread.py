@@ -41,7 +41,7 @@ import contextvars
 import inspect
 import queue
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any
 
 from typing_extensions import Self
@@ -283,10 +283,16 @@ class WorkerThread(Executor):
 
     # -- running batches -------------------------------------------------------------
 
-    async def run(self, fn: ModelFn, items: list[Any]) -> Any:
+    def run(self, fn: ModelFn, items: list[Any]) -> Coroutine[Any, Any, Any]:
+        # (a plain function handing over `_run_here`'s coroutine: a batch's way to this
+        # thread and back goes through one coroutine frame less)
         stages = self._stages
         if stages is None or self.hosts_model or not isinstance(fn, StagedModel):
-            return await self._run_here(fn, items)
+            return self._run_here(fn, items)
+        return self._run_stages(stages, fn, items)
+
+    async def _run_stages(self, stages: WorkerThread, fn: StagedModel, items: list[Any]) -> Any:
+        """A `StagedModel`'s batch with `overlap`: its stages on the two threads."""
         with self._lock:
             lone = self._in_flight == 0
             self._in_flight += 1
