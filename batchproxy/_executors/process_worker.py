@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from .._errors import WorkerDied
 from . import ipc
 from .base import ModelFactory, put_back_refused
+from .reply import Reply
 from .worker_process import serve
 from .worker_thread import _answer, _Raised
 
@@ -64,7 +65,7 @@ class Job:
     def __init__(self, items: list[Any], loop: asyncio.AbstractEventLoop) -> None:
         self.items = items
         self.loop = loop
-        self.future: asyncio.Future[Any] = loop.create_future()
+        self.future = Reply(loop)  # wakes `run`'s task in the answer's own callback
         self.retried = False
         self.abandoned = False  # its caller was cancelled (under the owner's lock)
         self.served_by: Worker | None = None  # the worker whose process runs it now

@@ -49,6 +49,7 @@ from typing_extensions import Self
 from .._fork import forget_threads_in_forked_children
 from .base import Executor, ModelFactory, ModelFn
 from .devices import torch_device
+from .reply import Reply
 from .staged import StagedModel
 
 if TYPE_CHECKING:
@@ -85,7 +86,7 @@ class _Job:
         fn: ModelFn,
         items: list[Any],
         loop: asyncio.AbstractEventLoop,
-        future: asyncio.Future[Any],
+        future: Reply,
     ) -> None:
         self.call: _Call | None = (fn, items, contextvars.copy_context())
         self.loop = loop
@@ -99,15 +100,17 @@ class _Job:
         _answer(self.loop, self.future, outcome)
 
 
-def _answer(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], outcome: Any) -> None:
+def _answer(
+    loop: asyncio.AbstractEventLoop, future: Reply | asyncio.Future[Any], outcome: Any
+) -> None:
     """Resolve `future` with `outcome` on `loop`, from another thread; nothing if that
     loop is closed (nobody waits any more)."""
     with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(_resolve, future, outcome)
 
 
-def _resolve(future: asyncio.Future[Any], outcome: Any) -> None:
-    if not future.done():
+def _resolve(future: Reply | asyncio.Future[Any], outcome: Any) -> None:
+    if not future.done():  # (not abandoned meanwhile: its task cancelled)
         future.set_result(outcome)
 
 
@@ -311,7 +314,7 @@ class WorkerThread(Executor):
     async def _run_here(self, fn: ModelFn, items: Any) -> Any:
         """Call `fn(items)` on this thread and await its outcome."""
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
+        future = Reply(loop)  # wakes this task in the answer's own callback (`reply`)
         job = _Job(fn, items, loop, future)
         with self._lock:
             thread_loop = self._start_locked()
