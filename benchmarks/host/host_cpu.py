@@ -36,6 +36,7 @@ Writes `benchmarks/results/host-cpu.json` (`--quick`: `host-cpu-quick.json`;
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -50,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import ROOT
+from benchmarks._harness.base import archived_package
 from benchmarks.host._cpu_roles import (
     BATCH_SIZE,
     LAUNCH_S,
@@ -316,16 +318,6 @@ def _medians(rows: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[str, Any]
     return table
 
 
-def _archived(ref: str) -> str:
-    """A new folder holding the batchproxy package as it was at git `ref`."""
-    folder = tempfile.mkdtemp(prefix="bp-host-cpu-base-", dir="/tmp")
-    archive = subprocess.run(
-        ["git", "archive", ref, "batchproxy"], cwd=ROOT, check=True, capture_output=True
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
-    return folder
-
-
 def main() -> None:
     from benchmarks._harness.report import arguments, environment, no_targets, write_report
 
@@ -350,17 +342,16 @@ def main() -> None:
         os.environ[PROFILE_VARIABLE] = str(run.args.profile.resolve())
         levels, rounds = levels[-1:], 1
     load = os.getloadavg()
-    base = None if run.args.base is None else _archived(run.args.base)
-    try:
+    with contextlib.ExitStack() as stack:
+        base = (
+            None if run.args.base is None else stack.enter_context(archived_package(run.args.base))
+        )
         if base is not None:
             names += [f"{name}@base" for name in names if name.startswith(("one", "host"))]
         if run.mode:
             results = {"transport": {str(n): transport(n, seconds, rounds, base) for n in levels}}
         else:
             results = {"layouts": run_rounds(names, levels, rounds, seconds, base)}
-    finally:
-        if base is not None:
-            shutil.rmtree(base, ignore_errors=True)
     write_report(
         run.output,
         environment(load_average=[load, os.getloadavg()]),

@@ -13,7 +13,9 @@ during the run (and their time, and what they collected), and what is frozen. Pe
 batchproxy server: its speed against the regular way (ratio of mean latencies, with a
 bootstrap 95 % interval; the paired geometric mean of the per-request ratios, with a
 95 % interval) and the median ratio. The machine's load average is printed before and
-after.
+after. With `--base REF`, batchproxy's service also runs with the package as it was at
+git REF (`batchproxy@base`), interleaved with the others, and batchproxy's row has its
+speed against it (`speed_vs_base`): a change measured side by side, in one run.
 
     python -m benchmarks.servers.lone --requests 500 --threads 1
 """
@@ -21,6 +23,7 @@ after.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import math
@@ -36,14 +39,26 @@ from typing import Any
 from sample_text import make_sentences
 
 from benchmarks import pythonpath
+from benchmarks._harness.base import archived_package
 
 WARMUP = 30
 
 
-def start(kind: str, threads: int, log: Path) -> tuple[subprocess.Popen[bytes], int]:
+def start(
+    kind: str, threads: int, log: Path, base: str | None = None
+) -> tuple[subprocess.Popen[bytes], int]:
+    """Server `kind` (`KIND@base`: KIND with the package of `base`, a folder holding it,
+    which its working directory puts first on its path)."""
     env = dict(os.environ, PYTHONPATH=pythonpath(), BENCH_SERVER_LOG=str(log))
+    kind, _, of_base = kind.partition("@")
     command = [sys.executable, "-m", "benchmarks.servers.lone_server", kind, str(threads)]
-    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    process = subprocess.Popen(
+        command,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        cwd=base if of_base else None,
+    )
     assert process.stdout is not None
     port = int(process.stdout.readline().split()[1])
     return process, port
@@ -112,13 +127,30 @@ def main() -> None:
         help="requests in a row to one server before the next (default 1: interleaved "
         "request by request; more: back to back, as one client of one server sends them)",
     )
+    parser.add_argument(
+        "--base",
+        default=None,
+        metavar="REF",
+        help="also batchproxy's service with the package as it was at git REF "
+        "(`batchproxy@base`), interleaved with the others",
+    )
     parser.add_argument("--output", type=Path, default=None, help="a JSON file")
     args = parser.parse_args()
-    kinds = args.kinds.split(",")
+    kinds = args.kinds.split(",") + (["batchproxy@base"] if args.base else [])
     assert kinds[0] == "regular", "the regular way first: the others are read against it"
+    with contextlib.ExitStack() as stack:
+        base = None if args.base is None else stack.enter_context(archived_package(args.base))
+        report = measure(args, kinds, base)
+    if args.output is not None:
+        args.output.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def measure(args: argparse.Namespace, kinds: list[str], base: str | None) -> dict[str, Any]:
+    """Every server of `kinds` up, `args.requests` requests to each, interleaved: the
+    report (printed as it is made)."""
     texts = make_sentences(2000, seed=30, min_words=5, max_words=60)
     logs = Path(os.environ.get("TMPDIR", "/tmp"))
-    servers = {kind: start(kind, args.threads, logs / f"lone-{kind}.log") for kind in kinds}
+    servers = {kind: start(kind, args.threads, logs / f"lone-{kind}.log", base) for kind in kinds}
     try:
         connections = {kind: connect(port, kind) for kind, (_, port) in servers.items()}
         for i in range(WARMUP):
@@ -151,7 +183,13 @@ def main() -> None:
             process.wait(timeout=60)
     n = args.requests
     report: dict[str, Any] = {
-        "config": {"requests": n, "threads": args.threads, "kinds": kinds, "run": run},
+        "config": {
+            "requests": n,
+            "threads": args.threads,
+            "kinds": kinds,
+            "run": run,
+            "base": args.base,
+        },
         "load_average": {"before": load_before, "after": load_after},
         "servers": {},
     }
@@ -175,10 +213,11 @@ def main() -> None:
         }
         if kind != "regular":
             row["speed_vs_regular"] = ratios(times["regular"], times[kind])
+        if kind == "batchproxy" and "batchproxy@base" in times:
+            row["speed_vs_base"] = ratios(times["batchproxy@base"], times[kind])
         report["servers"][kind] = row
         print(kind, json.dumps({k: v for k, v in row.items()}, default=float))
-    if args.output is not None:
-        args.output.write_text(json.dumps(report, indent=2) + "\n")
+    return report
 
 
 if __name__ == "__main__":
