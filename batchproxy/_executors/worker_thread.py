@@ -314,7 +314,7 @@ class WorkerThread(Executor):
     async def _run_here(self, fn: ModelFn, items: Any) -> Any:
         """Call `fn(items)` on this thread and await its outcome."""
         loop = asyncio.get_running_loop()
-        future = Reply(loop)  # wakes this task in the answer's own callback (`reply`)
+        future = Reply(loop)  # wakes this task in the answer's own callback (`_resolve`)
         job = _Job(fn, items, loop, future)
         with self._lock:
             thread_loop = self._start_locked()
