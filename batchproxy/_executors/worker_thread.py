@@ -110,7 +110,11 @@ def _answer(
 
 
 def _resolve(future: Reply | asyncio.Future[Any], outcome: Any) -> None:
-    if not future.done():  # (not abandoned meanwhile: its task cancelled)
+    if future.done():  # abandoned meanwhile: its task was cancelled
+        return
+    if type(future) is Reply:  # a result wakes its task here, an error next iteration
+        future.set_result(outcome, wake_now=type(outcome) is not _Raised)
+    else:
         future.set_result(outcome)
 
 

@@ -43,6 +43,26 @@ async def test_an_answer_set_in_a_callback_runs_the_waiting_task_there() -> None
     assert task.result() == 7
 
 
+async def test_an_error_wakes_the_waiting_task_next_iteration() -> None:
+    """An outcome the task will raise (`wake_now=False`, what `_resolve` passes for a
+    model's error) wakes it as a Future would: raised in a step run from the answer's
+    callback, its traceback would reach that frame, which holds the outcome (a cycle
+    per failed batch; `tests/calls/test_hot_path.py` finds it on Python 3.12)."""
+    loop = asyncio.get_running_loop()
+    reply = Reply(loop)
+    task = await _waiting(reply)
+    seen: list[bool] = []
+
+    def answer() -> None:
+        reply.set_result("an error to raise", wake_now=False)
+        seen.append(task.done())
+
+    loop.call_soon(answer)
+    await asyncio.sleep(0)
+    assert seen == [False]
+    assert await task == "an error to raise"
+
+
 async def test_an_answer_set_inside_a_task_wakes_the_waiting_one_next_iteration() -> None:
     """asyncio runs one task step at a time: from inside a task, `Reply` wakes the waiting
     task as a Future would."""
