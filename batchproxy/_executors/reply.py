@@ -38,7 +38,8 @@ _PENDING, _ANSWERED, _CANCELLED = 0, 1, 2
 
 
 class Reply:
-    """One batch's outcome, set once on its loop; awaited by one task."""
+    """One outcome from another thread (a batch's, or `aclose`'s notice that the thread
+    ended), set once on its loop; awaited by one task."""
 
     __slots__ = ("_asyncio_future_blocking", "_callbacks", "_loop", "_message", "_result", "_state")
 
@@ -86,11 +87,10 @@ class Reply:
         if self._state != _PENDING:
             raise asyncio.InvalidStateError("the batch was answered already")
         self._state, self._result = _ANSWERED, result
-        callbacks, self._callbacks = self._callbacks, []
         if not wake_now or asyncio.current_task(self._loop) is not None:
-            for callback, context in callbacks:
-                self._loop.call_soon(callback, self, context=context)
+            self._wake_next_iteration()
             return
+        callbacks, self._callbacks = self._callbacks, []
         for callback, context in callbacks:
             if context is None:
                 callback(self)
@@ -103,10 +103,14 @@ class Reply:
         if self._state != _PENDING:
             return False
         self._state, self._message = _CANCELLED, msg
+        self._wake_next_iteration()
+        return True
+
+    def _wake_next_iteration(self) -> None:
+        """Schedule the callbacks, as a Future does when it is done."""
         callbacks, self._callbacks = self._callbacks, []
         for callback, context in callbacks:
             self._loop.call_soon(callback, self, context=context)
-        return True
 
     def __await__(self) -> Generator[Reply, None, Any]:
         if self._state == _PENDING:

@@ -100,22 +100,17 @@ class _Job:
         _answer(self.loop, self.future, outcome)
 
 
-def _answer(
-    loop: asyncio.AbstractEventLoop, future: Reply | asyncio.Future[Any], outcome: Any
-) -> None:
+def _answer(loop: asyncio.AbstractEventLoop, future: Reply, outcome: Any) -> None:
     """Resolve `future` with `outcome` on `loop`, from another thread; nothing if that
     loop is closed (nobody waits any more)."""
     with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(_resolve, future, outcome)
 
 
-def _resolve(future: Reply | asyncio.Future[Any], outcome: Any) -> None:
-    if future.done():  # abandoned meanwhile: its task was cancelled
-        return
-    if type(future) is Reply:  # a result wakes its task here, an error next iteration
+def _resolve(future: Reply, outcome: Any) -> None:
+    if not future.done():  # (not abandoned meanwhile: its task cancelled)
+        # a result wakes its task here, an error next iteration (`Reply.set_result`)
         future.set_result(outcome, wake_now=type(outcome) is not _Raised)
-    else:
-        future.set_result(outcome)
 
 
 class WorkerThread(Executor):
@@ -251,7 +246,7 @@ class WorkerThread(Executor):
         if thread is None or thread is threading.current_thread():
             return
         loop = asyncio.get_running_loop()
-        exited: asyncio.Future[None] = loop.create_future()
+        exited = Reply(loop)
 
         def notify() -> None:
             _answer(loop, exited, None)
