@@ -24,15 +24,16 @@ The rules:
 - `length(item)` is the item's cost for length-aware batching: its size along
   axis 0, the largest over its leaves.
 
-The package's private modules check items (`_items`) and add or cut filler rows
-(`_rows`); `TensorProxy`, which uses these tools, sits above them (`_tensor_proxy`).
+The package's private modules check items (`_items`), choose and check pad values
+(`_pad_values`) and add or cut filler rows (`_rows`); `TensorProxy`, which uses these
+tools, sits above them (`_tensor_proxy`). One item alone is stacked without the
+comparisons a batch needs (`_collate_lone`); the tests hold it to the general way.
 
 May import: `_validate`.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -54,6 +55,7 @@ from ._items import (
     _shape,
     _type_name,
 )
+from ._pad_values import check_pad_value, pad_value_for
 
 if TYPE_CHECKING:
     pass
@@ -107,58 +109,6 @@ def validate(items: Sequence[Any]) -> list[Exception | None]:
 
 
 # -- collate ----------------------------------------------------------------------------------
-
-
-def _check_pad_value(value: object, leaf: Any, path: _Path) -> None:
-    """A pad value must be a number that the leaf's dtype holds exactly (integer dtypes),
-    or within its range (floating dtypes; NaN and infinities are fine)."""
-    where = f" for key {path[0]!r}" if path and isinstance(path[0], str) else ""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.number, np.bool_)):
-        raise TypeError(f"pad_value{where} must be a number, got {type(value).__name__} {value!r}")
-    kind: Any = type(value)  # (a key of the cache below: 1, 1.0 and True differ)
-    problem = _pad_value_problem(kind, value, _is_tensor(leaf), leaf.dtype)
-    if problem is not None:
-        raise ValueError(f"pad_value{where} {value!r} {problem}")
-
-
-@functools.lru_cache(maxsize=256)  # one answer per (number, dtype): asked once per batch
-def _pad_value_problem(kind: type, value: Any, tensor: bool, dtype: Any) -> str | None:
-    """Why the number `value` (of type `kind`: 1, 1.0 and True are not one key) does not
-    fit `dtype` (a torch dtype if `tensor`, else a NumPy one), or None if it does."""
-    name = str(dtype).removeprefix("torch.")
-    largest: float | None = None  # a floating dtype's largest finite value
-    if tensor:
-        if dtype.is_complex:
-            return None
-        import torch
-
-        if dtype.is_floating_point:
-            largest = float(torch.finfo(dtype).max)
-    elif np.issubdtype(dtype, np.complexfloating):
-        return None
-    elif np.issubdtype(dtype, np.floating):
-        largest = float(np.finfo(dtype).max)
-    if largest is not None:
-        try:
-            number = float(value)
-            fits = not math.isfinite(number) or abs(number) <= largest
-        except OverflowError:  # an int beyond any float
-            fits = False
-        return None if fits else f"does not fit dtype {name}"
-    if tensor:
-        try:
-            held: object = torch.tensor(value, dtype=dtype).item()
-        except (RuntimeError, OverflowError, ValueError, TypeError):
-            held = None
-    else:
-        try:
-            with np.errstate(invalid="ignore", over="ignore"):  # NaN, inf: refused below
-                held = np.asarray(value).astype(dtype).item()
-        except (OverflowError, ValueError, TypeError):
-            held = None
-    if held is None or held != value:
-        return f"does not fit dtype {name} exactly"
-    return None
 
 
 def _region(own: _Shape, padded: _Shape, side: PaddingSide) -> tuple[slice, ...]:
@@ -315,12 +265,15 @@ def _collate_valid(
 ) -> Collated:
     """`collate` for items `validate` has passed and arguments already checked."""
     first = items[0]
-    paths = [path for path, _ in _leaves(first)]
+    pairs = _leaves(first)
+    paths = [path for path, _ in pairs]
     if isinstance(pad_value, Mapping) and not isinstance(first, Mapping):
         raise TypeError(
             f"a pad_value mapping needs dict items, got {type(first).__name__} items; "
             "pass one number"
         )
+    if _stacks_alone(items):
+        return _collate_lone(first, pairs, pad_value, padding_side)
     if isinstance(first, Mapping):
         keys = [path[0] for path in paths]
         columns = [[item[key] for item in items] for key in keys]
@@ -334,8 +287,8 @@ def _collate_valid(
     any_padding = False
     real = _RealPositions(padding_side)
     for path, leaves in zip(paths, columns, strict=True):
-        value = pad_value.get(str(path[0]), 0) if isinstance(pad_value, Mapping) else pad_value
-        _check_pad_value(value, leaves[0], path)
+        value = pad_value_for(pad_value, path)
+        check_pad_value(value, leaves[0], path)
         column = [_shape(leaf) for leaf in leaves]
         batch, padded, did_pad = _collate_leaf(leaves, column, value, pad_to_multiple_of, real)
         batched.append(batch)
@@ -346,16 +299,9 @@ def _collate_valid(
     sizes = [[shape[0] if shape else 1 for shape in column] for column in shapes]
     lengths = sizes[0] if len(sizes) == 1 else list(map(max, *sizes))
     padded_length = max(shape[0] if shape else 1 for shape in padded_shapes)
-    data: Any
-    if isinstance(first, Mapping):
-        data = {str(path[0]): batch for path, batch in zip(paths, batched, strict=True)}
-    elif isinstance(first, tuple):
-        data = tuple(batched)
-    else:
-        data = batched[0]
     mask = _mask(lengths, padded_length, real, batched[0]) if any_padding else None
     return Collated(
-        data=data,
+        data=_assemble(first, paths, batched),
         lengths=lengths,
         mask=mask,
         padded_length=padded_length,
@@ -364,6 +310,56 @@ def _collate_valid(
         _item_shapes=item_shapes,
         _padded_shapes=tuple(padded_shapes),
     )
+
+
+def _stacks_alone(items: Sequence[Any]) -> bool:
+    """Whether the batch is one item, which nothing pads: its leaves are stacked alone,
+    without comparing shapes. (The tests turn this off to compare the two ways.)"""
+    return len(items) == 1
+
+
+def _collate_lone(
+    item: Any,
+    pairs: list[tuple[_Path, Any]],
+    pad_value: float | int | Mapping[str, float | int],
+    padding_side: PaddingSide,
+) -> Collated:
+    """`_collate_valid` for one item: each leaf gains a batch axis of 1 (a copy, as for a
+    batch of several), nothing is padded, and the pad values are checked all the same."""
+    batched: list[Any] = []
+    shapes: list[_Shape] = []
+    for path, leaf in pairs:
+        check_pad_value(pad_value_for(pad_value, path), leaf, path)
+        shape = _shape(leaf)
+        _check_size(1, shape, leaf)
+        if _is_tensor(leaf):
+            import torch
+
+            batched.append(torch.stack((leaf,)))
+        else:
+            batched.append(np.stack((leaf,)))
+        shapes.append(shape)
+    length = max(shape[0] if shape else 1 for shape in shapes)
+    paths = [path for path, _ in pairs]
+    return Collated(
+        data=_assemble(item, paths, batched),
+        lengths=[length],
+        mask=None,
+        padded_length=length,
+        padding_side=padding_side,
+        _paths=tuple(paths),
+        _item_shapes=(tuple(shapes),),
+        _padded_shapes=tuple(shapes),
+    )
+
+
+def _assemble(first: Any, paths: list[_Path], batched: list[Any]) -> Any:
+    """The batch in the items' structure: `batched[j]` is the leaf at `paths[j]`."""
+    if isinstance(first, Mapping):
+        return {str(path[0]): batch for path, batch in zip(paths, batched, strict=True)}
+    if isinstance(first, tuple):
+        return tuple(batched)
+    return batched[0]
 
 
 # -- split ------------------------------------------------------------------------------------
@@ -404,7 +400,6 @@ def split(outputs: Any, collated: Collated, *, copy: bool = False) -> list[Any]:
 
 
 def _split(node: Any, collated: Collated, path: _Path, count: int, copy: bool) -> list[Any]:
-    where = "outputs" + "".join(f"[{part!r}]" for part in path)
     if node is None:
         return [None] * count
     if _is_leaf(node) or isinstance(node, np.generic):
@@ -412,7 +407,7 @@ def _split(node: Any, collated: Collated, path: _Path, count: int, copy: bool) -
         if not shape or shape[0] != count:
             got = f"shape {shape}" if shape else "a 0-d value"
             raise ValueError(
-                f"{where} must have the batch on axis 0: expected {count} rows "
+                f"{_where(path)} must have the batch on axis 0: expected {count} rows "
                 f"(one per item), got {got}"
             )
         rows = [_unpad(node[index, ...], index, collated, path) for index in range(count)]
@@ -435,9 +430,14 @@ def _split(node: Any, collated: Collated, path: _Path, count: int, copy: bool) -
             return [type(node)(*(column[index] for column in columns)) for index in range(count)]
         return [tuple(column[index] for column in columns) for index in range(count)]
     raise TypeError(
-        f"{where} is a {type(node).__name__}; split takes NumPy arrays, torch tensors, "
+        f"{_where(path)} is a {type(node).__name__}; split takes NumPy arrays, torch tensors, "
         "and dicts, tuples or lists of them"
     )
+
+
+def _where(path: _Path) -> str:
+    """How an error names the output at `path`: `outputs['logits'][0]`."""
+    return "outputs" + "".join(f"[{part!r}]" for part in path)
 
 
 def _unpad(row: Any, index: int, collated: Collated, path: _Path) -> Any:

@@ -16,6 +16,7 @@ import numpy as np
 
 from . import Collated
 from ._items import _is_tensor
+from ._pad_values import pad_value_for
 
 __all__ = ["first_rows", "pad_rows"]
 
@@ -27,7 +28,9 @@ def pad_rows(collated: Collated, size: int, pad_value: Any) -> Collated:
         return collated
     data = collated.data
     if isinstance(data, Mapping):
-        data = {key: _fill(leaf, extra, _value_for(pad_value, key)) for key, leaf in data.items()}
+        data = {
+            key: _fill(leaf, extra, pad_value_for(pad_value, (key,))) for key, leaf in data.items()
+        }
     elif isinstance(data, tuple):
         data = tuple(_fill(leaf, extra, pad_value) for leaf in data)
     else:
@@ -49,10 +52,6 @@ def first_rows(outputs: Any, count: int) -> Any:
         parts = [first_rows(value, count) for value in outputs]
         return type(outputs)(*parts) if hasattr(outputs, "_fields") else tuple(parts)
     return outputs
-
-
-def _value_for(pad_value: Any, key: str) -> Any:
-    return pad_value.get(key, 0) if isinstance(pad_value, Mapping) else pad_value
 
 
 def _fill(leaf: Any, extra: int, value: Any) -> Any:

@@ -306,16 +306,17 @@ def assert_errors_same(got: list[Exception | None], want: list[Exception | None]
 
 @contextlib.contextmanager
 def full_paths() -> Iterator[None]:
-    """Validation by signatures and collation item by item, as before the fast paths:
-    the two checks that choose them answer no. (Not `monkeypatch`: hypothesis runs many
-    examples in one test.)"""
-    alike, fits = _items._alike, tensors._fits_one_copy
+    """Validation by signatures and collation item by item, a lone item as any batch, as
+    before the fast paths: the three checks that choose them answer no. (Not
+    `monkeypatch`: hypothesis runs many examples in one test.)"""
+    alike, fits, alone = _items._alike, tensors._fits_one_copy, tensors._stacks_alone
     _items._alike = lambda items: False
     tensors._fits_one_copy = lambda first, tensor, shapes: False
+    tensors._stacks_alone = lambda items: False
     try:
         yield
     finally:
-        _items._alike, tensors._fits_one_copy = alike, fits
+        _items._alike, tensors._fits_one_copy, tensors._stacks_alone = alike, fits, alone
 
 
 def everything(items: list[Any], options: dict[str, Any]) -> dict[str, Any]:
@@ -363,10 +364,14 @@ def test_full_paths_are_the_other_paths() -> None:
     items = [np.ones(3), np.ones(1)]
     assert _items._alike(items)
     assert tensors._fits_one_copy(items[0], False, [(3,), (1,)])
+    assert tensors._stacks_alone(items[:1])
     with full_paths():
         assert not _items._alike(items)
         assert not tensors._fits_one_copy(items[0], False, [(3,), (1,)])
+        assert not tensors._stacks_alone(items[:1])
     assert _items._alike(items)
+    assert tensors._stacks_alone(items[:1])
+    assert not tensors._stacks_alone(items)
 
 
 # -- the property -------------------------------------------------------------------------------
@@ -440,6 +445,44 @@ def test_ragged_axis_0_is_collated_in_one_copy(monkeypatch: pytest.MonkeyPatch) 
     assert len(calls) == 2
     tensors.collate([torch.ones(3, device="meta"), torch.ones(1, device="meta")])
     assert len(calls) == 4
+
+
+def lone_items() -> list[Any]:
+    """One item of each kind, NumPy and (when installed) torch."""
+    found: list[Any] = [np.arange(6).reshape(3, 2), (np.ones(4), np.zeros(())), {"ids": np.ones(5)}]
+    if torch is not None:
+        found += [torch.arange(3), {"ids": torch.ones(5, dtype=torch.int64), "m": torch.ones(5)}]
+    return found
+
+
+def test_a_lone_item_is_stacked_without_comparing_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One item skips the batch's leaf-by-leaf collation, yet its batch is a copy: the
+    model writing into it leaves the caller's item as it was."""
+
+    def no_batch(*args: object) -> Any:
+        raise AssertionError("the batch's collation ran")
+
+    monkeypatch.setattr(tensors, "_collate_leaf", no_batch)
+    for item in lone_items():
+        before = [leaf.clone() if is_tensor(leaf) else leaf.copy() for leaf in leaves_of(item)]
+        collated = tensors.collate([item], pad_value=3)
+        assert [tuple(leaf.shape) for leaf in leaves_of(collated.data)] == [
+            (1, *leaf.shape) for leaf in before
+        ]
+        for leaf in leaves_of(collated.data):
+            leaf[...] = 7  # the model writes into its batch
+        for leaf, was in zip(leaves_of(item), before, strict=True):
+            np.testing.assert_array_equal(np.asarray(leaf), np.asarray(was))
+    with pytest.raises(AssertionError, match="collation ran"):
+        tensors.collate([np.ones(2), np.ones(2)])
+    with pytest.raises(ValueError, match="pad_value 300 does not fit dtype uint8"):
+        tensors.collate([np.ones(2, dtype=np.uint8)], pad_value=300)  # checked, unused
+
+
+def leaves_of(structure: Any) -> list[Any]:
+    if isinstance(structure, dict):
+        return list(structure.values())
+    return list(structure) if isinstance(structure, tuple) else [structure]
 
 
 def test_torch_is_still_never_imported() -> None:
