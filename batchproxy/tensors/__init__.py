@@ -38,7 +38,7 @@ import math
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -56,9 +56,6 @@ from ._items import (
     _type_name,
 )
 from ._pad_values import check_pad_value, pad_value_for
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["Collated", "PaddingSide", "collate", "length", "split", "validate"]
 
@@ -132,11 +129,7 @@ def _collate_leaf(
     reference = shapes[0]
     if all(shape == reference for shape in shapes):
         _check_size(len(leaves), reference, first)
-        if tensor:
-            import torch
-
-            return torch.stack(leaves), reference, False
-        return np.stack(leaves), reference, False
+        return _stacked(leaves), reference, False
     padded: list[int] = []
     for axis in range(len(reference)):
         sizes = {shape[axis] for shape in shapes}
@@ -168,6 +161,15 @@ def _collate_leaf(
         where = (index, *_region(shape, target, real.side))
         batch[where] = leaf
     return batch, target, True
+
+
+def _stacked(leaves: list[Any]) -> Any:
+    """Same-shape leaves on a new batch axis (a copy), in their own library."""
+    if _is_tensor(leaves[0]):
+        import torch
+
+        return torch.stack(leaves)
+    return np.stack(leaves)
 
 
 def _fits_one_copy(first: Any, tensor: bool, shapes: list[_Shape]) -> bool:
@@ -332,12 +334,7 @@ def _collate_lone(
         check_pad_value(pad_value_for(pad_value, path), leaf, path)
         shape = _shape(leaf)
         _check_size(1, shape, leaf)
-        if _is_tensor(leaf):
-            import torch
-
-            batched.append(torch.stack((leaf,)))
-        else:
-            batched.append(np.stack((leaf,)))
+        batched.append(_stacked([leaf]))
         shapes.append(shape)
     length = max(shape[0] if shape else 1 for shape in shapes)
     paths = [path for path, _ in pairs]
