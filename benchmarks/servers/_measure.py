@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,13 @@ from benchmarks.servers._stacks import (
 class StackService(Service):
     """A stack's server (`demo.Service`: the `PORT n` line, stdin held open), leading a
     process group of its own, its stderr in benchmarks/servers/.logs/<stack>.log; ready
-    once it answers a real request (the model loaded, the workers up)."""
+    once it has answered real requests for `ready_for` seconds in a row, each on a new
+    connection, all 200 (the model loaded, every worker up: with several workers a
+    connection reaches any one of them, and one answer says only that one is up; a
+    worker still loading answers 503, and the clients of a run that began then would
+    fail)."""
+
+    ready_for = 1.0
 
     def __init__(self, stack: Stack, python: Path, model: str = MODELS[0]) -> None:
         LOGS.mkdir(parents=True, exist_ok=True)
@@ -44,6 +51,14 @@ class StackService(Service):
         self.path = stack.path
 
     def is_ready(self) -> bool:
+        until = time.monotonic() + self.ready_for
+        while self._answers():
+            if time.monotonic() >= until:
+                return True
+        return False
+
+    def _answers(self) -> bool:
+        """One request, on a connection of its own: answered 200?"""
         try:
             answer = httpx.post(f"{self.base_url}{self.path}", json={"text": "Ready?"}, timeout=10)
         except httpx.TransportError:

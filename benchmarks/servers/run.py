@@ -30,14 +30,16 @@ to all of them (host and floor2 included) and whose results are `servers-gpu-sim
 
 The load: one aiohttp client process (`_harness.clients.Clients`, the load generator
 every HTTP benchmark shares) running a closed loop: at each level (1, 8, 32 and 150
-clients), every client sends its next sentence as soon as its last one is answered, for SECONDS; the
-sentences are seeded word salad of 5 to 60 words. Per level: throughput (answers in
-the time), p50 and p99 latency. Each stack is started, warmed up, checked (CHECK_TEXTS
-sentences sent at once: every vector must equal the sentence run alone, unpadded, in
-process, within TOLERANCE), measured at every level and stopped, one stack at a time;
-ROUNDS rounds, the stacks' order reversed every other round. A row is the median over
-the rounds with their min and max, its throughput as a fraction of the ceiling's and of
-the floor's at the same level. The targets of issue 30 are checked, not asserted.
+clients), every client sends its next sentence as soon as its last one is answered, for
+SECONDS; the sentences are seeded word salad of 5 to 60 words. Per level: throughput
+(answers in the time), p50 and p99 latency. Each stack is started (ready once every
+request for a second, each on a new connection, was answered: every web worker up),
+warmed up, checked (CHECK_TEXTS sentences sent at once: every vector must equal the
+sentence run alone, unpadded, in process, within TOLERANCE), measured at every level and
+stopped, one stack at a time; ROUNDS rounds, the stacks' order reversed every other
+round. A row is the median over the rounds with their min and max, its throughput as a
+fraction of the ceiling's and of the floor's at the same level. The targets of issue 30
+are checked, not asserted.
 
 Written: `benchmarks/results/servers.json` and `servers.png` (`--quick`: levels 1 and
 8, one short round, `servers-quick.{json,png}`, git-ignored; gpu-sim:

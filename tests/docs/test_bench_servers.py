@@ -10,7 +10,7 @@ import importlib
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
@@ -95,6 +95,38 @@ def test_the_floor_answers_a_vector_and_stops_with_its_group(
         service.stop()
     assert service.process is not None
     assert service.process.poll() is not None
+
+
+def test_a_stack_is_ready_once_every_answer_for_a_while_was_200(
+    run: ModuleType, measure: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One worker up while another still loads (503) is not ready: the first 200 is not
+    enough, nor a streak that a 503 or a refused connection breaks."""
+    statuses: list[int | None] = []
+    clock = [0.0]  # each request takes 10 ms of it
+
+    def post(url: str, **kwargs: object) -> httpx.Response:
+        clock[0] += 0.01
+        status = statuses.pop(0) if statuses else 200
+        if status is None:
+            raise httpx.ConnectError("refused")
+        return httpx.Response(status)
+
+    monkeypatch.setattr(measure.httpx, "post", post)
+    monkeypatch.setattr(measure, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    service = measure.StackService(run.STACKS["floor2"], Path(sys.executable))
+    service.base_url = "http://127.0.0.1:1"
+    service.ready_for = 0.055  # 6 requests
+    statuses[:] = [200, 200, 503]
+    assert not service.is_ready()
+    statuses[:] = [200, None]
+    assert not service.is_ready()
+    statuses[:] = [503]
+    assert not service.is_ready()
+    before = clock[0]
+    assert service.is_ready()  # 200s only, for ready_for
+    assert statuses == []
+    assert clock[0] - before == pytest.approx(0.06)
 
 
 def test_gpu_sim_is_a_model_with_its_own_results_and_every_stack(run: ModuleType) -> None:
