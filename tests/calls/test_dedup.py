@@ -11,7 +11,7 @@ import threading
 from typing import Any
 
 import pytest
-from _support import RaisingListener, Recorder, assert_settled
+from _support import RaisingListener, Recorder, assert_settled, wait_for
 
 import batchproxy
 from batchproxy import Dedup
@@ -482,6 +482,10 @@ def test_calls_from_threads_join_a_running_slot() -> None:
         futures = [p.submit("x")]
         assert started.wait(10)
         futures += [p.submit("x") for _ in range(2)]
+        # a thread's call reaches the proxy on its loop, later than submit() returns: the
+        # model answers only once both have joined (had its answer come first, they
+        # would rightly make a new slot: "joins while in flight")
+        wait_for(lambda: p.stats.deduplicated == 2)
         release.set()
         assert [f.result(timeout=10) for f in futures] == ["X"] * 3
         assert batches == [["x"]]
