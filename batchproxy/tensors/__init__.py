@@ -268,7 +268,6 @@ def _collate_valid(
     """`collate` for items `validate` has passed and arguments already checked."""
     first = items[0]
     pairs = _leaves(first)
-    paths = [path for path, _ in pairs]
     if isinstance(pad_value, Mapping) and not isinstance(first, Mapping):
         raise TypeError(
             f"a pad_value mapping needs dict items, got {type(first).__name__} items; "
@@ -276,6 +275,7 @@ def _collate_valid(
         )
     if _stacks_alone(items):
         return _collate_lone(first, pairs, pad_value, padding_side)
+    paths = [path for path, _ in pairs]
     if isinstance(first, Mapping):
         keys = [path[0] for path in paths]
         columns = [[item[key] for item in items] for key in keys]
