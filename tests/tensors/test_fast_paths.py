@@ -486,6 +486,10 @@ def test_a_lone_item_is_stacked_without_comparing_shapes(monkeypatch: pytest.Mon
         raise AssertionError("the batch's collation ran")
 
     monkeypatch.setattr(tensors, "_collate_leaf", no_batch)
+
+    def leaves_of(structure: Any) -> list[Any]:
+        return [leaf for _, leaf in _items._leaves(structure)]
+
     for item in lone_items():
         before = [leaf.clone() if is_tensor(leaf) else leaf.copy() for leaf in leaves_of(item)]
         collated = tensors.collate([item], pad_value=3)
@@ -500,12 +504,6 @@ def test_a_lone_item_is_stacked_without_comparing_shapes(monkeypatch: pytest.Mon
         tensors.collate([np.ones(2), np.ones(2)])
     with pytest.raises(ValueError, match="pad_value 300 does not fit dtype uint8"):
         tensors.collate([np.ones(2, dtype=np.uint8)], pad_value=300)  # checked, unused
-
-
-def leaves_of(structure: Any) -> list[Any]:
-    if isinstance(structure, dict):
-        return list(structure.values())
-    return list(structure) if isinstance(structure, tuple) else [structure]
 
 
 def test_torch_is_still_never_imported() -> None:
